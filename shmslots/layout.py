@@ -1,0 +1,262 @@
+"""Byte layout of a table segment: every offset, computed once, in one place.
+
+::
+
+    0     ┌──────────────────────────────────────────────────────────────┐
+          │ HEADER        256 B   magic, version, sizes, region offsets   │
+    256   ├──────────────────────────────────────────────────────────────┤
+          │ SYNC          4 x 64 B, one word family per cache line:       │
+          │               ring head │ ring tail │ publish seq + waiting   │
+          │               │ release seq + waiting                        │
+    512   ├──────────────────────────────────────────────────────────────┤
+          │ COUNTERS      64 x u64 (claims, publishes, … see COUNTERS)    │
+    1024  ├──────────────────────────────────────────────────────────────┤
+          │ SCHEMA        msgpack field list, padded to 64 B              │
+          ├──────────────────────────────────────────────────────────────┤
+          │ REGISTRY      capacity x 128 B, one entry per participant     │
+          ├──────────────────────────────────────────────────────────────┤
+          │ BITMAP        ⌈slots/64⌉ x u64: bit i set ⇔ slot i owned      │
+          ├──────────────────────────────────────────────────────────────┤
+          │ SLOT STATES   slots x 64 B: state word, tag, stamp,           │
+          │               queue position, deliveries                     │
+          ├──────────────────────────────────────────────────────────────┤
+          │ READY RING    ring_capacity x u64 cells (position, slot)      │
+          ├──────────────────────────────────────────────────────────────┤ page aligned
+          │ ROWS          slots x row_size: 16 B row header (generation,  │
+          │               checksum) + fields (schema.py)                 │
+          └──────────────────────────────────────────────────────────────┘
+
+Everything is little-endian.  Regions start on 64-byte cache lines so that
+unrelated words never share a line; SYNC words of different roles sit on
+separate lines for the same reason.  `Layout.read` is the validator: a
+segment whose stored offsets differ from the ones recomputed from its sizes
+is refused, so no later access can fall outside the mapping.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .errors import CorruptTable, IncompatibleTable
+
+MAGIC = b"SHMSLOTS"
+VERSION = 1
+CACHE_LINE = 64
+PAGE = 4096
+
+HEADER_SIZE = 256
+# name, struct code; the order is the byte order in the header.
+_HEADER_FIELDS = (
+    ("magic", "8s"),
+    ("version", "I"),
+    ("header_size", "I"),
+    ("total_size", "Q"),
+    ("creator_uid", "I"),
+    ("creator_pid", "I"),
+    ("created_ns", "Q"),
+    ("slots", "I"),
+    ("row_size", "I"),
+    ("registry_capacity", "I"),
+    ("ring_capacity", "I"),
+    ("flags", "I"),
+    ("schema_len", "I"),
+    ("max_hold_ns", "Q"),
+    ("sync", "Q"),
+    ("counters", "Q"),
+    ("schema", "Q"),
+    ("registry", "Q"),
+    ("bitmap", "Q"),
+    ("slot_states", "Q"),
+    ("ring", "Q"),
+    ("rows", "Q"),
+)
+HEADER = struct.Struct("<" + "".join(code for _, code in _HEADER_FIELDS))
+assert HEADER.size <= HEADER_SIZE
+
+FLAG_STRICT = 1
+FLAG_DROP_ON_CONSUMER_DEATH = 2
+
+# SYNC region: word offsets relative to the region start.
+SYNC_SIZE = 4 * CACHE_LINE
+RING_HEAD = 0
+RING_TAIL = CACHE_LINE
+PUBLISH_SEQ = 2 * CACHE_LINE  # u32 futex word, bumped when a slot becomes READY
+READERS_WAITING = 2 * CACHE_LINE + 8
+RELEASE_SEQ = 3 * CACHE_LINE  # u32 futex word, bumped when a slot becomes FREE
+CLAIMERS_WAITING = 3 * CACHE_LINE + 8
+
+COUNTERS = (
+    "claims",
+    "reserves",
+    "publishes",
+    "takes",
+    "releases",
+    "aborts",
+    "cancels",
+    "leaked_views",
+    "reclaimed_writing",
+    "reclaimed_reserved",
+    "reclaimed_held_dropped",
+    "redelivered",
+    "participants_reaped",
+)
+COUNTERS_SIZE = 64 * 8
+COUNTER_OFFSET = {name: i * 8 for i, name in enumerate(COUNTERS)}
+
+# REGISTRY entry (relative to the entry start).
+REGISTRY_ENTRY = 128
+REG_STATE = 0  # u64: 0 free, 1 active
+REG_PID = 8  # u32
+REG_START_TICKS = 16  # u64: process start time, clock ticks since boot
+REG_ATTACH_NS = 24  # u64: wall clock
+REG_LAST_SEEN_NS = 32  # u64: wall clock
+REG_ROLE = 40  # 16 bytes, utf-8, NUL padded
+REG_NAME = 56  # 32 bytes
+ROLE_LEN = 16
+NAME_LEN = 32
+MAX_PARTICIPANTS = 0xFFFE  # owner ids are 16 bits, 0 means nobody
+
+# SLOT STATES entry (relative to the entry start).
+SLOT_ENTRY = 64
+SLOT_WORD = 0  # u64 state word, see states.py
+SLOT_TAG = 8  # u64 request tag
+SLOT_STAMP = 16  # u64 CLOCK_MONOTONIC ns of the last transition
+SLOT_QUEUE_POS = 24  # u64 ready-ring position of the current publication
+SLOT_DELIVERIES = 32  # u64 times handed to a consumer after a consumer died
+NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
+
+# ROW header (relative to the row start); fields follow (schema.py).
+ROW_GENERATION = 0  # u64 generation the row was published under
+ROW_CHECKSUM = 8  # u32 crc32 of the payload
+
+MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Absolute offsets and sizes of every region of one table."""
+
+    slots: int
+    row_size: int
+    registry_capacity: int
+    ring_capacity: int
+    schema_len: int
+    sync: int
+    counters: int
+    schema: int
+    registry: int
+    bitmap: int
+    slot_states: int
+    ring: int
+    rows: int
+    total_size: int
+
+    @property
+    def bitmap_words(self) -> int:
+        return (self.slots + 63) // 64
+
+    @classmethod
+    def compute(cls, slots: int, row_size: int, registry_capacity: int, schema_len: int) -> Layout:
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
+        if not 1 <= registry_capacity <= MAX_PARTICIPANTS:
+            raise ValueError(f"participants must be in 1..{MAX_PARTICIPANTS}")
+        ring_capacity = 2 * slots
+        sync = HEADER_SIZE
+        counters = sync + SYNC_SIZE
+        schema = counters + COUNTERS_SIZE
+        registry = _align(schema + schema_len, CACHE_LINE)
+        bitmap = registry + registry_capacity * REGISTRY_ENTRY
+        slot_states = _align(bitmap + 8 * ((slots + 63) // 64), CACHE_LINE)
+        ring = slot_states + slots * SLOT_ENTRY
+        rows = _align(ring + 8 * ring_capacity, PAGE)
+        total = _align(rows + slots * row_size, PAGE)
+        return cls(
+            slots, row_size, registry_capacity, ring_capacity, schema_len,
+            sync, counters, schema, registry, bitmap, slot_states, ring, rows, total,
+        )  # fmt: skip
+
+    def slot_entry(self, slot: int) -> int:
+        return self.slot_states + slot * SLOT_ENTRY
+
+    def row(self, slot: int) -> int:
+        return self.rows + slot * self.row_size
+
+    def registry_entry(self, index: int) -> int:
+        return self.registry + index * REGISTRY_ENTRY
+
+    def pack_header(
+        self, *, uid: int, pid: int, created_ns: int, flags: int, max_hold_ns: int, magic: bytes
+    ) -> bytes:
+        return HEADER.pack(
+            magic, VERSION, HEADER_SIZE, self.total_size, uid, pid, created_ns,
+            self.slots, self.row_size, self.registry_capacity, self.ring_capacity, flags,
+            self.schema_len, max_hold_ns, self.sync, self.counters, self.schema, self.registry,
+            self.bitmap, self.slot_states, self.ring, self.rows,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Header:
+    """The decoded, validated header of a segment."""
+
+    version: int
+    creator_uid: int
+    creator_pid: int
+    created_ns: int
+    flags: int
+    max_hold_ns: int
+    layout: Layout
+
+
+def read_header(raw: bytes, segment_size: int) -> Header:
+    """Decode and validate a header; refuse anything inconsistent with a clear error."""
+    if len(raw) < HEADER.size or segment_size < HEADER_SIZE:
+        raise IncompatibleTable(f"segment of {segment_size} bytes is too small for a header")
+    values = dict(zip((name for name, _ in _HEADER_FIELDS), HEADER.unpack_from(raw), strict=True))
+    if values["magic"] != MAGIC:
+        raise IncompatibleTable(f"not a shmslots table (magic {values['magic']!r})")
+    if values["version"] != VERSION:
+        raise IncompatibleTable(
+            f"table format version {values['version']}, this shmslots reads version {VERSION}"
+        )
+    if values["header_size"] != HEADER_SIZE:
+        raise CorruptTable(f"header size {values['header_size']}, expected {HEADER_SIZE}")
+    if values["total_size"] != segment_size:
+        raise CorruptTable(
+            f"header says {values['total_size']} bytes, segment has {segment_size} (truncated?)"
+        )
+    try:
+        layout = Layout.compute(
+            values["slots"], values["row_size"], values["registry_capacity"], values["schema_len"]
+        )
+    except ValueError as exc:
+        raise CorruptTable(f"impossible sizes in header: {exc}") from None
+    for region in (
+        "sync",
+        "counters",
+        "schema",
+        "registry",
+        "bitmap",
+        "slot_states",
+        "ring",
+        "rows",
+    ):
+        if values[region] != getattr(layout, region):
+            raise CorruptTable(
+                f"{region} offset {values[region]} does not match the layout "
+                f"({getattr(layout, region)})"
+            )
+    if values["ring_capacity"] != layout.ring_capacity or layout.total_size != segment_size:
+        raise CorruptTable("ring capacity or total size does not match the layout")
+    if values["row_size"] % 64 or values["row_size"] < 64:
+        raise CorruptTable(f"row size {values['row_size']} is not a positive multiple of 64")
+    return Header(
+        values["version"], values["creator_uid"], values["creator_pid"], values["created_ns"],
+        values["flags"], values["max_hold_ns"], layout,
+    )  # fmt: skip

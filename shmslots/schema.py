@@ -1,0 +1,148 @@
+"""Typed row schema: fields, their dtypes and shapes, and where they sit in a row.
+
+The schema is stored in the segment as msgpack, so any process (and the CLI)
+can decode rows knowing only the table's name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from .errors import SchemaError
+
+DTYPES: dict[str, torch.dtype] = {
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+ROW_HEADER_SIZE = 16  # generation u64, checksum u32, pad u32 — see layout.py
+FIELD_ALIGN = 16
+ROW_ALIGN = 64
+MAX_DIMS = 4
+MAX_ROW_SIZE = 64 * 1024 * 1024
+MAX_FIELDS = 64
+MAX_NAME = 64
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named, fixed-shape tensor in every row."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise SchemaError(f"field name {self.name!r} must be a Python identifier")
+        if len(self.name) > MAX_NAME:
+            raise SchemaError(f"field name {self.name!r} is longer than {MAX_NAME}")
+        if self.dtype not in DTYPES:
+            raise SchemaError(
+                f"field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPES)}"
+            )
+        shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else None
+        if (
+            shape is None
+            or len(shape) > MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        ):
+            raise SchemaError(
+                f"field {self.name!r}: shape {self.shape!r} must be up to {MAX_DIMS} positive ints"
+            )
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FieldSlot:
+    """Where a field lives inside a row."""
+
+    field: Field
+    offset: int  # from the start of the row
+
+
+class RowSchema:
+    """An ordered set of fields laid out in a fixed-size, aligned row.
+
+    Row = 16-byte header (published generation, payload checksum) + fields,
+    each at a 16-byte aligned offset; the row size is a multiple of 64 bytes.
+    """
+
+    def __init__(self, fields: list[Field] | tuple[Field, ...]) -> None:
+        if not fields:
+            raise SchemaError("a schema needs at least one field")
+        if len(fields) > MAX_FIELDS:
+            raise SchemaError(f"a schema has at most {MAX_FIELDS} fields, got {len(fields)}")
+        if not all(isinstance(f, Field) for f in fields):
+            raise SchemaError("fields must be shmslots.Field instances")
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"duplicate field names in {names}")
+        self.fields = tuple(fields)
+        offset = ROW_HEADER_SIZE
+        slots: dict[str, FieldSlot] = {}
+        for f in self.fields:
+            offset = _round_up(offset, FIELD_ALIGN)
+            slots[f.name] = FieldSlot(f, offset)
+            offset += f.nbytes
+        self.row_size = _round_up(offset, ROW_ALIGN)
+        if self.row_size > MAX_ROW_SIZE:
+            raise SchemaError(f"row of {self.row_size} bytes exceeds the {MAX_ROW_SIZE} limit")
+        self.slots = slots
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowSchema) and self.fields == other.fields
+
+    def __hash__(self) -> int:
+        return hash(self.fields)
+
+    def __repr__(self) -> str:
+        return f"RowSchema({list(self.fields)!r})"
+
+    def encode(self) -> bytes:
+        blob: bytes = msgpack.packb(
+            {"v": 1, "fields": [[f.name, f.dtype, list(f.shape)] for f in self.fields]}
+        )
+        return blob
+
+    @classmethod
+    def decode(cls, blob: bytes) -> RowSchema:
+        """Parse a stored schema; anything malformed is a SchemaError, never a crash."""
+        try:
+            doc: Any = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_bin_len=0)
+        except Exception as exc:
+            raise SchemaError(f"schema blob is not valid msgpack: {exc}") from None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("v") != 1
+            or not isinstance(doc.get("fields"), list)
+        ):
+            raise SchemaError("schema blob has no version-1 field list")
+        fields = []
+        for entry in doc["fields"]:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)):
+                raise SchemaError(f"schema entry {entry!r} is not [name, dtype, shape]")
+            fields.append(Field(entry[0], entry[1], tuple(entry[2])))
+        return cls(fields)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align

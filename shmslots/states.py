@@ -1,0 +1,125 @@
+"""The slot state machine: the one place that says which transition is legal.
+
+A slot's state lives in one 64-bit word, changed only by compare-and-swap::
+
+    bits 63..32  generation  (bumped each time the slot returns to FREE)
+    bits 31..16  owner       (participant index + 1; 0 = nobody)
+    bits 15..0   state
+
+The owner of a word is the only process allowed to move it on, except a
+reaper acting for a dead owner.  Ownership-bitmap rule (see table.py): a
+slot's bit is set by its owner *after* leaving FREE and cleared by its owner
+*before* returning to FREE, so the bit only ever changes under ownership and
+a FREE slot never has its bit set.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from .errors import OwnershipError
+
+
+class State(IntEnum):
+    FREE = 0
+    RESERVED = 1  # a consumer booked the slot; a producer may open it for writing
+    WRITING = 2  # a producer is filling the row
+    READY = 3  # published, queued, ownerless
+    HELD = 4  # a consumer holds a lease
+    RECLAIMING = 5  # a reaper is returning a dead owner's slot to FREE
+    REDELIVERING = 6  # a reaper is re-queueing a dead consumer's slot
+
+
+class Event(IntEnum):
+    CLAIM = 0
+    RESERVE = 1
+    OPEN_RESERVED = 2
+    PUBLISH = 3
+    TAKE = 4
+    RELEASE = 5
+    ABORT = 6
+    RECLAIM = 7
+    REDELIVER = 8
+    FINISH = 9  # a reaper completes RECLAIMING -> FREE or REDELIVERING -> READY
+
+
+# (state, event) -> next state.  Absent pairs are illegal.
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.FREE, Event.CLAIM): State.WRITING,
+    (State.FREE, Event.RESERVE): State.RESERVED,
+    (State.RESERVED, Event.OPEN_RESERVED): State.WRITING,
+    (State.RESERVED, Event.ABORT): State.FREE,
+    (State.WRITING, Event.PUBLISH): State.READY,
+    (State.WRITING, Event.ABORT): State.FREE,
+    (State.READY, Event.TAKE): State.HELD,
+    (State.HELD, Event.RELEASE): State.FREE,
+    (State.HELD, Event.ABORT): State.FREE,
+    (State.RESERVED, Event.RECLAIM): State.RECLAIMING,
+    (State.WRITING, Event.RECLAIM): State.RECLAIMING,
+    (State.HELD, Event.RECLAIM): State.RECLAIMING,
+    (State.RECLAIMING, Event.RECLAIM): State.RECLAIMING,
+    (State.HELD, Event.REDELIVER): State.REDELIVERING,
+    (State.REDELIVERING, Event.REDELIVER): State.REDELIVERING,
+    (State.RECLAIMING, Event.FINISH): State.FREE,
+    (State.REDELIVERING, Event.FINISH): State.READY,
+}
+
+# States in which the slot belongs to a participant (named in the word).
+OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING, State.REDELIVERING})
+# Events by which a participant takes a slot that nobody owns (FREE or READY).
+_ACQUIRING = frozenset({Event.CLAIM, Event.RESERVE, Event.TAKE})
+# Events by which one participant takes over a slot owned by another one.
+_TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER})
+
+_STATE_MASK = 0xFFFF
+_OWNER_SHIFT = 16
+_OWNER_MASK = 0xFFFF
+_GEN_SHIFT = 32
+GEN_MASK = 0xFFFF_FFFF
+
+
+def pack(generation: int, owner: int, state: State) -> int:
+    return ((generation & GEN_MASK) << _GEN_SHIFT) | (owner << _OWNER_SHIFT) | state
+
+
+def state_of(word: int) -> State:
+    return State(word & _STATE_MASK)
+
+
+def owner_of(word: int) -> int:
+    return (word >> _OWNER_SHIFT) & _OWNER_MASK
+
+
+def generation_of(word: int) -> int:
+    return word >> _GEN_SHIFT
+
+
+# The same table with plain ints: enum construction costs more than a CAS.
+_NEXT = {(int(s), int(e)): int(t) for (s, e), t in TRANSITIONS.items()}
+_OWNER_CHECKED = frozenset(int(e) for e in Event) - _ACQUIRING - _TAKEOVER
+
+
+def next_word(word: int, event: int, actor: int) -> int:
+    """The word after `actor` (an owner id) applies `event` to `word`, or OwnershipError.
+
+    Returning to FREE bumps the generation, so every stale handle to the
+    previous occupant (lease, write slot, reservation, queue entry) is refused.
+    """
+    state = word & _STATE_MASK
+    target = _NEXT.get((state, event))
+    if target is None:
+        raise OwnershipError(
+            f"cannot {Event(event).name.lower()} a slot that is {State(state).name}"
+        )
+    if event in _OWNER_CHECKED and (word >> _OWNER_SHIFT) & _OWNER_MASK != actor:
+        owner = (word >> _OWNER_SHIFT) & _OWNER_MASK
+        raise OwnershipError(
+            f"cannot {Event(event).name.lower()} a {State(state).name} slot "
+            f"owned by participant {owner - 1}"
+        )
+    generation = word >> _GEN_SHIFT
+    if target == State.FREE:
+        return ((generation + 1) & GEN_MASK) << _GEN_SHIFT
+    if target == State.READY:
+        return (generation << _GEN_SHIFT) | target
+    return (generation << _GEN_SHIFT) | (actor << _OWNER_SHIFT) | target
