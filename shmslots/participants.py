@@ -1,0 +1,154 @@
+"""The participant registry: who is attached, and whether they are still alive.
+
+Each participant holds an OFD (open-file-description) write lock on one byte
+of the segment, the byte numbered by its registry index.  The kernel drops the
+lock when the process dies, however it dies, so liveness never trusts a pid
+number: a dead owner whose pid was reused is still seen dead.  The pid and the
+process start time are recorded for people (the CLI), not for decisions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+from . import layout as L
+from ._atomic import AtomicView
+from .errors import RegistryFull
+
+FREE = 0
+ACTIVE = 1
+
+_FLOCK = struct.Struct("hhqqixxxx")  # struct flock on Linux x86-64/aarch64: 32 bytes
+
+
+def _lock_request(kind: int, index: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
+
+
+def process_start_ticks(pid: int) -> int:
+    """Start time of `pid` in clock ticks since boot (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+@dataclass(frozen=True)
+class Participant:
+    index: int
+    pid: int
+    start_ticks: int
+    attach_ns: int
+    last_seen_ns: int
+    role: str
+    name: str
+    alive: bool
+
+
+class Registry:
+    """Registry entries plus the byte locks that prove their holders alive."""
+
+    def __init__(self, atomics: AtomicView, mm: memoryview, lay: L.Layout, fd: int) -> None:
+        self._a = atomics
+        self._mv = mm
+        self._layout = lay
+        self._fd = fd
+
+    def try_lock(self, index: int) -> bool:
+        """Take the liveness lock of entry `index` without waiting."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, index))
+        except OSError:
+            return False
+        return True
+
+    def unlock(self, index: int) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_UNLCK, index))
+
+    def lock_is_held(self, index: int) -> bool:
+        """Whether another open file description holds entry `index`'s lock."""
+        reply = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, index))
+        kind: int = _FLOCK.unpack(reply)[0]
+        return kind != fcntl.F_UNLCK
+
+    def is_active(self, index: int) -> bool:
+        return self._a.load(self._layout.registry_entry(index) + L.REG_STATE) == ACTIVE
+
+    def register(self, role: str, name: str) -> tuple[int, bool]:
+        """Lock a free entry and fill it; returns (index, previous holder died there).
+
+        The lock is taken before the entry is marked ACTIVE, so an ACTIVE
+        entry whose lock nobody holds is always a dead participant.
+        """
+        for index in range(self._layout.registry_capacity):
+            if not self.try_lock(index):
+                continue
+            died_here = self.is_active(index)
+            self._fill(index, role, name)
+            return index, died_here
+        raise RegistryFull(
+            f"all {self._layout.registry_capacity} participant entries are held by live "
+            "processes; close unused tables or create the table with more participants"
+        )
+
+    def _fill(self, index: int, role: str, name: str) -> None:
+        base = self._layout.registry_entry(index)
+        pid = os.getpid()
+        now = time.time_ns()
+        struct.pack_into("<I", self._mv, base + L.REG_PID, pid)
+        struct.pack_into("<Q", self._mv, base + L.REG_START_TICKS, process_start_ticks(pid))
+        struct.pack_into("<QQ", self._mv, base + L.REG_ATTACH_NS, now, now)
+        struct.pack_into(f"{L.ROLE_LEN}s", self._mv, base + L.REG_ROLE, _fit(role, L.ROLE_LEN))
+        struct.pack_into(f"{L.NAME_LEN}s", self._mv, base + L.REG_NAME, _fit(name, L.NAME_LEN))
+        self._a.store(base + L.REG_STATE, ACTIVE)
+
+    def touch(self, index: int) -> None:
+        self._a.store(self._layout.registry_entry(index) + L.REG_LAST_SEEN_NS, time.time_ns())
+
+    def mark_free(self, index: int) -> None:
+        self._a.store(self._layout.registry_entry(index) + L.REG_STATE, FREE)
+
+    def deregister(self, index: int) -> None:
+        """Mark the entry free, then drop its lock (the order keeps ACTIVE ⇒ locked-or-dead)."""
+        self.mark_free(index)
+        self.unlock(index)
+
+    def dead_entries(self, own_index: int) -> list[int]:
+        """ACTIVE entries whose holder is gone (a lock nobody holds)."""
+        return [
+            i
+            for i in range(self._layout.registry_capacity)
+            if i != own_index and self.is_active(i) and not self.lock_is_held(i)
+        ]
+
+    def describe(self, index: int, own_index: int) -> Participant:
+        base = self._layout.registry_entry(index)
+        (pid,) = struct.unpack_from("<I", self._mv, base + L.REG_PID)
+        start, attach, seen = struct.unpack_from("<QQQ", self._mv, base + L.REG_START_TICKS)
+        role = bytes(self._mv[base + L.REG_ROLE : base + L.REG_ROLE + L.ROLE_LEN])
+        name = bytes(self._mv[base + L.REG_NAME : base + L.REG_NAME + L.NAME_LEN])
+        alive = index == own_index or self.lock_is_held(index)
+        return Participant(index, pid, start, attach, seen, _text(role), _text(name), alive)
+
+    def participants(self, own_index: int) -> list[Participant]:
+        return [
+            self.describe(i, own_index)
+            for i in range(self._layout.registry_capacity)
+            if self.is_active(i)
+        ]
+
+
+def _fit(text: str, size: int) -> bytes:
+    raw = text.encode("utf-8")[:size]
+    return raw.decode("utf-8", "ignore").encode("utf-8")
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")

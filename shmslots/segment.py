@@ -1,0 +1,138 @@
+"""A named POSIX shared-memory object, mapped: create, open, close, unlink.
+
+posix_ipc is used instead of multiprocessing.shared_memory so that Python's
+resource_tracker never sees the segment: it can neither unlink a table that
+another process created nor warn about one at exit.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+
+import posix_ipc
+
+from .errors import (
+    IncompatibleTable,
+    ShmSlotsError,
+    TableExists,
+    TableNotFound,
+    TablePermissionError,
+)
+
+# Mappings that views still point into; unmapping them would turn reads into segfaults.
+_KEPT_MAPPINGS: list[mmap.mmap] = []
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+
+
+class OutOfSharedMemory(ShmSlotsError, MemoryError):
+    """/dev/shm has too little space left for the segment."""
+
+
+def validate_name(name: str) -> str:
+    """Table names are plain words: no slashes, no path tricks, at most 200 characters."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"table name {name!r} must be 1-200 characters of letters, digits, '_', '.', '-' "
+            "and must not start with '.' or '-'"
+        )
+    return name
+
+
+class Segment:
+    """One mapped shared-memory object; `fd` stays open for participant locks."""
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap, created: bool) -> None:
+        self.name = name
+        self.fd = fd
+        self.mm = mm
+        self.created = created
+
+    @property
+    def size(self) -> int:
+        return len(self.mm)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        """Exclusive create, mode 0600, with all `size` bytes reserved up front.
+
+        Reserving (posix_fallocate) turns "too little /dev/shm" into a clear
+        error now instead of a SIGBUS in the middle of a later write.
+        """
+        validate_name(name)
+        try:
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError:
+            raise TableExists(f"a shared-memory object named {name!r} already exists") from None
+        except posix_ipc.PermissionsError as exc:
+            raise TablePermissionError(f"cannot create {name!r}: {exc}") from None
+        fd = shm.fd
+        try:
+            os.fchmod(fd, 0o600)  # the umask must not widen or narrow it
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise OutOfSharedMemory(
+                        f"cannot reserve {size} bytes for {name!r} in /dev/shm: {exc.strerror}"
+                    ) from None
+                raise
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            posix_ipc.unlink_shared_memory("/" + name)
+            raise
+        return cls(name, fd, mm, created=True)
+
+    @classmethod
+    def open(cls, name: str, *, writable: bool = True) -> Segment:
+        validate_name(name)
+        try:
+            shm = posix_ipc.SharedMemory("/" + name, read_only=not writable)
+        except posix_ipc.ExistentialError:
+            raise TableNotFound(f"no table named {name!r}") from None
+        except posix_ipc.PermissionsError as exc:
+            raise TablePermissionError(f"cannot open {name!r}: {exc}") from None
+        fd = shm.fd
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise IncompatibleTable(f"{name!r} is empty: not a shmslots table")
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mm = mmap.mmap(fd, size, access=access)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, fd, mm, created=False)
+
+    def close(self) -> bool:
+        """Unmap and close; False (and the mapping kept) if views into it still exist."""
+        try:
+            self.mm.close()
+        except BufferError:
+            return False
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        return True
+
+    def keep_mapped_forever(self) -> None:
+        """Close the fd but never unmap: live tensors still point into the mapping."""
+        _KEPT_MAPPINGS.append(self.mm)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    validate_name(name)
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        raise TableNotFound(f"no table named {name!r}") from None

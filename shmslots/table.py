@@ -1,0 +1,368 @@
+"""SlotTable: create or attach a table, and the calls that move slots.
+
+This is the public face; the protocol lives in ownership.py, the bytes in
+layout.py, the legal transitions in states.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal
+
+from . import layout as L
+from ._atomic import AtomicView
+from .errors import (
+    CorruptTable,
+    SchemaError,
+    SlotsExhausted,
+    TablePermissionError,
+)
+from .leases import Lease, Reservation, WriteSlot
+from .ownership import Blocked, Ownership, Taken
+from .participants import Participant, Registry
+from .ready_ring import ReadyRing
+from .recovery import reap, reclaim_owner
+from .rows import Rows
+from .schema import Field, RowSchema
+from .segment import Segment
+from .states import Event, State, generation_of, owner_of, state_of
+from .waiting import wait_for
+
+_CLAIM = int(Event.CLAIM)
+_RESERVE = int(Event.RESERVE)
+_M64 = (1 << 64) - 1
+INIT_WAIT_S = 2.0
+# How often a waiting reader checks whether the owner blocking the queue died.
+BLOCKED_CHECK_S = 0.1
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot: slots per state, lifetime counters, queued publications."""
+
+    states: dict[str, int]
+    counters: dict[str, int]
+    queued: int
+    participants: int
+
+    @property
+    def owned(self) -> int:
+        return sum(n for s, n in self.states.items() if s != "FREE")
+
+
+class SlotTable:
+    """A fixed table of typed rows in shared memory, with enforced slot ownership."""
+
+    def __init__(self, segment: Segment, header: L.Header, schema: RowSchema, role: str,
+                 name: str) -> None:  # fmt: skip
+        self._segment = segment
+        self._header = header
+        self.layout = header.layout
+        self.schema = schema
+        self._atomics = AtomicView(segment.mm)
+        self._mv = memoryview(segment.mm)
+        self._registry = Registry(self._atomics, self._mv, self.layout, segment.fd)
+        index, died_here = self._registry.register(role, name)
+        self.participant = index
+        self._own = Ownership(self._atomics, self.layout, index + 1)
+        self._rows = Rows(segment.mm, self.layout, schema)
+        self._closed = False
+        self._last_blocked_check = 0.0
+        self._head_blocked = False
+        if died_here:  # the entry we took was a dead participant's: settle its slots first
+            reclaim_owner(self._own, index + 1, self.drop_on_consumer_death)
+            self._own.count("participants_reaped")
+        self.reap()
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        fields: list[Field] | tuple[Field, ...],
+        slots: int,
+        *,
+        strict: bool = False,
+        participants: int = 64,
+        on_consumer_death: Literal["redeliver", "drop"] = "redeliver",
+        role: str = "owner",
+    ) -> SlotTable:
+        """Create a new table (exclusive; mode 0600) and attach to it.
+
+        `strict` makes leaked views raise and every take verify its row.
+        `on_consumer_death` says what happens to slots a dead consumer held.
+        """
+        schema = RowSchema(list(fields))
+        if on_consumer_death not in ("redeliver", "drop"):
+            raise ValueError("on_consumer_death must be 'redeliver' or 'drop'")
+        if not isinstance(slots, int) or isinstance(slots, bool):
+            raise TypeError("slots must be an int")
+        blob = schema.encode()
+        lay = L.Layout.compute(slots, schema.row_size, participants, len(blob))
+        flags = (L.FLAG_STRICT if strict else 0) | (
+            L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
+        )
+        segment = Segment.create(name, lay.total_size)
+        try:
+            mm = segment.mm
+            mm[lay.schema : lay.schema + len(blob)] = blob
+            ring_init = AtomicView(mm)
+            try:
+                ReadyRing(ring_init, lay).initialise()
+            finally:
+                ring_init.release()
+            header = lay.pack_header(
+                uid=os.getuid(), pid=os.getpid(), created_ns=time.time_ns(), flags=flags,
+                max_hold_ns=0, magic=b"\0" * 8,
+            )  # fmt: skip
+            mm[: len(header)] = header
+            mm[:8] = L.MAGIC  # last: attachers never see a half-built table
+            return cls(segment, L.read_header(mm[: L.HEADER_SIZE], lay.total_size), schema,
+                       role, f"{role}-{os.getpid()}")  # fmt: skip
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str, role: str = "participant", *, label: str | None = None) -> SlotTable:
+        """Attach to an existing table by name; refuses anything that is not a valid table."""
+        segment = Segment.open(name)
+        try:
+            header = _read_valid_header(segment)
+            schema = _read_schema(segment, header)
+            return cls(segment, header, schema, role, label or f"{role}-{os.getpid()}")
+        except BaseException:
+            segment.close()
+            raise
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
+
+    @property
+    def strict(self) -> bool:
+        return bool(self._header.flags & L.FLAG_STRICT)
+
+    @property
+    def drop_on_consumer_death(self) -> bool:
+        return bool(self._header.flags & L.FLAG_DROP_ON_CONSUMER_DEATH)
+
+    @property
+    def created_here(self) -> bool:
+        return self._segment.created
+
+    # -- writer side ------------------------------------------------------------------
+    def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
+        """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
+        slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
+        self._own.count("claims")
+        return WriteSlot(self, slot, generation, tag)
+
+    def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
+        """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
+        slot, generation = self._acquire(_RESERVE, tag, timeout, "reserve")
+        self._own.count("reserves")
+        return Reservation(self, slot, generation, tag)
+
+    def open_reserved(self, slot: int, generation: int) -> WriteSlot:
+        """Take over a reservation to write it; a stale generation is refused."""
+        self._check_open()
+        self._own.open_reserved(slot, generation)
+        tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
+        return WriteSlot(self, slot, generation, tag)
+
+    def _acquire(self, event: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
+        self._check_open()
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _M64:
+            raise ValueError(f"tag must be an int in 0..2**64-1, got {tag!r}")
+        got = self._own.acquire_free(event, tag)
+        if got is not None:
+            return got
+        self.reap()  # a full table is the moment dead owners matter
+        own = self._own
+        got = wait_for(
+            self._atomics, lambda: own.acquire_free(event, tag), own.release_seq,
+            own.claimers_waiting, timeout,
+        )  # fmt: skip
+        if got is None:
+            raise SlotsExhausted(f"no free slot to {what} within {timeout} s", own.occupancy())
+        return got
+
+    # -- reader side ------------------------------------------------------------------
+    def take(self, timeout: float | None = 0.0) -> Lease | None:
+        """The oldest READY slot as a Lease, waiting up to `timeout` s (None: forever)."""
+        self._check_open()
+        got = self._take_once()
+        if got is None and timeout != 0.0:
+            own = self._own
+            got = wait_for(
+                self._atomics, self._take_once, own.publish_seq, own.readers_waiting, timeout,
+                self._check_blocked_head,
+            )  # fmt: skip
+        return got
+
+    def poll(self, max_n: int) -> list[Lease]:
+        """Up to `max_n` READY slots, without waiting."""
+        self._check_open()
+        leases: list[Lease] = []
+        while len(leases) < max_n:
+            lease = self._take_once()
+            if lease is None:
+                break
+            leases.append(lease)
+        return leases
+
+    def _take_once(self) -> Lease | None:
+        got = self._own.take()
+        if type(got) is not Taken:
+            self._head_blocked = type(got) is Blocked
+            return None
+        lease = Lease(self, got.slot, got.generation, got.tag, got.deliveries)
+        self._own.count("takes")
+        if self.strict and not self._row_intact(got.slot, got.generation):
+            lease.abort()
+            raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
+        return lease
+
+    def _check_blocked_head(self) -> None:
+        """Called while a reader sleeps: reap if the queue head's owner died mid-publish."""
+        now = time.monotonic()
+        if self._head_blocked and now - self._last_blocked_check >= BLOCKED_CHECK_S:
+            self._last_blocked_check = now
+            self.reap()
+
+    def _row_intact(self, slot: int, generation: int) -> bool:
+        sealed_gen, sealed_crc = self._rows.sealed(slot)
+        return sealed_gen == generation and sealed_crc == self._rows.checksum(slot)
+
+    def cancel(self, tag: int) -> int:
+        """Abort READY slots with this tag (request cancelled before pickup); returns count."""
+        self._check_open()
+        return self._own.cancel(tag)
+
+    # -- recovery and observation -------------------------------------------------------
+    def reap(self) -> dict[str, int]:
+        """Reclaim slots of dead participants now; returns what was done, by reason."""
+        self._check_open()
+        self._registry.touch(self.participant)
+        done = reap(self._own, self._registry, self.participant, self.drop_on_consumer_death)
+        return dict(done)
+
+    def stats(self) -> Stats:
+        self._check_open()
+        return Stats(
+            states=self._own.occupancy(),
+            counters={name: self._own.counter(name) for name in L.COUNTERS},
+            queued=self._own.ring.length(),
+            participants=len(self._registry.participants(self.participant)),
+        )
+
+    def participants(self) -> list[Participant]:
+        self._check_open()
+        return self._registry.participants(self.participant)
+
+    def check_consistency(self) -> list[str]:
+        """Problems between bitmap and state words (meaningful when the table is quiet)."""
+        self._check_open()
+        problems = []
+        for slot in range(self.slots):
+            word = self._own.word(slot)
+            owned = state_of(word) != State.FREE
+            if owned != self._own.bit(slot):
+                problems.append(
+                    f"slot {slot}: bit {int(self._own.bit(slot))} but state {state_of(word).name}"
+                )
+            if state_of(word) in (State.READY, State.FREE) and owner_of(word):
+                problems.append(f"slot {slot}: {state_of(word).name} with owner {owner_of(word)}")
+        return problems
+
+    def slot_info(self, slot: int) -> tuple[State, int, int, int]:
+        """(state, generation, owner participant index or -1, tag) of one slot."""
+        self._own.check_slot(slot)
+        word = self._own.word(slot)
+        tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
+        return state_of(word), generation_of(word), owner_of(word) - 1, tag
+
+    # -- teardown -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach.  Slots still owned here are handed back as if this process had died."""
+        if self._closed:
+            return
+        reclaim_owner(self._own, self._own.me, self.drop_on_consumer_death)
+        self._registry.deregister(self.participant)
+        self._closed = True
+        leaked = self._rows.close()
+        self._mv.release()
+        self._atomics.release()
+        if leaked:
+            warnings.warn(
+                f"table {self.name!r} closed while views are referenced ({', '.join(leaked)}); "
+                "its mapping is kept until the process exits",
+                stacklevel=2,
+            )
+            self._segment.keep_mapped_forever()
+        else:
+            self._segment.close()
+
+    def unlink(self) -> None:
+        """Remove the name; processes already attached keep working until they close."""
+        self._segment.unlink()
+
+    def __enter__(self) -> SlotTable:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Close; the process that created the table also unlinks it."""
+        self.close()
+        if self.created_here:
+            self.unlink()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"table {self.name!r} is closed")
+
+    def __repr__(self) -> str:
+        return (
+            f"<SlotTable {self.name!r} slots={self.slots} row={self.layout.row_size}B "
+            f"participant={self.participant}{' closed' if self._closed else ''}>"
+        )
+
+
+def _read_valid_header(segment: Segment) -> L.Header:
+    """Read the header, waiting briefly for a creator that is still initialising."""
+    deadline = time.monotonic() + INIT_WAIT_S
+    while True:
+        raw = bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)])
+        if raw[:8] != b"\0" * 8 or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    header = L.read_header(raw, segment.size)
+    if header.creator_uid != os.getuid():
+        raise TablePermissionError(
+            f"table {segment.name!r} belongs to uid {header.creator_uid}, this process is "
+            f"uid {os.getuid()}"
+        )
+    return header
+
+
+def _read_schema(segment: Segment, header: L.Header) -> RowSchema:
+    lay = header.layout
+    try:
+        schema = RowSchema.decode(bytes(segment.mm[lay.schema : lay.schema + lay.schema_len]))
+    except SchemaError as exc:
+        raise CorruptTable(f"table {segment.name!r}: {exc}") from None
+    if schema.row_size != lay.row_size:
+        raise CorruptTable(f"schema gives {schema.row_size}-byte rows, header says {lay.row_size}")
+    return schema
