@@ -1,0 +1,248 @@
+"""Bad input gets the documented error and changes nothing."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import posix_ipc
+import pytest
+import torch
+from conftest import SMALL, small_row
+
+from shmslots import (
+    CorruptTable,
+    Field,
+    IncompatibleTable,
+    InvalidSlot,
+    OwnershipError,
+    SchemaError,
+    SlotTable,
+    State,
+    TableExists,
+    TableNotFound,
+)
+from shmslots import layout as L
+from shmslots.states import Event, next_word, pack
+
+
+def _row_bytes(t: SlotTable, slot: int) -> bytes:
+    start = t.layout.row(slot)
+    return bytes(t._segment.mm[start : start + t.layout.row_size])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"p": torch.zeros(4, dtype=torch.float64)}, "float32"),
+        ({"p": torch.zeros(5)}, "shape"),
+        ({"h": torch.zeros(16, dtype=torch.bfloat16)}, "shape"),
+        ({"nope": 1}, "no field"),
+        ({"id": 1.5}, "int64"),
+        ({"id": True}, "int64"),
+        ({"id": 2**63}, "does not fit"),
+        ({"p": [1.0, 2.0, 3.0, 4.0]}, "tensor"),
+    ],
+)
+def test_bad_writes_are_refused_before_any_byte_changes(
+    name: str, values: dict[str, object], message: str
+) -> None:
+    with SlotTable.create(name, SMALL, slots=3) as t:
+        neighbours = [t.claim(), t.claim(), t.claim()]
+        for ws in neighbours:
+            ws.write(**small_row(ws.slot + 10))
+        before = [_row_bytes(t, s) for s in range(3)]
+        with pytest.raises(SchemaError, match=message):
+            # A valid value for another field must not land either.
+            valid = {"p": torch.full((4,), 99.0)} if "p" not in values else {"id": 99}
+            neighbours[1].write(**valid, **values)
+        assert [_row_bytes(t, s) for s in range(3)] == before
+        for ws in neighbours:
+            ws.abort()
+
+
+def test_publish_refuses_unwritten_fields(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()
+        ws.write(id=1)
+        with pytest.raises(SchemaError, match=r"\['h', 'p'\]"):
+            ws.publish()
+        assert t.slot_info(0)[0] is State.WRITING
+        ws.abort()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ([], "at least one"),
+        ([Field("a", "int64"), Field("a", "int32")], "duplicate"),
+        ([Field("a", "int64", (1 << 20, 1 << 10))], "exceeds"),
+    ],
+)
+def test_bad_schemas_are_refused_and_create_nothing(
+    name: str, fields: list[Field], message: str
+) -> None:
+    with pytest.raises(SchemaError, match=message):
+        SlotTable.create(name, fields, slots=2)
+    with pytest.raises(TableNotFound):
+        SlotTable.attach(name)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("x", "complex64"), "dtype"),
+        (("x", "int64", (0,)), "shape"),
+        (("x", "int64", (1, 2, 3, 4, 5)), "shape"),
+        (("not an identifier", "int64"), "identifier"),
+    ],
+)
+def test_bad_fields(args: tuple[object, ...], message: str) -> None:
+    with pytest.raises(SchemaError, match=message):
+        Field(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", ".hidden", "x" * 201, "sp ace"])
+def test_bad_table_names(bad: str) -> None:
+    with pytest.raises(ValueError, match="table name"):
+        SlotTable.create(bad, SMALL, slots=1)
+
+
+def test_create_is_exclusive_and_attach_needs_a_table(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1), pytest.raises(TableExists):
+        SlotTable.create(name, SMALL, slots=1)
+    with pytest.raises(TableNotFound):
+        SlotTable.attach(name)
+
+
+def test_segment_is_created_owner_only(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1):
+        assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+
+
+def _raw_segment(name: str, payload: bytes, size: int) -> None:
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+    with mmap.mmap(shm.fd, size) as mm:
+        mm[: len(payload)] = payload
+    os.close(shm.fd)
+
+
+@pytest.mark.parametrize(
+    ("payload", "size", "error", "message"),
+    [
+        (b"hello world", 4096, IncompatibleTable, "not a shmslots table"),
+        (b"", 8, IncompatibleTable, "too small"),
+    ],
+)
+def test_foreign_segments_are_refused(
+    name: str, payload: bytes, size: int, error: type[Exception], message: str
+) -> None:
+    _raw_segment(name, payload, size)
+    try:
+        with pytest.raises(error, match=message):
+            SlotTable.attach(name)
+    finally:
+        posix_ipc.unlink_shared_memory("/" + name)
+
+
+def _header_field_offset(field: str) -> int:
+    offset = 0
+    for fname, code in L._HEADER_FIELDS:
+        if fname == field:
+            return offset
+        offset += struct.calcsize("<" + code)
+    raise KeyError(field)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("version", 99, IncompatibleTable, "version 99"),
+        ("total_size", 12345, CorruptTable, "truncated"),
+        ("slots", 0, CorruptTable, "impossible"),
+        ("bitmap", 1 << 40, CorruptTable, "bitmap offset"),
+        ("schema_len", 1000, CorruptTable, "registry offset"),
+    ],
+)
+def test_corrupt_headers_are_refused(
+    name: str, field: str, value: int, error: type[Exception], message: str
+) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        code = dict(L._HEADER_FIELDS)[field]
+        struct.pack_into("<" + code, t._segment.mm, _header_field_offset(field), value)
+        with pytest.raises(error, match=message):
+            SlotTable.attach(name)
+
+
+def test_corrupt_schema_blob_is_refused(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        start = t.layout.schema
+        t._segment.mm[start : start + 4] = b"\xc1\xc1\xc1\xc1"  # 0xc1 is never valid msgpack
+        with pytest.raises(CorruptTable, match="msgpack"):
+            SlotTable.attach(name)
+
+
+def test_slot_ids_out_of_range(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        for bad in (-1, 2, 10**9):
+            with pytest.raises(InvalidSlot):
+                t.open_reserved(bad, 0)
+            with pytest.raises(InvalidSlot):
+                t.slot_info(bad)
+
+
+def test_tags_must_be_u64(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        for bad in (-1, 2**64, "room", 1.0):
+            with pytest.raises(ValueError, match="tag"):
+                t.claim(tag=bad)  # type: ignore[arg-type]
+        assert t.stats().owned == 0
+
+
+def test_non_owner_cannot_move_a_slot(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t, SlotTable.attach(name, "intruder") as other:
+        ws = t.claim()
+        before = t._own.word(0)
+        with pytest.raises(OwnershipError, match="expected WRITING"):
+            other._own.free(ws.slot, ws.generation, int(State.WRITING), int(Event.ABORT))
+        with pytest.raises(OwnershipError, match="owned by participant"):
+            next_word(before, int(Event.PUBLISH), other._own.me)
+        assert t._own.word(0) == before and t._own.bit(0)
+        ws.abort()
+
+
+def test_state_machine_refuses_illegal_transitions() -> None:
+    free = pack(3, 0, State.FREE)
+    with pytest.raises(OwnershipError, match="cannot publish a slot that is FREE"):
+        next_word(free, int(Event.PUBLISH), 1)
+    with pytest.raises(OwnershipError, match="cannot release a slot that is READY"):
+        next_word(pack(3, 0, State.READY), int(Event.RELEASE), 1)
+    assert next_word(pack(3, 1, State.HELD), int(Event.RELEASE), 1) == pack(4, 0, State.FREE)
+
+
+def test_no_resource_tracker_warnings_in_spawned_users(name: str, tmp_path: Path) -> None:
+    """Creating, attaching from a spawned child and unlinking prints nothing."""
+    code = f"""
+import multiprocessing as mp
+from shmslots import SlotTable, Field
+
+def child(name):
+    with SlotTable.attach(name, "child") as t:
+        t.claim().abort()
+
+if __name__ == "__main__":
+    with SlotTable.create({name!r}, [Field("x", "int64")], slots=2):
+        p = mp.get_context("spawn").Process(target=child, args=({name!r},))
+        p.start(); p.join(30)
+        assert p.exitcode == 0
+"""
+    script = tmp_path / "user.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "resource_tracker" not in result.stderr
+    assert result.stderr.strip() == ""
