@@ -25,7 +25,7 @@ from .participants import Participant
 from .schema import Field
 from .segment import OutOfSharedMemory
 from .states import State
-from .table import SlotTable, Stats
+from .table import SlotAge, SlotTable, Stats
 
 __all__ = [
     "CorruptTable",
@@ -42,6 +42,7 @@ __all__ = [
     "Reservation",
     "SchemaError",
     "ShmSlotsError",
+    "SlotAge",
     "SlotTable",
     "SlotsExhausted",
     "StaleLeaseError",

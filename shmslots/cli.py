@@ -15,9 +15,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     console = Console()
     result = run_demo(
-        f"shmslots-demo-{os.getpid()}", args.rows, args.producers, args.consumers, args.slots,
+        f"shmslots-demo-{os.getpid()}",
+        args.rows,
+        args.producers,
+        args.consumers,
+        args.slots,
         console,
-    )  # fmt: skip
+    )
     summary = Table("measure", "value", title="demo summary", title_justify="left")
     summary.add_row("rows published", f"{result.published:,}")
     summary.add_row("rows consumed and verified", f"{result.handled:,}")

@@ -177,9 +177,21 @@ class Layout:
         rows = _align(ring + 8 * ring_capacity, PAGE)
         total = _align(rows + slots * row_size, PAGE)
         return cls(
-            slots, row_size, registry_capacity, ring_capacity, schema_len,
-            sync, counters, schema, registry, bitmap, slot_states, ring, rows, total,
-        )  # fmt: skip
+            slots,
+            row_size,
+            registry_capacity,
+            ring_capacity,
+            schema_len,
+            sync,
+            counters,
+            schema,
+            registry,
+            bitmap,
+            slot_states,
+            ring,
+            rows,
+            total,
+        )
 
     def slot_entry(self, slot: int) -> int:
         return self.slot_states + slot * SLOT_ENTRY
@@ -194,11 +206,29 @@ class Layout:
         self, *, uid: int, pid: int, created_ns: int, flags: int, max_hold_ns: int, magic: bytes
     ) -> bytes:
         return HEADER.pack(
-            magic, VERSION, HEADER_SIZE, self.total_size, uid, pid, created_ns,
-            self.slots, self.row_size, self.registry_capacity, self.ring_capacity, flags,
-            self.schema_len, max_hold_ns, self.sync, self.counters, self.schema, self.registry,
-            self.bitmap, self.slot_states, self.ring, self.rows,
-        )  # fmt: skip
+            magic,
+            VERSION,
+            HEADER_SIZE,
+            self.total_size,
+            uid,
+            pid,
+            created_ns,
+            self.slots,
+            self.row_size,
+            self.registry_capacity,
+            self.ring_capacity,
+            flags,
+            self.schema_len,
+            max_hold_ns,
+            self.sync,
+            self.counters,
+            self.schema,
+            self.registry,
+            self.bitmap,
+            self.slot_states,
+            self.ring,
+            self.rows,
+        )
 
 
 @dataclass(frozen=True)
@@ -257,6 +287,11 @@ def read_header(raw: bytes, segment_size: int) -> Header:
     if values["row_size"] % 64 or values["row_size"] < 64:
         raise CorruptTable(f"row size {values['row_size']} is not a positive multiple of 64")
     return Header(
-        values["version"], values["creator_uid"], values["creator_pid"], values["created_ns"],
-        values["flags"], values["max_hold_ns"], layout,
-    )  # fmt: skip
+        values["version"],
+        values["creator_uid"],
+        values["creator_pid"],
+        values["created_ns"],
+        values["flags"],
+        values["max_hold_ns"],
+        layout,
+    )

@@ -149,6 +149,7 @@ class Ownership:
                         a.fetch_or(woff, low)
                         a.store(entry + L.SLOT_TAG, tag)
                         a.store(entry + L.SLOT_QUEUE_POS, L.NO_QUEUE_POS)
+                        a.store(entry + L.SLOT_DELIVERIES, 0)
                         a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
                         self._hint = wi
                         return slot, new >> 32
@@ -300,6 +301,8 @@ class Ownership:
             mine = next_word(word, _REDELIVER, self.me)
             if not a.cas(entry, word, mine):
                 return None
+            # A consumer killed inside release() may have cleared the bit already.
+            a.fetch_or(self._bitmap + 8 * (slot >> 6), 1 << (slot & 63))
             if state == _HELD:
                 reason = "redelivered"
                 self.count(reason)

@@ -41,6 +41,17 @@ BLOCKED_CHECK_S = 0.1
 
 
 @dataclass(frozen=True)
+class SlotAge:
+    """A slot that has stayed out of FREE longer than the table's `max_hold_s`."""
+
+    slot: int
+    state: State
+    owner: int  # participant index, -1 for nobody (READY)
+    tag: int
+    age_s: float
+
+
+@dataclass(frozen=True)
 class Stats:
     """A snapshot: slots per state, lifetime counters, queued publications."""
 
@@ -48,6 +59,7 @@ class Stats:
     counters: dict[str, int]
     queued: int
     participants: int
+    overdue: int
 
     @property
     def owned(self) -> int:
@@ -57,8 +69,9 @@ class Stats:
 class SlotTable:
     """A fixed table of typed rows in shared memory, with enforced slot ownership."""
 
-    def __init__(self, segment: Segment, header: L.Header, schema: RowSchema, role: str,
-                 name: str) -> None:  # fmt: skip
+    def __init__(
+        self, segment: Segment, header: L.Header, schema: RowSchema, role: str, name: str
+    ) -> None:
         self._segment = segment
         self._header = header
         self.layout = header.layout
@@ -89,13 +102,18 @@ class SlotTable:
         strict: bool = False,
         participants: int = 64,
         on_consumer_death: Literal["redeliver", "drop"] = "redeliver",
+        max_hold_s: float | None = None,
         role: str = "owner",
     ) -> SlotTable:
         """Create a new table (exclusive; mode 0600) and attach to it.
 
         `strict` makes leaked views raise and every take verify its row.
         `on_consumer_death` says what happens to slots a dead consumer held.
+        `max_hold_s` makes slots out of FREE for longer show up in `overdue()`
+        (reported, never reclaimed: a leak on an abort path becomes visible).
         """
+        if max_hold_s is not None and not max_hold_s > 0:
+            raise ValueError("max_hold_s must be positive")
         schema = RowSchema(list(fields))
         if on_consumer_death not in ("redeliver", "drop"):
             raise ValueError("on_consumer_death must be 'redeliver' or 'drop'")
@@ -116,13 +134,22 @@ class SlotTable:
             finally:
                 ring_init.release()
             header = lay.pack_header(
-                uid=os.getuid(), pid=os.getpid(), created_ns=time.time_ns(), flags=flags,
-                max_hold_ns=0, magic=b"\0" * 8,
-            )  # fmt: skip
+                uid=os.getuid(),
+                pid=os.getpid(),
+                created_ns=time.time_ns(),
+                flags=flags,
+                max_hold_ns=int((max_hold_s or 0) * 1e9),
+                magic=b"\0" * 8,
+            )
             mm[: len(header)] = header
             mm[:8] = L.MAGIC  # last: attachers never see a half-built table
-            return cls(segment, L.read_header(mm[: L.HEADER_SIZE], lay.total_size), schema,
-                       role, f"{role}-{os.getpid()}")  # fmt: skip
+            return cls(
+                segment,
+                L.read_header(mm[: L.HEADER_SIZE], lay.total_size),
+                schema,
+                role,
+                f"{role}-{os.getpid()}",
+            )
         except BaseException:
             segment.close()
             segment.unlink()
@@ -191,9 +218,12 @@ class SlotTable:
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
         got = wait_for(
-            self._atomics, lambda: own.acquire_free(event, tag), own.release_seq,
-            own.claimers_waiting, timeout,
-        )  # fmt: skip
+            self._atomics,
+            lambda: own.acquire_free(event, tag),
+            own.release_seq,
+            own.claimers_waiting,
+            timeout,
+        )
         if got is None:
             raise SlotsExhausted(f"no free slot to {what} within {timeout} s", own.occupancy())
         return got
@@ -206,9 +236,13 @@ class SlotTable:
         if got is None and timeout != 0.0:
             own = self._own
             got = wait_for(
-                self._atomics, self._take_once, own.publish_seq, own.readers_waiting, timeout,
+                self._atomics,
+                self._take_once,
+                own.publish_seq,
+                own.readers_waiting,
+                timeout,
                 self._check_blocked_head,
-            )  # fmt: skip
+            )
         return got
 
     def poll(self, max_n: int) -> list[Lease]:
@@ -265,7 +299,25 @@ class SlotTable:
             counters={name: self._own.counter(name) for name in L.COUNTERS},
             queued=self._own.ring.length(),
             participants=len(self._registry.participants(self.participant)),
+            overdue=len(self.overdue()),
         )
+
+    def overdue(self) -> list[SlotAge]:
+        """Slots out of FREE for longer than `max_hold_s` (empty if it was not set)."""
+        self._check_open()
+        limit = self._header.max_hold_ns
+        if not limit:
+            return []
+        now = time.monotonic_ns()
+        late = []
+        for slot in range(self.slots):
+            entry = self._own.entry(slot)
+            word = self._atomics.load(entry)
+            age = now - self._atomics.load(entry + L.SLOT_STAMP)
+            if state_of(word) != State.FREE and age > limit:
+                tag = self._atomics.load(entry + L.SLOT_TAG)
+                late.append(SlotAge(slot, state_of(word), owner_of(word) - 1, tag, age / 1e9))
+        return late
 
     def participants(self) -> list[Participant]:
         self._check_open()

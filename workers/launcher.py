@@ -50,8 +50,9 @@ def _view(stats: Stats, progress: Progress, rate: float) -> Table:
     return grid
 
 
-def run_demo(name: str, rows: int, producers: int, consumers: int, slots: int,
-             console: Console) -> DemoResult:  # fmt: skip
+def run_demo(
+    name: str, rows: int, producers: int, consumers: int, slots: int, console: Console
+) -> DemoResult:
     """Move `rows` rows through a fresh table and show progress until all are handled."""
     producer_results = SPAWN.Queue()
     consumer_results = SPAWN.Queue()
@@ -61,14 +62,23 @@ def run_demo(name: str, rows: int, producers: int, consumers: int, slots: int,
     with SlotTable.create(name, SCHEMA, slots=slots) as table:
         try:
             for c in range(consumers):
-                procs.append(SPAWN.Process(target=consume, args=(name, c, 0, done, consumer_results)))
+                procs.append(
+                    SPAWN.Process(target=consume, args=(name, c, 0, done, consumer_results))
+                )
             per = rows // producers
             for p in range(producers):
                 tags = range(1 + p * per, 1 + (p + 1) * per)
-                procs.append(SPAWN.Process(target=produce, args=(name, p, tags, 50, producer_results)))
+                procs.append(
+                    SPAWN.Process(target=produce, args=(name, p, tags, 50, producer_results))
+                )
             for proc in procs:
                 proc.start()
-            progress = Progress(TextColumn("rows"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"), TimeElapsedColumn())  # fmt: skip
+            progress = Progress(
+                TextColumn("rows"),
+                BarColumn(),
+                TextColumn("{task.completed:,}/{task.total:,}"),
+                TimeElapsedColumn(),
+            )
             task = progress.add_task("rows", total=per * producers)
             reports: list[ProducerReport] = []
             last_n, last_t = 0, started
@@ -90,7 +100,9 @@ def run_demo(name: str, rows: int, producers: int, consumers: int, slots: int,
                         raise RuntimeError(f"worker {dead[0].pid} died (exit {dead[0].exitcode})")
                     time.sleep(0.25)
                 done.set()
-                results: list[ConsumerReport] = [consumer_results.get(timeout=60) for _ in range(consumers)]  # fmt: skip
+                results: list[ConsumerReport] = [
+                    consumer_results.get(timeout=60) for _ in range(consumers)
+                ]
                 for proc in procs:
                     proc.join(30)
                 live.update(_view(table.stats(), progress, 0.0))
