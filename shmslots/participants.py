@@ -52,14 +52,55 @@ class Participant:
     alive: bool
 
 
-class Registry:
-    """Registry entries plus the byte locks that prove their holders alive."""
+class RegistryReader:
+    """Reads registry entries and tests their locks; needs only a read-only mapping."""
 
-    def __init__(self, atomics: AtomicView, mm: memoryview, lay: L.Layout, fd: int) -> None:
-        self._a = atomics
+    def __init__(self, mm: memoryview, lay: L.Layout, fd: int) -> None:
         self._mv = mm
         self._layout = lay
         self._fd = fd
+
+    def lock_is_held(self, index: int) -> bool:
+        """Whether another open file description holds entry `index`'s lock."""
+        reply = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, index))
+        kind: int = _FLOCK.unpack(reply)[0]
+        return kind != fcntl.F_UNLCK
+
+    def is_active(self, index: int) -> bool:
+        (state,) = struct.unpack_from("<Q", self._mv, self._layout.registry_entry(index))
+        return bool(state == ACTIVE)
+
+    def dead_entries(self, own_index: int) -> list[int]:
+        """ACTIVE entries whose holder is gone (a lock nobody holds)."""
+        return [
+            i
+            for i in range(self._layout.registry_capacity)
+            if i != own_index and self.is_active(i) and not self.lock_is_held(i)
+        ]
+
+    def describe(self, index: int, own_index: int) -> Participant:
+        base = self._layout.registry_entry(index)
+        (pid,) = struct.unpack_from("<I", self._mv, base + L.REG_PID)
+        start, attach, seen = struct.unpack_from("<QQQ", self._mv, base + L.REG_START_TICKS)
+        role = bytes(self._mv[base + L.REG_ROLE : base + L.REG_ROLE + L.ROLE_LEN])
+        name = bytes(self._mv[base + L.REG_NAME : base + L.REG_NAME + L.NAME_LEN])
+        alive = index == own_index or self.lock_is_held(index)
+        return Participant(index, pid, start, attach, seen, _text(role), _text(name), alive)
+
+    def participants(self, own_index: int = -1) -> list[Participant]:
+        return [
+            self.describe(i, own_index)
+            for i in range(self._layout.registry_capacity)
+            if self.is_active(i)
+        ]
+
+
+class Registry(RegistryReader):
+    """Registry entries plus the byte locks that prove their holders alive."""
+
+    def __init__(self, atomics: AtomicView, mm: memoryview, lay: L.Layout, fd: int) -> None:
+        super().__init__(mm, lay, fd)
+        self._a = atomics
 
     def try_lock(self, index: int) -> bool:
         """Take the liveness lock of entry `index` without waiting."""
@@ -71,15 +112,6 @@ class Registry:
 
     def unlock(self, index: int) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_UNLCK, index))
-
-    def lock_is_held(self, index: int) -> bool:
-        """Whether another open file description holds entry `index`'s lock."""
-        reply = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, index))
-        kind: int = _FLOCK.unpack(reply)[0]
-        return kind != fcntl.F_UNLCK
-
-    def is_active(self, index: int) -> bool:
-        return self._a.load(self._layout.registry_entry(index) + L.REG_STATE) == ACTIVE
 
     def register(self, role: str, name: str) -> tuple[int, bool]:
         """Lock a free entry and fill it; returns (index, previous holder died there).
@@ -119,30 +151,6 @@ class Registry:
         """Mark the entry free, then drop its lock (the order keeps ACTIVE ⇒ locked-or-dead)."""
         self.mark_free(index)
         self.unlock(index)
-
-    def dead_entries(self, own_index: int) -> list[int]:
-        """ACTIVE entries whose holder is gone (a lock nobody holds)."""
-        return [
-            i
-            for i in range(self._layout.registry_capacity)
-            if i != own_index and self.is_active(i) and not self.lock_is_held(i)
-        ]
-
-    def describe(self, index: int, own_index: int) -> Participant:
-        base = self._layout.registry_entry(index)
-        (pid,) = struct.unpack_from("<I", self._mv, base + L.REG_PID)
-        start, attach, seen = struct.unpack_from("<QQQ", self._mv, base + L.REG_START_TICKS)
-        role = bytes(self._mv[base + L.REG_ROLE : base + L.REG_ROLE + L.ROLE_LEN])
-        name = bytes(self._mv[base + L.REG_NAME : base + L.REG_NAME + L.NAME_LEN])
-        alive = index == own_index or self.lock_is_held(index)
-        return Participant(index, pid, start, attach, seen, _text(role), _text(name), alive)
-
-    def participants(self, own_index: int) -> list[Participant]:
-        return [
-            self.describe(i, own_index)
-            for i in range(self._layout.registry_capacity)
-            if self.is_active(i)
-        ]
 
 
 def _fit(text: str, size: int) -> bytes:

@@ -17,9 +17,7 @@ from . import layout as L
 from ._atomic import AtomicView
 from .errors import (
     CorruptTable,
-    SchemaError,
     SlotsExhausted,
-    TablePermissionError,
 )
 from .leases import Lease, Reservation, WriteSlot
 from .ownership import Blocked, Ownership, Taken
@@ -30,12 +28,12 @@ from .rows import Rows
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import Event, State, generation_of, owner_of, state_of
+from .validate import read_schema, read_valid_header
 from .waiting import wait_for
 
 _CLAIM = int(Event.CLAIM)
 _RESERVE = int(Event.RESERVE)
 _M64 = (1 << 64) - 1
-INIT_WAIT_S = 2.0
 # How often a waiting reader checks whether the owner blocking the queue died.
 BLOCKED_CHECK_S = 0.1
 
@@ -160,8 +158,8 @@ class SlotTable:
         """Attach to an existing table by name; refuses anything that is not a valid table."""
         segment = Segment.open(name)
         try:
-            header = _read_valid_header(segment)
-            schema = _read_schema(segment, header)
+            header = read_valid_header(segment)
+            schema = read_schema(segment, header)
             return cls(segment, header, schema, role, label or f"{role}-{os.getpid()}")
         except BaseException:
             segment.close()
@@ -390,31 +388,3 @@ class SlotTable:
             f"<SlotTable {self.name!r} slots={self.slots} row={self.layout.row_size}B "
             f"participant={self.participant}{' closed' if self._closed else ''}>"
         )
-
-
-def _read_valid_header(segment: Segment) -> L.Header:
-    """Read the header, waiting briefly for a creator that is still initialising."""
-    deadline = time.monotonic() + INIT_WAIT_S
-    while True:
-        raw = bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)])
-        if raw[:8] != b"\0" * 8 or time.monotonic() >= deadline:
-            break
-        time.sleep(0.01)
-    header = L.read_header(raw, segment.size)
-    if header.creator_uid != os.getuid():
-        raise TablePermissionError(
-            f"table {segment.name!r} belongs to uid {header.creator_uid}, this process is "
-            f"uid {os.getuid()}"
-        )
-    return header
-
-
-def _read_schema(segment: Segment, header: L.Header) -> RowSchema:
-    lay = header.layout
-    try:
-        schema = RowSchema.decode(bytes(segment.mm[lay.schema : lay.schema + lay.schema_len]))
-    except SchemaError as exc:
-        raise CorruptTable(f"table {segment.name!r}: {exc}") from None
-    if schema.row_size != lay.row_size:
-        raise CorruptTable(f"schema gives {schema.row_size}-byte rows, header says {lay.row_size}")
-    return schema
