@@ -24,6 +24,12 @@
           ├──────────────────────────────────────────────────────────────┤ page aligned
           │ ROWS          slots x row_size: 16 B row header (generation,  │
           │               checksum) + fields (schema.py)                 │
+          ├──────────────────────────────────────────────────────────────┤
+          │ ARENA TABLE   arena_pages x u64: (slot + 1, generation) that  │
+          │               owns each page, 0 = free  (arena.py)            │
+          ├──────────────────────────────────────────────────────────────┤ page aligned
+          │ ARENA         arena_pages x arena_page_size: tensor data that │
+          │               rows refer to by handle                        │
           └──────────────────────────────────────────────────────────────┘
 
 Everything is little-endian.  Regions start on 64-byte cache lines so that
@@ -70,6 +76,10 @@ _HEADER_FIELDS = (
     ("slot_states", "Q"),
     ("ring", "Q"),
     ("rows", "Q"),
+    ("arena_page_size", "I"),
+    ("arena_pages", "I"),
+    ("arena_table", "Q"),
+    ("arena", "Q"),
 )
 HEADER = struct.Struct("<" + "".join(code for _, code in _HEADER_FIELDS))
 assert HEADER.size <= HEADER_SIZE
@@ -131,6 +141,8 @@ ROW_GENERATION = 0  # u64 generation the row was published under
 ROW_CHECKSUM = 8  # u32 crc32 of the payload
 
 MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index
+MAX_ARENA_PAGES = 1 << 24
+MAX_ARENA_PAGE = 1 << 30
 
 
 def _align(n: int, a: int) -> int:
@@ -154,6 +166,10 @@ class Layout:
     slot_states: int
     ring: int
     rows: int
+    arena_page_size: int
+    arena_pages: int
+    arena_table: int
+    arena: int
     total_size: int
 
     @property
@@ -161,11 +177,25 @@ class Layout:
         return (self.slots + 63) // 64
 
     @classmethod
-    def compute(cls, slots: int, row_size: int, registry_capacity: int, schema_len: int) -> Layout:
+    def compute(
+        cls,
+        slots: int,
+        row_size: int,
+        registry_capacity: int,
+        schema_len: int,
+        arena_page_size: int = 0,
+        arena_pages: int = 0,
+    ) -> Layout:
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
         if not 1 <= registry_capacity <= MAX_PARTICIPANTS:
             raise ValueError(f"participants must be in 1..{MAX_PARTICIPANTS}")
+        if not 0 <= arena_pages <= MAX_ARENA_PAGES:
+            raise ValueError(f"arena pages must be in 0..{MAX_ARENA_PAGES}")
+        if arena_pages and not (
+            PAGE <= arena_page_size <= MAX_ARENA_PAGE and arena_page_size % PAGE == 0
+        ):
+            raise ValueError(f"arena page size must be a multiple of {PAGE} up to {MAX_ARENA_PAGE}")
         ring_capacity = 2 * slots
         sync = HEADER_SIZE
         counters = sync + SYNC_SIZE
@@ -175,23 +205,14 @@ class Layout:
         slot_states = _align(bitmap + 8 * ((slots + 63) // 64), CACHE_LINE)
         ring = slot_states + slots * SLOT_ENTRY
         rows = _align(ring + 8 * ring_capacity, PAGE)
-        total = _align(rows + slots * row_size, PAGE)
+        arena_table = _align(rows + slots * row_size, CACHE_LINE)
+        arena = _align(arena_table + 8 * arena_pages, PAGE)
+        total = _align(arena + arena_pages * arena_page_size, PAGE)
         return cls(
-            slots,
-            row_size,
-            registry_capacity,
-            ring_capacity,
-            schema_len,
-            sync,
-            counters,
-            schema,
-            registry,
-            bitmap,
-            slot_states,
-            ring,
-            rows,
-            total,
-        )
+            slots, row_size, registry_capacity, ring_capacity, schema_len,
+            sync, counters, schema, registry, bitmap, slot_states, ring, rows,
+            arena_page_size if arena_pages else 0, arena_pages, arena_table, arena, total,
+        )  # fmt: skip
 
     def slot_entry(self, slot: int) -> int:
         return self.slot_states + slot * SLOT_ENTRY
@@ -228,6 +249,10 @@ class Layout:
             self.slot_states,
             self.ring,
             self.rows,
+            self.arena_page_size,
+            self.arena_pages,
+            self.arena_table,
+            self.arena,
         )
 
 
@@ -244,6 +269,12 @@ class Header:
     layout: Layout
 
 
+# The largest schema blob a valid table can hold: 64 fields of at most ~300 bytes
+# each encode to under 20 KiB.  Checked before the blob is copied or decoded, so a
+# hostile header cannot make an attacher copy gigabytes.
+MAX_SCHEMA_LEN = 64 * 1024
+
+
 def read_header(raw: bytes, segment_size: int) -> Header:
     """Decode and validate a header; refuse anything inconsistent with a clear error."""
     if len(raw) < HEADER.size or segment_size < HEADER_SIZE:
@@ -257,13 +288,20 @@ def read_header(raw: bytes, segment_size: int) -> Header:
         )
     if values["header_size"] != HEADER_SIZE:
         raise CorruptTable(f"header size {values['header_size']}, expected {HEADER_SIZE}")
+    if not 0 < values["schema_len"] <= MAX_SCHEMA_LEN:
+        raise CorruptTable(f"schema length {values['schema_len']} is not in 1..{MAX_SCHEMA_LEN}")
     if values["total_size"] != segment_size:
         raise CorruptTable(
             f"header says {values['total_size']} bytes, segment has {segment_size} (truncated?)"
         )
     try:
         layout = Layout.compute(
-            values["slots"], values["row_size"], values["registry_capacity"], values["schema_len"]
+            values["slots"],
+            values["row_size"],
+            values["registry_capacity"],
+            values["schema_len"],
+            values["arena_page_size"],
+            values["arena_pages"],
         )
     except ValueError as exc:
         raise CorruptTable(f"impossible sizes in header: {exc}") from None
@@ -276,6 +314,8 @@ def read_header(raw: bytes, segment_size: int) -> Header:
         "slot_states",
         "ring",
         "rows",
+        "arena_table",
+        "arena",
     ):
         if values[region] != getattr(layout, region):
             raise CorruptTable(
@@ -284,6 +324,8 @@ def read_header(raw: bytes, segment_size: int) -> Header:
             )
     if values["ring_capacity"] != layout.ring_capacity or layout.total_size != segment_size:
         raise CorruptTable("ring capacity or total size does not match the layout")
+    if values["arena_page_size"] != layout.arena_page_size:
+        raise CorruptTable("arena page size is set for a table without an arena")
     if values["row_size"] % 64 or values["row_size"] < 64:
         raise CorruptTable(f"row size {values['row_size']} is not a positive multiple of 64")
     return Header(

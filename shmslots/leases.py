@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import LeakedViewError, LeakedViewWarning, SchemaError, StaleLeaseError
+from .handles import Pin
+from .rows import WatchedTensors
 from .states import Event, State
 
 if TYPE_CHECKING:
@@ -47,11 +49,14 @@ class _Handle:
                 f"was already handed back by this {type(self).__name__}"
             )
 
+    def _leaked(self) -> list[str]:
+        if not self._viewed:
+            return []
+        return self._table._rows.views(self.slot).leaked(self._viewed)
+
     def _check_views(self, action: str) -> None:
         """Refuse (strict) or report (default) views still alive past ownership."""
-        if not self._viewed:
-            return
-        leaked = self._table._rows.views(self.slot).leaked(self._viewed)
+        leaked = self._leaked()
         if not leaked:
             return
         message = (
@@ -72,19 +77,51 @@ class _Handle:
 class WriteSlot(_Handle):
     """A slot this process is filling; every field must be written before publish."""
 
-    __slots__ = ("_written",)
+    __slots__ = ("_pins", "_written")
 
     def __init__(self, table: SlotTable, slot: int, generation: int, tag: int) -> None:
         super().__init__(table, slot, generation, tag)
         self._written: set[str] = set()
+        self._pins: dict[str, Pin] = {}
 
     def write(self, **fields: Any) -> WriteSlot:
-        """Copy values into the row; all are checked before any byte changes."""
+        """Copy values into the row; all are checked before any byte changes.
+
+        A handle field's tensor is pinned (arena copy, or the CUDA tensor kept
+        referenced) until this slot's generation moves on.
+        """
         self._check_open("write")
         rows = self._table._rows
-        rows.write(self.slot, rows.prepare(fields))
+        plan = rows.prepare(fields)
+        handles = [i for i, (name, _) in enumerate(plan) if rows.schema.slots[name].field.is_handle]
+        if handles:
+            plan = self._pin_handles(plan, handles)
+        rows.write(self.slot, plan)
         self._written.update(fields)
         return self
+
+    def _pin_handles(
+        self, plan: list[tuple[str, Any]], handles: list[int]
+    ) -> list[tuple[str, Any]]:
+        store = self._table._handles
+        schema = self._table._rows.schema
+        encoded: dict[int, tuple[bytes, Pin]] = {}
+        try:
+            for i in handles:
+                name, tensor = plan[i]
+                encoded[i] = store.pin(self.slot, self.generation, schema.slots[name].field, tensor)
+        except BaseException:
+            for _, pin in encoded.values():
+                store.unpin(pin)
+            raise
+        plan = list(plan)
+        for i, (blob, pin) in encoded.items():
+            name = plan[i][0]
+            if name in self._pins:
+                store.unpin(self._pins[name])  # overwritten before anyone could see it
+            self._pins[name] = pin
+            plan[i] = (name, blob)
+        return plan
 
     def view(self, name: str) -> torch.Tensor:
         """The field's row memory, to fill in place (zero copy); counts as written."""
@@ -144,31 +181,55 @@ class Reservation(_Handle):
 class Lease(_Handle):
     """A READY slot taken by this process; views are valid until release or abort."""
 
-    __slots__ = ("deliveries",)
+    __slots__ = ("_opened", "deliveries")
 
     def __init__(
         self, table: SlotTable, slot: int, generation: int, tag: int, deliveries: int
     ) -> None:
         super().__init__(table, slot, generation, tag)
         self.deliveries = deliveries
+        self._opened: WatchedTensors | None = None
 
     def view(self, name: str) -> torch.Tensor:
-        """Zero-copy tensor over the field; valid only while the lease is held."""
+        """Zero-copy tensor over an inline field; valid only while the lease is held."""
         self._check_open("view")
         try:
             tensor = self._table._rows.views(self.slot).tensors[name]
         except KeyError:
-            raise SchemaError(f"no field {name!r}") from None
+            raise SchemaError(f"no inline field {name!r} (handle fields: tensor())") from None
         self._viewed.add(name)
         return tensor
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The field as a tensor, inline or handle; zero copy, valid while the lease is held.
+
+        A handle is opened once per lease: an arena view, or the CUDA tensor
+        rebuilt on this process's device with the same UUID.
+        """
+        fs = self._table._rows.schema.slots.get(name)
+        if fs is None or not fs.field.is_handle:
+            return self.view(name)
+        self._check_open("open a handle of")
+        if self._opened is None or name not in self._opened.tensors:
+            opened = dict(self._opened.tensors) if self._opened else {}
+            opened[name] = self._open_handle(name)
+            self._opened = WatchedTensors(opened)
+        return self._opened.tensors[name]
+
+    def _open_handle(self, name: str) -> torch.Tensor:
+        table = self._table
+        raw = table._rows.field_bytes(self.slot, name)
+        return table._handles.open(raw, self.slot, self.generation, name)
 
     def copy(self, name: str) -> torch.Tensor:
         """An owned copy of the field that outlives the lease."""
         self._check_open("copy")
-        try:
-            return self._table._rows.views(self.slot).tensors[name].clone()
-        except KeyError:
-            raise SchemaError(f"no field {name!r}") from None
+        fs = self._table._rows.schema.slots.get(name)
+        if fs is None:
+            raise SchemaError(f"no field {name!r}")
+        if fs.field.is_handle:
+            return self._open_handle(name).clone()
+        return self._table._rows.views(self.slot).tensors[name].clone()
 
     def verify(self) -> bool:
         """True if the row is still exactly what was published under this generation."""
@@ -183,6 +244,12 @@ class Lease(_Handle):
         """End the lease without consuming (request aborted); the slot is FREE at once."""
         self._end(_ABORT, "aborts", "abort")
 
+    def _leaked(self) -> list[str]:
+        leaked = super()._leaked()
+        if self._opened is not None:
+            leaked += self._opened.leaked(set(self._opened.tensors))
+        return leaked
+
     def _end(self, event: int, counter: str, action: str) -> None:
         self._check_open(action)
         self._check_views(action)
@@ -190,6 +257,7 @@ class Lease(_Handle):
         own.free(self.slot, self.generation, _HELD, event)
         own.count(counter)
         self._open = False
+        self._opened = None
 
     def __enter__(self) -> Lease:
         return self

@@ -18,7 +18,7 @@ import torch
 
 from . import layout as L
 from .errors import SchemaError
-from .schema import ROW_HEADER_SIZE, FieldSlot, RowSchema
+from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
 
 _use_count = torch._C._storage_Use_Count
 
@@ -28,25 +28,26 @@ _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
 _ROW_HEADER = struct.Struct("<QI")
 
 
-class SlotViews:
-    """The field tensors of one slot, with the reference counts they have at rest."""
+def reference_counts(t: torch.Tensor) -> tuple[int, int]:
+    """(Python references to `t`, tensors sharing its storage) — both rise with any view."""
+    return sys.getrefcount(t), _use_count(t.untyped_storage()._cdata)
+
+
+class WatchedTensors:
+    """Tensors handed out to callers, with the reference counts they have at rest."""
 
     __slots__ = ("_baseline", "tensors")
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
         # Same expression shape as in leaked(), so temporaries count the same.
-        self._baseline = {n: self._counts(tensors[n]) for n in tensors}
-
-    @staticmethod
-    def _counts(t: torch.Tensor) -> tuple[int, int]:
-        return sys.getrefcount(t), _use_count(t.untyped_storage()._cdata)
+        self._baseline = {n: reference_counts(tensors[n]) for n in tensors}
 
     def leaked(self, names: set[str]) -> list[str]:
-        """Fields among `names` that something outside this cache still references."""
+        """Names among `names` whose tensor something outside still references."""
         leaked = []
         for n in names:
-            refs, uses = self._counts(self.tensors[n])
+            refs, uses = reference_counts(self.tensors[n])
             base_refs, base_uses = self._baseline[n]
             if refs > base_refs or uses > base_uses:
                 leaked.append(n)
@@ -59,15 +60,19 @@ class Rows:
         self._mv = memoryview(mm)
         self._layout = lay
         self.schema = schema
-        self._views: list[SlotViews | None] = [None] * lay.slots
+        self._views: list[WatchedTensors | None] = [None] * lay.slots
         self._payload = (ROW_HEADER_SIZE, schema.row_size)
 
-    def views(self, slot: int) -> SlotViews:
+    def views(self, slot: int) -> WatchedTensors:
         cached = self._views[slot]
         if cached is None:
             base = self._layout.row(slot)
-            cached = self._views[slot] = SlotViews(
-                {name: self._field_view(base, fs) for name, fs in self.schema.slots.items()}
+            cached = self._views[slot] = WatchedTensors(
+                {
+                    name: self._field_view(base, fs)
+                    for name, fs in self.schema.slots.items()
+                    if not fs.field.is_handle
+                }
             )
         return cached
 
@@ -75,7 +80,7 @@ class Rows:
         """A tensor over one field with a storage of its own (no intermediate kept alive)."""
         f = fs.field
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=f.nbytes, offset=row + fs.offset)
-        return raw.view(f.torch_dtype).view(f.shape)
+        return raw.view(f.torch_dtype).view(f.fixed_shape)
 
     def prepare(self, values: dict[str, Any]) -> list[tuple[str, Any]]:
         """Check every value against the schema before any byte is written."""
@@ -88,12 +93,14 @@ class Rows:
             if isinstance(value, torch.Tensor):
                 if value.dtype != f.torch_dtype:
                     raise SchemaError(f"field {name!r} is {f.dtype}, got a {value.dtype} tensor")
-                if tuple(value.shape) != f.shape:
+                if f.is_handle:
+                    _check_handle_tensor(f, value)
+                elif tuple(value.shape) != f.shape:
                     raise SchemaError(
                         f"field {name!r} has shape {f.shape}, got {tuple(value.shape)}"
                     )
                 plan.append((name, value))
-            elif f.shape == () and _is_scalar_for(f.dtype, value):
+            elif f.shape == () and not f.is_handle and _is_scalar_for(f.dtype, value):
                 code = _SCALAR_CODES.get(f.dtype)
                 if code is None:
                     plan.append((name, torch.tensor(value, dtype=f.torch_dtype)))
@@ -113,6 +120,7 @@ class Rows:
         return plan
 
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
+        """Copy a checked plan in; handle fields must already be encoded to bytes."""
         views = self.views(slot).tensors
         base = self._layout.row(slot)
         for name, value in plan:
@@ -121,6 +129,12 @@ class Rows:
                 self._mv[off : off + len(value)] = value
             else:
                 views[name].copy_(value)
+
+    def field_bytes(self, slot: int, name: str) -> bytes:
+        """A copy of the field's bytes in the row (handles are decoded from these)."""
+        fs = self.schema.slots[name]
+        off = self._layout.row(slot) + fs.offset
+        return bytes(self._mv[off : off + fs.field.nbytes])
 
     def checksum(self, slot: int) -> int:
         base = self._layout.row(slot)
@@ -145,6 +159,15 @@ class Rows:
         self._views = [None] * self._layout.slots
         self._mv.release()
         return leaked
+
+
+def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:
+    if not f.accepts_shape(tuple(value.shape)):
+        raise SchemaError(f"field {f.name!r} has shape {f.shape}, got {tuple(value.shape)}")
+    if not value.is_contiguous():
+        raise SchemaError(f"field {f.name!r}: handle tensors must be contiguous")
+    if value.device.type not in ("cpu", "cuda"):
+        raise SchemaError(f"field {f.name!r}: tensors on {value.device} cannot be shared")
 
 
 def _is_scalar_for(dtype: str, value: object) -> bool:

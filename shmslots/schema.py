@@ -32,15 +32,26 @@ MAX_DIMS = 4
 MAX_ROW_SIZE = 64 * 1024 * 1024
 MAX_FIELDS = 64
 MAX_NAME = 64
+DEFAULT_HANDLE_BUDGET = 512
+MIN_HANDLE_BUDGET = 64
+MAX_HANDLE_BUDGET = 4096
 
 
 @dataclass(frozen=True)
 class Field:
-    """One named, fixed-shape tensor in every row."""
+    """One named tensor in every row.
+
+    kind="inline": a fixed-shape tensor stored in the row itself.
+    kind="handle": a tensor that stays in the producer's memory (CUDA) or in
+    the table's arena (CPU); the row stores a handle to it, at most `budget`
+    bytes. A handle field's shape may have one variable dimension (None).
+    """
 
     name: str
     dtype: str
-    shape: tuple[int, ...] = ()
+    shape: tuple[int | None, ...] = ()
+    kind: str = "inline"
+    budget: int = DEFAULT_HANDLE_BUDGET
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -51,14 +62,27 @@ class Field:
             raise SchemaError(
                 f"field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPES)}"
             )
+        if self.kind not in ("inline", "handle"):
+            raise SchemaError(f"field {self.name!r}: kind must be 'inline' or 'handle'")
         shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else None
+        free = 1 if self.kind == "handle" else 0
         if (
             shape is None
             or len(shape) > MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+            or not all(_is_dim(d) or d is None for d in shape)
+            or sum(d is None for d in shape) > free
+            or math.prod(d or 1 for d in shape) > MAX_ROW_SIZE
+        ):
+            what = "positive ints" + (" and at most one None" if free else "")
+            raise SchemaError(
+                f"field {self.name!r}: shape {self.shape!r} must be up to {MAX_DIMS} {what}"
+            )
+        if self.kind == "handle" and not (
+            _is_dim(self.budget) and MIN_HANDLE_BUDGET <= self.budget <= MAX_HANDLE_BUDGET
         ):
             raise SchemaError(
-                f"field {self.name!r}: shape {self.shape!r} must be up to {MAX_DIMS} positive ints"
+                f"field {self.name!r}: handle budget must be "
+                f"{MIN_HANDLE_BUDGET}..{MAX_HANDLE_BUDGET} bytes"
             )
         object.__setattr__(self, "shape", shape)
 
@@ -67,8 +91,29 @@ class Field:
         return DTYPES[self.dtype]
 
     @property
+    def is_handle(self) -> bool:
+        return self.kind == "handle"
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.torch_dtype.itemsize
+        """Bytes the field takes in the row."""
+        if self.is_handle:
+            return self.budget
+        return math.prod(d or 1 for d in self.shape) * self.torch_dtype.itemsize
+
+    @property
+    def fixed_shape(self) -> tuple[int, ...]:
+        """The shape of an inline field (no variable dimension)."""
+        return tuple(d or 1 for d in self.shape)
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.shape) and all(
+            want is None or want == got for want, got in zip(self.shape, shape, strict=True)
+        )
+
+
+def _is_dim(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d > 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +164,10 @@ class RowSchema:
 
     def encode(self) -> bytes:
         blob: bytes = msgpack.packb(
-            {"v": 1, "fields": [[f.name, f.dtype, list(f.shape)] for f in self.fields]}
+            {
+                "v": 1,
+                "fields": [[f.name, f.dtype, list(f.shape), f.kind, f.budget] for f in self.fields],
+            }
         )
         return blob
 
@@ -138,9 +186,11 @@ class RowSchema:
             raise SchemaError("schema blob has no version-1 field list")
         fields = []
         for entry in doc["fields"]:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)):
-                raise SchemaError(f"schema entry {entry!r} is not [name, dtype, shape]")
-            fields.append(Field(entry[0], entry[1], tuple(entry[2])))
+            if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[2], list)):
+                raise SchemaError(
+                    f"schema entry {entry!r} is not [name, dtype, shape, kind, budget]"
+                )
+            fields.append(Field(entry[0], entry[1], tuple(entry[2]), entry[3], entry[4]))
         return cls(fields)
 
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any
 
 import torch
 
 from . import layout as L
-from .errors import InvalidSlot
+from .errors import CorruptTable, InvalidSlot
+from .handles import decode as decode_handle
 from .participants import Participant, RegistryReader
 from .rows import Rows
 from .schema import Field, RowSchema
@@ -62,9 +65,11 @@ class TableSnapshot:
 @dataclass(frozen=True)
 class DecodedRow:
     slot: int
-    values: dict[str, torch.Tensor]
+    values: dict[str, torch.Tensor]  # inline fields, copied
     sealed_generation: int
     checksum_ok: bool
+    # handle fields: the decoded handle (backend, shape, dtype, ...) or {"error": why}
+    handles: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
 
 
 class TableView:
@@ -145,14 +150,21 @@ class TableView:
             raise InvalidSlot(f"slot {slot} out of range 0..{self.layout.slots - 1}")
         base = self.layout.row(slot)
         values = {}
+        handles: dict[str, dict[str, Any]] = {}
         for name, fs in self.schema.slots.items():
             f = fs.field
+            if f.is_handle:
+                try:
+                    handles[name] = decode_handle(self._rows.field_bytes(slot, name))
+                except CorruptTable as exc:
+                    handles[name] = {"error": str(exc)}
+                continue
             raw = bytearray(self._segment.mm[base + fs.offset : base + fs.offset + f.nbytes])
             values[name] = (
-                torch.frombuffer(raw, dtype=torch.uint8).view(f.torch_dtype).view(f.shape)
+                torch.frombuffer(raw, dtype=torch.uint8).view(f.torch_dtype).view(f.fixed_shape)
             )
         generation, crc = self._rows.sealed(slot)
-        return DecodedRow(slot, values, generation, crc == self._rows.checksum(slot))
+        return DecodedRow(slot, values, generation, crc == self._rows.checksum(slot), handles)
 
     def close(self) -> None:
         self._rows.close()

@@ -15,10 +15,12 @@ from typing import Literal
 
 from . import layout as L
 from ._atomic import AtomicView
+from .arena import Arena
 from .errors import (
     CorruptTable,
     SlotsExhausted,
 )
+from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot
 from .ownership import Blocked, Ownership, Taken
 from .participants import Participant, Registry
@@ -58,6 +60,9 @@ class Stats:
     queued: int
     participants: int
     overdue: int
+    arena_bytes_used: int = 0
+    arena_blocks: int = 0
+    pinned_here: int = 0  # handles this process keeps alive until their slot moves on
 
     @property
     def owned(self) -> int:
@@ -81,6 +86,9 @@ class SlotTable:
         self.participant = index
         self._own = Ownership(self._atomics, self.layout, index + 1)
         self._rows = Rows(segment.mm, self.layout, schema)
+        arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
+        self._arena = arena
+        self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
         self._closed = False
         self._last_blocked_check = 0.0
         self._head_blocked = False
@@ -101,6 +109,8 @@ class SlotTable:
         participants: int = 64,
         on_consumer_death: Literal["redeliver", "drop"] = "redeliver",
         max_hold_s: float | None = None,
+        arena_bytes: int = 0,
+        arena_page: int = 16384,
         role: str = "owner",
     ) -> SlotTable:
         """Create a new table (exclusive; mode 0600) and attach to it.
@@ -109,6 +119,8 @@ class SlotTable:
         `on_consumer_death` says what happens to slots a dead consumer held.
         `max_hold_s` makes slots out of FREE for longer show up in `overdue()`
         (reported, never reclaimed: a leak on an abort path becomes visible).
+        `arena_bytes` reserves an arena (pages of `arena_page` bytes) for the
+        CPU tensors of handle fields.
         """
         if max_hold_s is not None and not max_hold_s > 0:
             raise ValueError("max_hold_s must be positive")
@@ -118,7 +130,10 @@ class SlotTable:
         if not isinstance(slots, int) or isinstance(slots, bool):
             raise TypeError("slots must be an int")
         blob = schema.encode()
-        lay = L.Layout.compute(slots, schema.row_size, participants, len(blob))
+        if not isinstance(arena_bytes, int) or arena_bytes < 0:
+            raise ValueError("arena_bytes must be a non-negative int")
+        pages = -(-arena_bytes // arena_page) if arena_bytes else 0
+        lay = L.Layout.compute(slots, schema.row_size, participants, len(blob), arena_page, pages)
         flags = (L.FLAG_STRICT if strict else 0) | (
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
         )
@@ -189,6 +204,7 @@ class SlotTable:
     # -- writer side ------------------------------------------------------------------
     def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
+        self._handles.collect_own()  # drop tensors whose consumers are done
         slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
         self._own.count("claims")
         return WriteSlot(self, slot, generation, tag)
@@ -288,16 +304,27 @@ class SlotTable:
         self._check_open()
         self._registry.touch(self.participant)
         done = reap(self._own, self._registry, self.participant, self.drop_on_consumer_death)
+        if done and self._arena is not None:
+            done["arena_pages_freed"] = self._arena.collect(self._handles._generation_of)
         return dict(done)
+
+    def collect(self) -> int:
+        """Let go of handle tensors and arena pages whose slot has moved on; returns how many."""
+        self._check_open()
+        return self._handles.collect()
 
     def stats(self) -> Stats:
         self._check_open()
+        pages, blocks = self._arena.usage() if self._arena is not None else (0, 0)
         return Stats(
             states=self._own.occupancy(),
             counters={name: self._own.counter(name) for name in L.COUNTERS},
             queued=self._own.ring.length(),
             participants=len(self._registry.participants(self.participant)),
             overdue=len(self.overdue()),
+            arena_bytes_used=pages * self.layout.arena_page_size,
+            arena_blocks=blocks,
+            pinned_here=self._handles.pinned()[0],
         )
 
     def overdue(self) -> list[SlotAge]:

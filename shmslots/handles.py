@@ -1,0 +1,204 @@
+"""Handle fields: tensors that stay out of the row, kept alive until the slot moves on.
+
+A CPU tensor is copied once into arena pages (arena.py) owned by the write
+slot's (slot, generation); a CUDA tensor stays where it is and travels as a
+CUDA IPC description (cuda_ipc.py).  Either way the row holds a small
+msgpack handle, and the producer keeps what the handle points to — the
+pages, or a reference to the CUDA tensor — until it sees the slot's
+generation advance (release, abort or reclaim).  Readers open shm handles
+as zero-copy views of the arena.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from . import cuda_ipc
+from .arena import Arena
+from .errors import CorruptTable, SchemaError, SlotsExhausted
+from .ownership import Ownership
+from .schema import DTYPE_NAMES, DTYPES, Field
+
+_LEN = struct.Struct("<H")
+_MAX_DIMS = 8
+
+
+@dataclass
+class Pin:
+    """What one handed-out handle keeps alive in the producer."""
+
+    slot: int
+    generation: int
+    name: str
+    offset: int | None = None  # arena block
+    nbytes: int = 0
+    tensor: torch.Tensor | None = None  # a CUDA tensor kept referenced
+
+
+class HandleStore:
+    def __init__(self, own: Ownership, arena: Arena | None, mm: mmap.mmap, table: str) -> None:
+        self._own = own
+        self._arena = arena
+        self._mm = mm
+        self._table = table
+        self._pins: list[Pin] = []
+
+    # -- producer side ---------------------------------------------------------------
+    def pin(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> tuple[bytes, Pin]:
+        """Encode `tensor` for the row of (slot, generation) and keep it alive."""
+        if tensor.device.type == "cuda":
+            description = cuda_ipc.describe(tensor)
+            pin = Pin(slot, generation, f.name, tensor=tensor)
+        else:
+            pin = self._to_arena(slot, generation, f.name, tensor)
+            description = {
+                "b": "shm",
+                "arena": self._table,
+                "off": pin.offset,
+                "n": pin.nbytes,
+                "dtype": DTYPE_NAMES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "stride": list(tensor.stride()),
+            }
+        blob: bytes = msgpack.packb(description)
+        if _LEN.size + len(blob) > f.budget:
+            self.unpin(pin)
+            raise SchemaError(
+                f"field {f.name!r}: handle of {len(blob)} bytes exceeds its {f.budget}-byte budget"
+            )
+        self._pins.append(pin)
+        return _LEN.pack(len(blob)) + blob, pin
+
+    def _to_arena(self, slot: int, generation: int, name: str, tensor: torch.Tensor) -> Pin:
+        if self._arena is None:
+            raise SchemaError(
+                f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = self._arena.alloc(nbytes, slot, generation)
+        if offset is None:
+            self.collect()
+            offset = self._arena.alloc(nbytes, slot, generation)
+        if offset is None:
+            pages, blocks = self._arena.usage()
+            raise SlotsExhausted(
+                f"arena has no {nbytes} contiguous free bytes for field {name!r}",
+                {
+                    "arena_pages_used": pages,
+                    "arena_blocks": blocks,
+                    "arena_pages": self._arena.pages,
+                },
+            )
+        if nbytes:
+            dst = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
+            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
+
+    def unpin(self, pin: Pin) -> None:
+        """Let go of a pin now (a handle overwritten before publish)."""
+        if pin.offset is not None and self._arena is not None:
+            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+        pin.tensor = None
+        if pin in self._pins:
+            self._pins.remove(pin)
+
+    def collect_own(self) -> int:
+        """Drop this process's pins whose slot generation advanced; cheap, O(pins)."""
+        if not self._pins:
+            return 0
+        keep = []
+        for pin in self._pins:
+            if self._own.word(pin.slot) >> 32 == pin.generation:
+                keep.append(pin)
+            elif pin.offset is not None and self._arena is not None:
+                self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+        dropped = len(self._pins) - len(keep)
+        self._pins = keep
+        return dropped
+
+    def collect(self) -> int:
+        """collect_own, plus arena pages orphaned by any process (a dead producer's)."""
+        dropped = self.collect_own()
+        if self._arena is not None:
+            dropped += self._arena.collect(self._generation_of)
+        return dropped
+
+    def _generation_of(self, slot: int) -> int:
+        if not 0 <= slot < self._own.layout.slots:
+            return -1  # a tag naming no slot: garbage, free it
+        return self._own.word(slot) >> 32
+
+    def pinned(self) -> tuple[int, int]:
+        """(handles, bytes) this process keeps alive."""
+        size = 0
+        for pin in self._pins:
+            size += pin.nbytes or (
+                pin.tensor.numel() * pin.tensor.element_size() if pin.tensor is not None else 0
+            )
+        return len(self._pins), size
+
+    # -- reader side --------------------------------------------------------------------
+    def open(self, raw: bytes, slot: int, generation: int, name: str) -> torch.Tensor:
+        """The tensor a row's handle refers to (zero copy for the arena)."""
+        d = decode(raw)
+        if d["b"] == "cuda":
+            if d["pid"] == os.getpid():  # opening in the producer: the local tensor
+                for pin in self._pins:
+                    if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
+                        assert pin.tensor is not None
+                        return pin.tensor
+            return cuda_ipc.open_tensor(d)
+        arena = self._arena
+        if arena is None or d["arena"] != self._table:
+            raise CorruptTable(f"handle of {name!r} refers to arena {d['arena']!r}, not ours")
+        start, end = d["off"], d["off"] + d["n"]
+        first = self._own.layout.arena
+        if not first <= start <= end <= first + arena.pages * arena.page_size:
+            raise CorruptTable(f"handle of {name!r} points outside the arena")
+        dtype = DTYPES[d["dtype"]]
+        if d["n"] != _numel(d["shape"]) * dtype.itemsize:
+            raise CorruptTable(f"handle of {name!r}: {d['n']} bytes for shape {d['shape']}")
+        raw_view = torch.frombuffer(self._mm, dtype=torch.uint8, count=d["n"], offset=start)
+        return raw_view.view(dtype).view(d["shape"])
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """Parse a handle from row bytes; anything malformed is CorruptTable."""
+    (length,) = _LEN.unpack_from(raw)
+    if length == 0 or _LEN.size + length > len(raw):
+        raise CorruptTable("row holds no valid handle (never written, or overwritten)")
+    try:
+        d = msgpack.unpackb(raw[_LEN.size : _LEN.size + length], raw=False, max_array_len=64)
+    except Exception as exc:
+        raise CorruptTable(f"handle is not valid msgpack: {exc}") from None
+    ok = isinstance(d, dict) and d.get("b") in ("shm", "cuda")
+    ok = ok and d.get("dtype") in DTYPES and _is_shape(d.get("shape"))
+    if ok and d["b"] == "shm":
+        ok = all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("off", "n"))
+        ok = ok and isinstance(d.get("arena"), str)
+    if not ok:
+        raise CorruptTable(f"malformed handle {d!r}")
+    result: dict[str, Any] = d
+    return result
+
+
+def _is_shape(shape: object) -> bool:
+    return (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_DIMS
+        and all(isinstance(x, int) and x >= 0 for x in shape)
+    )
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n

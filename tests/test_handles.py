@@ -1,0 +1,292 @@
+"""Handle fields: CPU tensors through the arena, CUDA tensors by IPC, alive until release."""
+
+from __future__ import annotations
+
+import os
+import signal
+from multiprocessing.queues import Queue
+
+import msgpack
+import pytest
+import torch
+from conftest import SPAWN, Children
+
+from shmslots import CorruptTable, Field, SchemaError, SlotsExhausted, SlotTable, State
+from shmslots.handles import decode
+
+MiB = 1 << 20
+HIDDEN = 4096
+FIELDS = (
+    Field("id", "int64"),
+    Field("blob", "float32", (None,), kind="handle"),
+    Field("hidden", "bfloat16", (None, HIDDEN), kind="handle"),
+)
+
+
+def blob(tag: int, n: int = MiB // 4) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) + tag
+
+
+def hidden(tag: int, n: int) -> torch.Tensor:
+    return (torch.arange(n * HIDDEN, dtype=torch.float32).view(n, HIDDEN) % 251 + tag).to(
+        torch.bfloat16
+    )
+
+
+def _table(name: str, **kw: object) -> SlotTable:
+    return SlotTable.create(name, FIELDS, slots=4, arena_bytes=8 * MiB, **kw)  # type: ignore[arg-type]
+
+
+def test_handle_fields_validate_their_declaration() -> None:
+    with pytest.raises(SchemaError, match="at most one None"):
+        Field("h", "float32", (None, None), kind="handle")
+    with pytest.raises(SchemaError, match="positive ints"):
+        Field("h", "float32", (None, 4))  # inline fields have fixed shapes
+    with pytest.raises(SchemaError, match="budget"):
+        Field("h", "float32", (4,), kind="handle", budget=8)
+    with pytest.raises(SchemaError, match="kind"):
+        Field("h", "float32", (4,), kind="pointer")
+
+
+def test_cpu_tensor_travels_zero_copy_and_is_pinned_until_release(name: str) -> None:
+    with _table(name) as t:
+        ws = t.claim(tag=1)
+        ws.write(id=1, blob=blob(1), hidden=hidden(1, 3)).publish()
+        used = t.stats().arena_bytes_used
+        assert used >= MiB + 3 * HIDDEN * 2
+        lease = t.take()
+        assert lease is not None
+        got = lease.tensor("blob")
+        assert torch.equal(got, blob(1)) and lease.tensor("hidden").shape == (3, HIDDEN)
+        assert torch.equal(lease.tensor("hidden"), hidden(1, 3))
+        again = t._handles.open(t._rows.field_bytes(lease.slot, "blob"), lease.slot, 0, "blob")
+        again[0] = -5.0  # same memory: zero copy
+        assert got[0] == -5.0
+        del got, again
+        assert t.collect() == 0 and t.stats().arena_bytes_used == used  # still held
+        lease.release()
+        assert t.stats().arena_bytes_used == used  # pages go when the producer notices
+        assert t.collect() >= 1
+        assert t.stats().arena_bytes_used == 0 and t.stats().pinned_here == 0
+
+
+@pytest.mark.parametrize("where", ["write", "lease"])
+def test_abort_frees_the_block_too(name: str, where: str) -> None:
+    with _table(name) as t:
+        ws = t.claim()
+        ws.write(id=1, blob=blob(1), hidden=hidden(1, 1))
+        if where == "write":
+            ws.abort()
+        else:
+            ws.publish()
+            lease = t.take()
+            assert lease is not None
+            lease.abort()
+        t.claim().abort()  # the producer's next claim notices the generation moved on
+        assert t.stats().arena_bytes_used == 0
+
+
+def test_overwriting_a_handle_before_publish_frees_the_old_block(name: str) -> None:
+    with _table(name) as t:
+        ws = t.claim()
+        ws.write(blob=blob(1))
+        first = t.stats().arena_bytes_used
+        ws.write(blob=blob(2))
+        assert t.stats().arena_bytes_used == first
+        ws.abort()
+
+
+def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
+    from shmslots import LeakedViewError
+
+    with _table(name, strict=True) as t:
+        t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
+        lease = t.take()
+        assert lease is not None
+        kept = lease.tensor("hidden")[0, :10]
+        with pytest.raises(LeakedViewError, match="hidden"):
+            lease.release()
+        del kept
+        lease.release()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (torch.zeros(8, 4)[:, 0], SchemaError, "contiguous"),
+        (torch.zeros(4, dtype=torch.float64), SchemaError, "float32"),
+        (torch.zeros(4, 4), SchemaError, "shape"),
+        (torch.zeros(4, device="meta"), SchemaError, "cannot be shared"),
+        (torch.zeros(16 * MiB // 4), SlotsExhausted, "arena"),
+    ],
+)
+def test_bad_handle_tensors_change_nothing(
+    name: str, value: torch.Tensor, error: type[Exception], message: str
+) -> None:
+    with _table(name) as t:
+        ws = t.claim()
+        row = t.layout.row(ws.slot)
+        before = bytes(t._segment.mm[row : row + t.layout.row_size])
+        with pytest.raises(error, match=message):
+            ws.write(id=3, hidden=hidden(3, 1), blob=value)
+        assert bytes(t._segment.mm[row : row + t.layout.row_size]) == before
+        assert t.stats().arena_bytes_used == 0
+        ws.abort()
+
+
+def test_tables_without_an_arena_refuse_cpu_handles(name: str) -> None:
+    with (
+        SlotTable.create(name, FIELDS, slots=1) as t,
+        t.claim() as ws,
+        pytest.raises(SchemaError, match="arena_bytes"),
+    ):
+        ws.write(blob=blob(1))
+
+
+def test_handle_over_budget_is_refused(name: str) -> None:
+    fields = (Field("b", "float32", (None, 3, 3, 3), kind="handle", budget=64),)
+    with SlotTable.create(name, fields, slots=1, arena_bytes=MiB) as t, t.claim() as ws:
+        with pytest.raises(SchemaError, match="budget"):
+            ws.write(b=torch.zeros(100, 3, 3, 3))
+        assert t.stats().arena_bytes_used == 0
+
+
+def test_corrupt_handles_are_refused_not_followed(name: str) -> None:
+    with _table(name) as t:
+        t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
+        lease = t.take()
+        assert lease is not None
+        off = t.layout.row(lease.slot) + t._rows.schema.slots["blob"].offset
+        bad = msgpack.packb(
+            {
+                "b": "shm",
+                "arena": name,
+                "off": 0,
+                "n": 64,
+                "dtype": "float32",
+                "shape": [16],
+                "stride": [1],
+            }
+        )
+        t._segment.mm[off : off + 2 + len(bad)] = len(bad).to_bytes(2, "little") + bad
+        with pytest.raises(CorruptTable, match="outside the arena"):
+            lease.tensor("blob")
+        t._segment.mm[off : off + 2] = b"\xff\xff"
+        with pytest.raises(CorruptTable):
+            lease.tensor("blob")
+        lease.release()
+
+
+def test_cuda_handle_description_round_trips_through_the_row_format() -> None:
+    description = {
+        "b": "cuda",
+        "pid": 1,
+        "uuid": "GPU-0000",
+        "handle": b"\x01" * 64,
+        "size": 4096,
+        "soff": 0,
+        "rc": b"\x02" * 40,
+        "rcoff": 8,
+        "event": b"\x03" * 64,
+        "sync": True,
+        "off": 0,
+        "shape": [2, 8],
+        "stride": [8, 1],
+        "dtype": "bfloat16",
+    }
+    blob_bytes = msgpack.packb(description)
+    raw = len(blob_bytes).to_bytes(2, "little") + blob_bytes + b"\0" * 10
+    assert decode(raw) == description
+    if not torch.cuda.is_available():
+        from shmslots.cuda_ipc import open_tensor
+
+        with pytest.raises(SchemaError, match="CUDA is not available"):
+            open_tensor(description)
+
+
+def produce_handles(name: str, n: int, done: Queue[int]) -> None:
+    with SlotTable.attach(name, "producer") as t:
+        for tag in range(1, n + 1):
+            t.claim(tag=tag, timeout=10).write(
+                id=tag, blob=blob(tag), hidden=hidden(tag, tag % 5 + 1)
+            ).publish()
+        while t.stats().states["FREE"] != t.slots:  # wait for the consumer, then collect
+            t.collect()
+        t.collect()
+        done.put(t.stats().arena_bytes_used)
+
+
+def test_handles_across_spawned_processes(name: str, children: Children) -> None:
+    done: Queue[int] = SPAWN.Queue()
+    with _table(name) as t:
+        children.start(produce_handles, name, 12, done)
+        for _ in range(12):
+            lease = t.take(timeout=30)
+            assert lease is not None
+            assert torch.equal(lease.tensor("blob"), blob(lease.tag))
+            assert torch.equal(lease.tensor("hidden"), hidden(lease.tag, lease.tag % 5 + 1))
+            lease.release()
+        assert done.get(timeout=30) == 0  # every block went back after its release
+        children.join_all(30)
+
+
+def take_and_die(name: str) -> None:
+    t = SlotTable.attach(name, "consumer")
+    lease = t.take(timeout=10)
+    assert lease is not None
+    lease.tensor("blob")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode", ["redeliver", "drop"])
+def test_dead_consumer_does_not_leak_the_block(name: str, children: Children, mode: str) -> None:
+    with _table(name, on_consumer_death=mode) as t:
+        t.claim(tag=7).write(id=7, blob=blob(7), hidden=hidden(7, 2)).publish()
+        proc = children.start(take_and_die, name)
+        proc.join(60)
+        t.reap()
+        if mode == "redeliver":
+            lease = t.take()
+            assert lease is not None and lease.deliveries == 1
+            assert torch.equal(lease.tensor("blob"), blob(7))
+            lease.release()
+        assert t.slot_info(0)[0] is State.FREE
+        t.collect()
+        assert t.stats().arena_bytes_used == 0
+
+
+def _cuda_producer(name: str, ready: Queue[int], release_seen: Queue[int]) -> None:
+    with SlotTable.attach(name, "producer") as t:
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        ws = t.claim(tag=1)
+        ws.write(id=1, blob=x)
+        ws.publish()
+        ready.put(1)
+        release_seen.get(timeout=60)
+        t.claim().abort()  # notices the release and lets go of x
+        ready.put(t.stats().pinned_here)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensor_between_spawned_processes(name: str, children: Children) -> None:
+    ready: Queue[int] = SPAWN.Queue()
+    release_seen: Queue[int] = SPAWN.Queue()
+    with SlotTable.create(name, FIELDS, slots=2) as t:
+        children.start(_cuda_producer, name, ready, release_seen)
+        assert ready.get(timeout=60) == 1
+        lease = t.take(timeout=10)
+        assert lease is not None
+        got = lease.tensor("blob")
+        assert got.is_cuda
+        assert torch.equal(got.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+        desc = decode(t._rows.field_bytes(lease.slot, "blob"))
+        from shmslots.cuda_ipc import device_uuid
+
+        assert desc["uuid"] == device_uuid(got.device.index or 0)
+        del got
+        assert t._handles.pinned() == (0, 0)
+        lease.release()
+        release_seen.put(1)
+        assert ready.get(timeout=60) == 0  # the producer dropped its pin after the release
+        children.join_all(60)

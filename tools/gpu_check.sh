@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# CUDA-IPC checks for a machine with a GPU (under 5 minutes):
+#   1. the CUDA tests (pytest -m cuda): a CUDA tensor written by one spawned process and read
+#      by another, keep-alive until release, device matched by UUID;
+#   2. a bandwidth figure: 64 MiB CUDA tensors handed over by handle and read on the GPU.
+# Usage, from the repository root: bash tools/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet -e '.[test]'   # a CUDA machine brings its own torch build
+fi
+. .venv/bin/activate
+nvidia-smi --query-gpu=name,uuid --format=csv,noheader || true
+timeout 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_handles.py
+timeout 120 python tools/cuda_bandwidth.py
