@@ -65,7 +65,7 @@ class Lifecycle(RuleBasedStateMachine):
     def reserve(self) -> Reservation | None:
         if not self._free_slots():
             return None
-        res = self.consumer.reserve(timeout=0.0)
+        res = self.consumer.reserve(tag=next(self.tags), timeout=0.0)
         self._set(res.slot, State.RESERVED, self.consumer.participant)
         return res
 
