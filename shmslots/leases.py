@@ -93,8 +93,8 @@ class WriteSlot(_Handle):
         self._check_open("write")
         rows = self._table._rows
         plan = rows.prepare(fields)
-        handles = [i for i, (name, _) in enumerate(plan) if rows.schema.slots[name].field.is_handle]
-        if handles:
+        if rows.schema.has_handles:
+            handles = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle]
             plan = self._pin_handles(plan, handles)
         rows.write(self.slot, plan)
         self._written.update(fields)
@@ -152,7 +152,6 @@ class WriteSlot(_Handle):
     def abort(self) -> None:
         self._check_open("abort")
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
-        self._table._own.count("aborts")
         self._open = False
 
     def __enter__(self) -> WriteSlot:
@@ -174,7 +173,6 @@ class Reservation(_Handle):
     def abort(self) -> None:
         self._check_open("abort")
         self._table._own.free(self.slot, self.generation, _RESERVED, _ABORT)
-        self._table._own.count("aborts")
         self._open = False
 
 
@@ -238,11 +236,11 @@ class Lease(_Handle):
 
     def release(self) -> None:
         """End the lease after consumption; the slot is FREE at once."""
-        self._end(_RELEASE, "releases", "release")
+        self._end(_RELEASE, "release")
 
     def abort(self) -> None:
         """End the lease without consuming (request aborted); the slot is FREE at once."""
-        self._end(_ABORT, "aborts", "abort")
+        self._end(_ABORT, "abort")
 
     def _leaked(self) -> list[str]:
         leaked = super()._leaked()
@@ -250,12 +248,10 @@ class Lease(_Handle):
             leaked += self._opened.leaked(set(self._opened.tensors))
         return leaked
 
-    def _end(self, event: int, counter: str, action: str) -> None:
+    def _end(self, event: int, action: str) -> None:
         self._check_open(action)
         self._check_views(action)
-        own = self._table._own
-        own.free(self.slot, self.generation, _HELD, event)
-        own.count(counter)
+        self._table._own.free(self.slot, self.generation, _HELD, event)
         self._open = False
         self._opened = None
 

@@ -9,58 +9,59 @@ Rules that make every step safe against a crash at any instruction:
   it, and a FREE slot never has its bit set.  A claimer that sees a clear
   bit still has to win the CAS, so a slot caught between the two steps is
   skipped, never shared.
-* A published slot is queued *before* it turns READY (ready_ring.py); a
-  reader that meets a queued slot still WRITING waits for it, and one that
-  meets a slot no longer READY at that queue position drops the entry.
+* A published slot is queued *before* it turns READY (the ready ring, see
+  _hotpath.c); a reader that meets a queued slot still WRITING waits for it,
+  and one that meets a slot no longer READY at that queue position drops
+  the entry.
 * A reaper takes a dead owner's slot over with a CAS to RECLAIMING or
   REDELIVERING under its own id, so a reaper killed halfway leaves a slot
   that the next reaper finishes, and two reapers never both act.
+
+The per-request steps (acquire, publish, take, free) run compiled in
+_hotpath.c with the transition table of states.py; the rare ones run here.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import layout as L
 from ._atomic import AtomicView
+from ._hotpath import HotPath
 from .errors import InvalidSlot, OwnershipError, SlotsExhausted
-from .ready_ring import ReadyRing
 from .states import (
     GEN_MASK,
+    OWNER_CHECKED,
+    TRANSITIONS,
     Event,
     State,
     generation_of,
     next_word,
     owner_of,
-    pack,
     state_of,
 )
 
 _M64 = (1 << 64) - 1
-_FREE = int(State.FREE)
-_RESERVED = int(State.RESERVED)
 _WRITING = int(State.WRITING)
 _READY = int(State.READY)
 _HELD = int(State.HELD)
-_RECLAIMING = int(State.RECLAIMING)
 _REDELIVERING = int(State.REDELIVERING)
-_PENDING = (_WRITING, _REDELIVERING)
-_CLAIM = int(Event.CLAIM)
-_RESERVE = int(Event.RESERVE)
-_OPEN_RESERVED = int(Event.OPEN_RESERVED)
-_PUBLISH = int(Event.PUBLISH)
 _TAKE = int(Event.TAKE)
 _RELEASE = int(Event.RELEASE)
 _ABORT = int(Event.ABORT)
+_OPEN_RESERVED = int(Event.OPEN_RESERVED)
 _RECLAIM = int(Event.RECLAIM)
 _REDELIVER = int(Event.REDELIVER)
 _FINISH = int(Event.FINISH)
+_NO_COUNTER = -1
 
 REQUEUE_TIMEOUT_S = 5.0
 RECLAIM_REASONS = {
-    _WRITING: "reclaimed_writing",
-    _RESERVED: "reclaimed_reserved",
+    int(State.WRITING): "reclaimed_writing",
+    int(State.RESERVED): "reclaimed_reserved",
     _HELD: "reclaimed_held_dropped",
 }
 
@@ -80,16 +81,63 @@ class Taken:
     deliveries: int
 
 
+def _transition_table() -> bytes:
+    table = bytearray(b"\xff" * 256)
+    for (state, event), target in TRANSITIONS.items():
+        table[16 * state + event] = target
+    return bytes(table)
+
+
+def _bits(members: Iterable[int]) -> int:
+    mask = 0
+    for member in members:
+        mask |= 1 << member
+    return mask
+
+
+def hot_path(buffer: mmap.mmap, lay: L.Layout, me: int) -> HotPath:
+    """The compiled per-request steps, bound to this layout and transition table."""
+    sync = lay.sync
+    return HotPath(
+        buffer,
+        bitmap=lay.bitmap,
+        nwords=lay.bitmap_words,
+        tail_mask=_M64 & ~((1 << (lay.slots % 64)) - 1) if lay.slots % 64 else 0,
+        entries=lay.slot_states,
+        entry_size=L.SLOT_ENTRY,
+        nslots=lay.slots,
+        tag_off=L.SLOT_TAG,
+        stamp_off=L.SLOT_STAMP,
+        qpos_off=L.SLOT_QUEUE_POS,
+        deliveries_off=L.SLOT_DELIVERIES,
+        ring=lay.ring,
+        ring_cap=lay.ring_capacity,
+        head=sync + L.RING_HEAD,
+        tail=sync + L.RING_TAIL,
+        publish_seq=sync + L.PUBLISH_SEQ,
+        readers_waiting=sync + L.READERS_WAITING,
+        release_seq=sync + L.RELEASE_SEQ,
+        claimers_waiting=sync + L.CLAIMERS_WAITING,
+        publishes_counter=lay.counters + L.COUNTER_OFFSET["publishes"],
+        takes_counter=lay.counters + L.COUNTER_OFFSET["takes"],
+        me=me,
+        transitions=_transition_table(),
+        owner_checked=_bits(OWNER_CHECKED),
+        events=(int(Event.CLAIM), int(Event.PUBLISH), int(Event.TAKE)),
+        states=(int(State.FREE), _WRITING, _READY, _HELD),
+        pending_states=_bits((State.WRITING, State.REDELIVERING)),
+    )
+
+
 class Ownership:
     """Transitions of slots for one participant (`me` is its owner id)."""
 
-    def __init__(self, atomics: AtomicView, lay: L.Layout, me: int) -> None:
+    def __init__(self, atomics: AtomicView, buffer: mmap.mmap, lay: L.Layout, me: int) -> None:
         self.a = atomics
         self.layout = lay
         self.me = me
-        self.ring = ReadyRing(atomics, lay)
+        self.hot = hot_path(buffer, lay, me)
         self._bitmap = lay.bitmap
-        self._words = lay.bitmap_words
         self._entries = lay.slot_states
         self._nslots = lay.slots
         self._counters = lay.counters
@@ -98,9 +146,15 @@ class Ownership:
         self.readers_waiting = sync + L.READERS_WAITING
         self.release_seq = sync + L.RELEASE_SEQ
         self.claimers_waiting = sync + L.CLAIMERS_WAITING
-        self._hint = 0
-        # Bits past the last slot count as owned, so scans never pick them.
-        self._tail_mask = _M64 & ~((1 << (lay.slots % 64)) - 1) if lay.slots % 64 else 0
+        self._acquire_counter = {
+            int(Event.CLAIM): self.counter_offset("claims"),
+            int(Event.RESERVE): self.counter_offset("reserves"),
+        }
+        self._free_counter = {
+            _RELEASE: self.counter_offset("releases"),
+            _ABORT: self.counter_offset("aborts"),
+            _FINISH: _NO_COUNTER,
+        }
 
     # -- small helpers ---------------------------------------------------------------
     def entry(self, slot: int) -> int:
@@ -108,6 +162,9 @@ class Ownership:
 
     def word(self, slot: int) -> int:
         return self.a.load(self._entries + slot * L.SLOT_ENTRY)
+
+    def counter_offset(self, name: str) -> int:
+        return self._counters + L.COUNTER_OFFSET[name]
 
     def count(self, name: str, n: int = 1) -> None:
         self.a.add(self._counters + L.COUNTER_OFFSET[name], n)
@@ -118,43 +175,17 @@ class Ownership:
     def bit(self, slot: int) -> bool:
         return bool(self.a.load(self._bitmap + 8 * (slot >> 6)) >> (slot & 63) & 1)
 
-    def _stamp(self, entry: int) -> None:
-        self.a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-
     def check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._nslots:
             raise InvalidSlot(f"slot {slot!r} out of range 0..{self._nslots - 1}")
 
+    def queued(self) -> int:
+        return self.hot.queued()
+
     # -- FREE -> owned ---------------------------------------------------------------
     def acquire_free(self, event: int, tag: int) -> tuple[int, int] | None:
         """Take any FREE slot (CLAIM or RESERVE); (slot, generation) or None if none."""
-        a = self.a
-        nwords = self._words
-        last = nwords - 1
-        for step in range(nwords):
-            wi = (self._hint + step) % nwords
-            woff = self._bitmap + 8 * wi
-            bits = a.load(woff)
-            if wi == last:
-                bits |= self._tail_mask
-            free = ~bits & _M64
-            while free:
-                low = free & -free
-                slot = wi * 64 + low.bit_length() - 1
-                entry = self._entries + slot * L.SLOT_ENTRY
-                word = a.load(entry)
-                if word & 0xFFFF == _FREE:
-                    new = next_word(word, event, self.me)
-                    if a.cas(entry, word, new):
-                        a.fetch_or(woff, low)
-                        a.store(entry + L.SLOT_TAG, tag)
-                        a.store(entry + L.SLOT_QUEUE_POS, L.NO_QUEUE_POS)
-                        a.store(entry + L.SLOT_DELIVERIES, 0)
-                        a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-                        self._hint = wi
-                        return slot, new >> 32
-                free ^= low
-        return None
+        return self.hot.acquire(event, tag, self._acquire_counter[event])
 
     # -- owned -> owned ----------------------------------------------------------------
     def open_reserved(self, slot: int, generation: int) -> None:
@@ -168,106 +199,44 @@ class Ownership:
             )
         if not self.a.cas(entry, word, next_word(word, _OPEN_RESERVED, self.me)):
             raise OwnershipError(f"slot {slot} changed while being opened; reservation is stale")
-        self._stamp(entry)
+        self.a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
 
     def publish(self, slot: int, generation: int, timeout: float) -> None:
         """Queue the slot, then turn it READY; waits for queue room up to `timeout`."""
-        entry = self.entry(slot)
-        mine = self.expect(slot, generation, _WRITING)
-        self._push(slot, timeout)
-        if not self.a.cas(entry, mine, next_word(mine, _PUBLISH, self.me)):
-            raise OwnershipError(f"slot {slot} was taken from its writer during publish")
-        self.a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-        self.count("publishes")
-        a = self.a
-        a.add32(self.publish_seq, 1)
-        if a.load(self.readers_waiting):
-            a.futex_wake(self.publish_seq, -1)
-
-    def _push(self, slot: int, timeout: float) -> None:
-        """Queue the slot, dropping stale entries and waiting while the ring is full."""
         deadline = time.monotonic() + timeout
-        while self.ring.push(slot, self.entry(slot) + L.SLOT_QUEUE_POS) is None:
-            self._drop_stale_head()
+        while (result := self.hot.publish(slot, generation)) == -2:
+            self._make_room(deadline)
+        if result == -1:
+            raise self._not_mine(slot, generation, _WRITING)
+
+    def _make_room(self, deadline: float) -> None:
+        """The ring was full: drop a stale head entry, or wait a little (until `deadline`)."""
+        if not self.hot.drop_stale_head():
             if time.monotonic() >= deadline:
                 raise SlotsExhausted("ready queue full", self.occupancy())
             time.sleep(0.0005)
 
-    def expect(self, slot: int, generation: int, state: int) -> int:
-        """The word this participant must see to act on the slot, or OwnershipError."""
-        want = pack(generation, self.me, State(state))
-        word = self.a.load(self.entry(slot))
-        if word != want:
-            raise OwnershipError(
-                f"slot {slot}: expected {State(state).name} generation {generation} owned by "
-                f"participant {self.me - 1}, found {describe_word(word)}"
-            )
-        return want
+    def _not_mine(self, slot: int, generation: int, state: int) -> OwnershipError:
+        return OwnershipError(
+            f"slot {slot}: expected {State(state).name} generation {generation} owned by "
+            f"participant {self.me - 1}, found {describe_word(self.word(slot))}"
+        )
 
     # -- READY -> HELD ------------------------------------------------------------------
     def take(self) -> Taken | Blocked | None:
         """Take the oldest READY slot; None if the queue is empty."""
-        a = self.a
-        ring = self.ring
-        while True:
-            head = ring.peek()
-            if head is None:
-                return None
-            pos, slot = head
-            entry = self._entries + slot * L.SLOT_ENTRY
-            word = a.load(entry)
-            state = word & 0xFFFF
-            if a.load(entry + L.SLOT_QUEUE_POS) == pos:
-                if state == _READY:
-                    new = next_word(word, _TAKE, self.me)
-                    if a.cas(entry, word, new):
-                        ring.pop(pos, slot)
-                        a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-                        return Taken(
-                            slot,
-                            word >> 32,
-                            a.load(entry + L.SLOT_TAG),
-                            a.load(entry + L.SLOT_DELIVERIES),
-                        )
-                    continue
-                if state in _PENDING:
-                    return Blocked(owner_of(word))
-            ring.pop(pos, slot)  # stale: taken, cancelled or requeued elsewhere
-
-    def _drop_stale_head(self) -> None:
-        head = self.ring.peek()
-        if head is not None:
-            pos, slot = head
-            entry = self.entry(slot)
-            word = self.a.load(entry)
-            if self.a.load(entry + L.SLOT_QUEUE_POS) != pos or state_of(word) not in (
-                State.READY,
-                State.WRITING,
-                State.REDELIVERING,
-            ):
-                self.ring.pop(pos, slot)
+        got = self.hot.take()
+        if got is None:
+            return None
+        if isinstance(got, int):
+            return Blocked(got)
+        return Taken(*got)
 
     # -- owned -> FREE --------------------------------------------------------------
     def free(self, slot: int, generation: int, state: int, event: int) -> None:
         """Hand an owned slot back: clear its bit, then CAS to FREE (generation + 1)."""
-        mine = self.expect(slot, generation, state)
-        self._free_owned(slot, mine, next_word(mine, event, self.me))
-
-    def _free_owned(self, slot: int, mine: int, new: int) -> None:
-        a = self.a
-        entry = self._entries + slot * L.SLOT_ENTRY
-        woff = self._bitmap + 8 * (slot >> 6)
-        bit = 1 << (slot & 63)
-        a.fetch_and(woff, ~bit & _M64)
-        if not a.cas(entry, mine, new):
-            a.fetch_or(woff, bit)
-            raise OwnershipError(
-                f"slot {slot} changed under its owner: {describe_word(self.word(slot))}"
-            )
-        a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-        a.add32(self.release_seq, 1)
-        if a.load(self.claimers_waiting):
-            a.futex_wake(self.release_seq, -1)
+        if self.hot.free(slot, generation, state, event, self._free_counter[event]):
+            raise self._not_mine(slot, generation, state)
 
     def cancel(self, tag: int) -> int:
         """Abort every READY slot carrying `tag` (a request cancelled before pickup)."""
@@ -277,13 +246,11 @@ class Ownership:
             word = self.a.load(entry)
             if state_of(word) != State.READY or self.a.load(entry + L.SLOT_TAG) != tag:
                 continue
-            held = next_word(word, _TAKE, self.me)
-            if self.a.cas(entry, word, held):
-                self._free_owned(slot, held, next_word(held, _ABORT, self.me))
+            if self.a.cas(entry, word, next_word(word, _TAKE, self.me)):
+                self.free(slot, generation_of(word), _HELD, _ABORT)
                 cancelled += 1
         if cancelled:
             self.count("cancels", cancelled)
-            self.count("aborts", cancelled)
         return cancelled
 
     # -- recovery -------------------------------------------------------------------
@@ -296,6 +263,7 @@ class Ownership:
         a = self.a
         entry = self.entry(slot)
         state = word & 0xFFFF
+        generation = generation_of(word)
         reason: str | None = None
         if state == _REDELIVERING or (state == _HELD and not drop_held):
             mine = next_word(word, _REDELIVER, self.me)
@@ -308,20 +276,21 @@ class Ownership:
                 self.count(reason)
                 a.add(entry + L.SLOT_DELIVERIES, 1)
             a.store(entry + L.SLOT_QUEUE_POS, L.NO_QUEUE_POS)
-            self._push(slot, timeout=REQUEUE_TIMEOUT_S)
+            deadline = time.monotonic() + REQUEUE_TIMEOUT_S
+            while self.hot.push(slot) < 0:
+                self._make_room(deadline)
             a.cas(entry, mine, next_word(mine, _FINISH, self.me))
             a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
             a.add32(self.publish_seq, 1)
             if a.load(self.readers_waiting):
                 a.futex_wake(self.publish_seq, -1)
             return reason
-        mine = next_word(word, _RECLAIM, self.me)
-        if not a.cas(entry, word, mine):
+        if not a.cas(entry, word, next_word(word, _RECLAIM, self.me)):
             return None
         reason = RECLAIM_REASONS.get(state)
         if reason is not None:
             self.count(reason)
-        self._free_owned(slot, mine, next_word(mine, _FINISH, self.me))
+        self.free(slot, generation, int(State.RECLAIMING), _FINISH)
         return reason
 
     # -- observation ----------------------------------------------------------------

@@ -12,11 +12,13 @@ import mmap
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import layout as L
+from ._atomic import AtomicView
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
 
@@ -55,11 +57,17 @@ class WatchedTensors:
 
 
 class Rows:
-    def __init__(self, mm: mmap.mmap, lay: L.Layout, schema: RowSchema) -> None:
+    def __init__(
+        self, mm: mmap.mmap, lay: L.Layout, schema: RowSchema, atomics: AtomicView | None = None
+    ) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
+        self._atomics = atomics  # None for a read-only mapping: no writes
         self._layout = lay
         self.schema = schema
+        self._offsets = {name: fs.offset for name, fs in schema.slots.items()}
+        # name -> (field, torch dtype, packer for a Python number or None), built once
+        self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
         self._views: list[WatchedTensors | None] = [None] * lay.slots
         self._payload = (ROW_HEADER_SIZE, schema.row_size)
 
@@ -85,50 +93,50 @@ class Rows:
     def prepare(self, values: dict[str, Any]) -> list[tuple[str, Any]]:
         """Check every value against the schema before any byte is written."""
         plan: list[tuple[str, Any]] = []
+        specs = self._specs
         for name, value in values.items():
-            fs = self.schema.slots.get(name)
-            if fs is None:
+            spec = specs.get(name)
+            if spec is None:
                 raise SchemaError(f"no field {name!r}; fields are {list(self.schema.slots)}")
-            f = fs.field
+            f, dtype, scalar = spec
             if isinstance(value, torch.Tensor):
-                if value.dtype != f.torch_dtype:
+                if value.dtype is not dtype:
                     raise SchemaError(f"field {name!r} is {f.dtype}, got a {value.dtype} tensor")
                 if f.is_handle:
                     _check_handle_tensor(f, value)
-                elif tuple(value.shape) != f.shape:
+                elif value.shape != f.shape:
                     raise SchemaError(
                         f"field {name!r} has shape {f.shape}, got {tuple(value.shape)}"
                     )
                 plan.append((name, value))
-            elif f.shape == () and not f.is_handle and _is_scalar_for(f.dtype, value):
-                code = _SCALAR_CODES.get(f.dtype)
-                if code is None:
-                    plan.append((name, torch.tensor(value, dtype=f.torch_dtype)))
-                    continue
+            elif scalar is not None and _is_scalar_for(f.dtype, value):
                 try:
-                    plan.append((name, struct.pack(code, value)))
-                except (struct.error, OverflowError):
+                    plan.append((name, scalar(value)))
+                except (struct.error, OverflowError, RuntimeError):
                     raise SchemaError(
                         f"value {value!r} does not fit field {name!r} ({f.dtype})"
                     ) from None
             else:
                 raise SchemaError(
                     f"field {name!r} takes a {f.dtype} tensor of shape {f.shape}"
-                    + (" or a Python number" if f.shape == () else "")
+                    + (" or a Python number" if scalar is not None else "")
                     + f", got {type(value).__name__}"
                 )
         return plan
 
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
         """Copy a checked plan in; handle fields must already be encoded to bytes."""
-        views = self.views(slot).tensors
         base = self._layout.row(slot)
+        offsets = self._offsets
+        copy_in = self._atomics.copy_in if self._atomics is not None else None
         for name, value in plan:
-            if isinstance(value, bytes):
-                off = base + self.schema.slots[name].offset
+            off = base + offsets[name]
+            if type(value) is bytes:
                 self._mv[off : off + len(value)] = value
+            elif copy_in is not None and value.is_cpu and value.is_contiguous():
+                copy_in(off, value.data_ptr(), value.nbytes)  # a memcpy, no torch dispatch
             else:
-                views[name].copy_(value)
+                self.views(slot).tensors[name].copy_(value)
 
     def field_bytes(self, slot: int, name: str) -> bytes:
         """A copy of the field's bytes in the row (handles are decoded from these)."""
@@ -159,6 +167,20 @@ class Rows:
         self._views = [None] * self._layout.slots
         self._mv.release()
         return leaked
+
+
+def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None]:
+    scalar: Callable[[Any], Any] | None = None
+    if f.shape == () and not f.is_handle:
+        code = _SCALAR_CODES.get(f.dtype)
+        if code is not None:
+            scalar = struct.Struct(code).pack
+        else:  # bfloat16 has no struct code
+
+            def scalar(value: Any, dtype: torch.dtype = f.torch_dtype) -> Any:
+                return torch.tensor(value, dtype=dtype)
+
+    return f, f.torch_dtype, scalar
 
 
 def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:

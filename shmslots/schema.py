@@ -149,6 +149,7 @@ class RowSchema:
             slots[f.name] = FieldSlot(f, offset)
             offset += f.nbytes
         self.row_size = _round_up(offset, ROW_ALIGN)
+        self.has_handles = any(f.is_handle for f in self.fields)
         if self.row_size > MAX_ROW_SIZE:
             raise SchemaError(f"row of {self.row_size} bytes exceeds the {MAX_ROW_SIZE} limit")
         self.slots = slots

@@ -96,7 +96,7 @@ def generation_of(word: int) -> int:
 
 # The same table with plain ints: enum construction costs more than a CAS.
 _NEXT = {(int(s), int(e)): int(t) for (s, e), t in TRANSITIONS.items()}
-_OWNER_CHECKED = frozenset(int(e) for e in Event) - _ACQUIRING - _TAKEOVER
+OWNER_CHECKED = frozenset(int(e) for e in Event) - _ACQUIRING - _TAKEOVER
 
 
 def next_word(word: int, event: int, actor: int) -> int:
@@ -111,7 +111,7 @@ def next_word(word: int, event: int, actor: int) -> int:
         raise OwnershipError(
             f"cannot {Event(event).name.lower()} a slot that is {State(state).name}"
         )
-    if event in _OWNER_CHECKED and (word >> _OWNER_SHIFT) & _OWNER_MASK != actor:
+    if event in OWNER_CHECKED and (word >> _OWNER_SHIFT) & _OWNER_MASK != actor:
         owner = (word >> _OWNER_SHIFT) & _OWNER_MASK
         raise OwnershipError(
             f"cannot {Event(event).name.lower()} a {State(state).name} slot "

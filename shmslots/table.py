@@ -22,9 +22,8 @@ from .errors import (
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot
-from .ownership import Blocked, Ownership, Taken
+from .ownership import Blocked, Ownership, Taken, hot_path
 from .participants import Participant, Registry
-from .ready_ring import ReadyRing
 from .recovery import reap, reclaim_owner
 from .rows import Rows
 from .schema import Field, RowSchema
@@ -84,8 +83,8 @@ class SlotTable:
         self._registry = Registry(self._atomics, self._mv, self.layout, segment.fd)
         index, died_here = self._registry.register(role, name)
         self.participant = index
-        self._own = Ownership(self._atomics, self.layout, index + 1)
-        self._rows = Rows(segment.mm, self.layout, schema)
+        self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
+        self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
         arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
         self._arena = arena
         self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
@@ -141,11 +140,11 @@ class SlotTable:
         try:
             mm = segment.mm
             mm[lay.schema : lay.schema + len(blob)] = blob
-            ring_init = AtomicView(mm)
+            ring = hot_path(mm, lay, me=0)
             try:
-                ReadyRing(ring_init, lay).initialise()
+                ring.init_ring()
             finally:
-                ring_init.release()
+                ring.release()
             header = lay.pack_header(
                 uid=os.getuid(),
                 pid=os.getpid(),
@@ -206,13 +205,11 @@ class SlotTable:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
         self._handles.collect_own()  # drop tensors whose consumers are done
         slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
-        self._own.count("claims")
         return WriteSlot(self, slot, generation, tag)
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
         """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
         slot, generation = self._acquire(_RESERVE, tag, timeout, "reserve")
-        self._own.count("reserves")
         return Reservation(self, slot, generation, tag)
 
     def open_reserved(self, slot: int, generation: int) -> WriteSlot:
@@ -276,7 +273,6 @@ class SlotTable:
             self._head_blocked = type(got) is Blocked
             return None
         lease = Lease(self, got.slot, got.generation, got.tag, got.deliveries)
-        self._own.count("takes")
         if self.strict and not self._row_intact(got.slot, got.generation):
             lease.abort()
             raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
@@ -319,7 +315,7 @@ class SlotTable:
         return Stats(
             states=self._own.occupancy(),
             counters={name: self._own.counter(name) for name in L.COUNTERS},
-            queued=self._own.ring.length(),
+            queued=self._own.queued(),
             participants=len(self._registry.participants(self.participant)),
             overdue=len(self.overdue()),
             arena_bytes_used=pages * self.layout.arena_page_size,
