@@ -1,51 +1,435 @@
-"""The `shmslots` command line."""
+"""The `shmslots` command line (also `python -m shmslots`).
+
+Commands::
+
+    shmslots ls [--json]                  every table on this machine (found by header magic)
+    shmslots inspect NAME [--older-than 5s] [--slot N] [--json]
+    shmslots watch NAME [--interval S] [--count N]
+    shmslots metrics NAME [NAME ...]      Prometheus text (node exporter textfile collector)
+    shmslots reap NAME                    reclaim the slots of dead participants now
+    shmslots unlink NAME [--force]        remove a table; refused while participants live
+    shmslots demo                         transfer -> decode workers, live view
+
+`ls`, `inspect`, `watch` and `metrics` only ever map a table read-only and never
+register as a participant (shmslots.snapshot.TableView): looking cannot change a table.
+
+Exit codes: 0 ok; 1 a problem was found (a slot is owned by a participant that is
+no longer alive, a published row fails its checksum, or `unlink` was refused);
+2 the table is missing, incompatible or corrupt, or the arguments are wrong.
+Errors are one line on stderr, `shmslots: error: ...`.
+
+JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes):
+
+* `ls --json`: `{"json_version": 1, "tables": [T...], "skipped": [{"name", "reason"}]}`
+  with T = `{"name", "total_size", "slots", "states": {STATE: n}, "queued",
+  "participants_alive", "participants_dead", "dead_owned_slots", "creator_pid",
+  "creator_uid", "created_ns"}`.
+* `inspect NAME --json`: `{"json_version": 1, "name",
+  "header": {"version", "total_size", "slots", "row_size", "created_ns", "created"
+  (ISO 8601, UTC), "creator_pid", "creator_uid", "strict", "on_consumer_death",
+  "max_hold_s" (null if unset)},
+  "schema": [{"name", "kind" ("inline" or "handle"), "dtype", "shape": [..], "nbytes"}],
+  "participants": [{"index", "pid", "role", "name", "alive", "attach_ns", "attached_s",
+  "last_seen_ns"}],
+  "states": {"FREE": n, ..., "CHANGING": n}, "queued", "counters": {COUNTER: n},
+  "slots": [S...] (every slot that is not FREE), "older_than_s" (null if not given),
+  "problems": [str...]}`
+  with S = `{"slot", "state" (null: changing while read), "generation", "owner"
+  (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
+  nobody owns it), "tag", "age_s", "deliveries", "older"}`.
+* `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
+  "checksum_ok", "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;
+  inline fields) or "handle" (what the row points to, bytes as hex; handle fields)}}`.
+  NaN and infinities are written as the strings "NaN", "Infinity", "-Infinity".
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import re
 import sys
+import time
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
+import posix_ipc
 from rich.console import Console
-from rich.table import Table
+from rich.live import Live
+from rich.text import Text
+
+from . import cli_render as R
+from .errors import (
+    IncompatibleTable,
+    InvalidSlot,
+    ShmSlotsError,
+    TableNotFound,
+    TablePermissionError,
+)
+from .layout import MAGIC
+from .segment import unlink, validate_name
+from .snapshot import SlotSnapshot, TableSnapshot, TableView
+from .states import State
+from .table import SlotTable
+
+SHM_DIR = "/dev/shm"
+REAP_REASONS = {
+    "reclaimed_writing": "WRITING slots returned to FREE",
+    "reclaimed_reserved": "RESERVED slots returned to FREE",
+    "reclaimed_held_dropped": "HELD slots dropped to FREE (on_consumer_death=drop)",
+    "redelivered": "HELD slots queued again as READY",
+    "participants_reaped": "dead participants removed from the registry",
+}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+# -- shared helpers --------------------------------------------------------------------
+def _console() -> Console:
+    """Colours only on a terminal; when piped, a wide page so that tables do not wrap."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160)
+    return console
+
+
+def _has_magic(name: str) -> bool | None:
+    """Whether /dev/shm/NAME starts with the table magic; None if it cannot be read."""
+    try:
+        with open(os.path.join(SHM_DIR, name), "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except PermissionError:
+        return None
+    except OSError:
+        return False
+
+
+def _dead_owned(view: TableView, snap: TableSnapshot) -> list[SlotSnapshot]:
+    """Slots owned by dead participants, each confirmed by a second read of its slot.
+
+    The slots are read before the registry; a participant that handed its slots back
+    and detached in between would otherwise look like a dead owner.
+    """
+    confirmed = []
+    for s in R.dead_owned(snap):
+        again = view.slot(s.slot)
+        if (again.state, again.generation, again.owner) == (s.state, s.generation, s.owner):
+            confirmed.append(s)
+    return confirmed
+
+
+def _look(name: str) -> tuple[TableSnapshot, list[SlotSnapshot]]:
+    with TableView.open(name) as view:
+        snap = view.snapshot()
+        return snap, _dead_owned(view, snap)
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, sort_keys=True, indent=2))
+
+
+# -- commands --------------------------------------------------------------------------
+def _scan() -> tuple[list[str], int]:
+    """Names in /dev/shm whose first bytes are the table magic, and how many were unreadable."""
+    names, unreadable = [], 0
+    for entry in sorted(os.scandir(SHM_DIR), key=lambda e: e.name):
+        with contextlib.suppress(ValueError):
+            if validate_name(entry.name) and entry.is_file(follow_symlinks=False):
+                magic = _has_magic(entry.name)
+                unreadable += magic is None
+                if magic:
+                    names.append(entry.name)
+    return names, unreadable
+
+
+def _ls(args: argparse.Namespace) -> int:
+    found: list[tuple[TableSnapshot, list[SlotSnapshot]]] = []
+    skipped: list[tuple[str, str]] = []
+    names, unreadable = _scan()
+    for name in names:
+        try:
+            found.append(_look(name))
+        except TableNotFound:
+            continue  # unlinked since the scan
+        except ShmSlotsError as exc:
+            skipped.append((name, str(exc)))
+    if args.json:
+        _print_json(
+            {
+                "json_version": R.JSON_VERSION,
+                "tables": [R.summary_doc(snap, dead) for snap, dead in found],
+                "skipped": [{"name": n, "reason": why} for n, why in skipped],
+            }
+        )
+    else:
+        console = _console()
+        console.print(R.ls_table(found) if found else f"no shmslots tables in {SHM_DIR}")
+        for snap, dead in found:
+            if dead:
+                line = (
+                    f"{len(dead)} slot(s) owned by dead participants; `shmslots reap {snap.name}`"
+                )
+                console.print(Text(f"problem: {snap.name}: {line}"))
+    for n, why in skipped:
+        print(f"shmslots: note: skipped {n}: {why}", file=sys.stderr)
+    if unreadable:
+        note = f"{unreadable} object(s) in {SHM_DIR} are not readable by this user"
+        print(f"shmslots: note: {note}", file=sys.stderr)
+    return 1 if any(dead for _, dead in found) else 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    with TableView.open(args.name) as view:
+        if args.slot is not None:
+            return _inspect_slot(view, args.slot, args.json)
+        snap = view.snapshot()
+        dead = _dead_owned(view, snap)
+    older_than = args.older_than if args.older_than is not None else snap.max_hold_s
+    if args.json:
+        _print_json(R.table_doc(snap, older_than, dead))
+    else:
+        _console().print(R.inspect_view(snap, older_than, dead))
+    return 1 if dead else 0
+
+
+def _inspect_slot(view: TableView, n: int, as_json: bool) -> int:
+    if not 0 <= n < view.layout.slots:
+        raise InvalidSlot(f"slot {n} out of range 0..{view.layout.slots - 1}")
+    before = view.slot(n)
+    row = view.row(n)
+    after = view.slot(n)
+    steady = (before.state, before.generation) == (after.state, after.generation)
+    s = after if steady else SlotSnapshot(n, None, after.generation, after.owner, after.tag, 0, 0)
+    snap = view.snapshot()
+    if as_json:
+        _print_json(R.row_doc(snap, s, row))
+    else:
+        _console().print(R.row_view(snap, s, row))
+    published = s.state in (State.READY, State.HELD)
+    intact = row.checksum_ok and row.sealed_generation == s.generation
+    return 1 if published and not intact else 0
+
+
+def _frames(view: TableView, interval: float, count: int | None) -> Iterator[R.Frame]:
+    previous: tuple[dict[str, int], float] | None = None
+    shown = 0
+    while count is None or shown < count:
+        if shown:
+            time.sleep(interval)
+        snap = view.snapshot()
+        now = time.monotonic()
+        rates = R.rates(previous[0], snap.counters, now - previous[1]) if previous else None
+        yield R.Frame(snap, rates, interval)
+        previous = (snap.counters, now)
+        shown += 1
+
+
+def _watch(args: argparse.Namespace) -> int:
+    console = _console()
+    with TableView.open(args.name) as view:
+        frames = _frames(view, args.interval, args.count)
+        try:
+            if console.is_terminal:
+                with Live(console=console, auto_refresh=False) as live:
+                    for frame in frames:
+                        live.update(R.watch_view(frame), refresh=True)
+            else:
+                for frame in frames:
+                    print(R.watch_text(frame), flush=True)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a watch without --count ends
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    sys.stdout.write(R.prometheus([_look(name) for name in args.names]))
+    return 0
+
+
+def _reap(args: argparse.Namespace) -> int:
+    before, _ = _look(args.name)
+    table = SlotTable.attach(args.name, "cli-reap")  # attaching reaps already
+    try:
+        table.reap()
+        counters = table.stats().counters
+    finally:
+        table.close()
+    after, dead = _look(args.name)
+    done = {k: counters[k] - before.counters[k] for k in REAP_REASONS}
+    still_dead = {(p.index, p.pid, p.start_ticks) for p in after.participants if not p.alive}
+    gone = [
+        p
+        for p in before.participants
+        if not p.alive and (p.index, p.pid, p.start_ticks) not in still_dead
+    ]
+    console = _console()
+    if not any(done.values()):
+        console.print(Text(f"{args.name}: nothing to reap (no dead participants)"))
+    else:
+        console.print(Text(f"reaped {args.name}:"))
+        for p in gone:
+            console.print(Text(f"  participant {p.index}: pid {p.pid} {p.role} ({p.name})"))
+        for reason, n in done.items():
+            if n:
+                console.print(Text(f"  {reason:<24} {n:>6}  {REAP_REASONS[reason]}"))
+    for line in R.problems(after, dead):
+        console.print(Text(f"problem: {line}"))
+    return 1 if dead else 0
+
+
+def _unlink(args: argparse.Namespace) -> int:
+    try:
+        with TableView.open(args.name) as view:
+            alive = [p for p in view.snapshot().participants if p.alive]
+    except TablePermissionError:
+        raise
+    except IncompatibleTable:
+        if not (args.force and _has_magic(args.name)):
+            raise  # a segment without our magic is never ours to remove
+        alive = []
+    if alive and not args.force:
+        who = ", ".join(f"pid {p.pid} {p.role}" for p in alive[:3])
+        more = f" and {len(alive) - 3} more" if len(alive) > 3 else ""
+        print(
+            f"shmslots: refusing to unlink {args.name}: {len(alive)} live participant(s) "
+            f"({who}{more}); stop them first or use --force",
+            file=sys.stderr,
+        )
+        return 1
+    unlink(args.name)
+    kept = f" ({len(alive)} live participant(s) keep their mapping until they close)"
+    print(f"unlinked {args.name}{kept if alive else ''}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from workers.launcher import run_demo  # the library itself never imports workers
+    from workers import demo  # the library itself never imports workers
 
-    console = Console()
-    result = run_demo(
-        f"shmslots-demo-{os.getpid()}",
-        args.rows,
-        args.producers,
-        args.consumers,
-        args.slots,
-        console,
+    return demo.run(
+        requests=args.requests,
+        transfer=args.transfer,
+        decode=args.decode,
+        slots=args.slots,
+        policy=args.policy,
+        hidden=args.hidden,
+        burst=args.burst,
     )
-    summary = Table("measure", "value", title="demo summary", title_justify="left")
-    summary.add_row("rows published", f"{result.published:,}")
-    summary.add_row("rows consumed and verified", f"{result.handled:,}")
-    summary.add_row("aborted before publish", f"{result.aborted:,}")
-    summary.add_row("corrupted", str(result.corrupted))
-    summary.add_row("slots still owned", str(result.final.owned))
-    summary.add_row("seconds", f"{result.seconds:.1f}")
-    summary.add_row("rows/s", f"{result.handled / result.seconds:,.0f}")
-    console.print(summary)
-    ok = result.corrupted == 0 and result.final.owned == 0 and result.handled == result.published
-    return 0 if ok else 1
+
+
+# -- arguments -------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"shmslots: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _table_name(text: str) -> str:
+    try:
+        return validate_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration(text: str) -> float:
+    """`500ms`, `5s`, `2m`, `1h` or plain seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (use e.g. 500ms, 5s, 2m)")
+    return float(match[1]) * _UNIT_S[match[2] or "s"]
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shmslots", description="shmslots tables: look, watch, repair.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ls = sub.add_parser("ls", help="list every shmslots table on this machine")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(run=_ls)
+
+    inspect = sub.add_parser("inspect", help="header, schema, participants and slots of a table")
+    inspect.add_argument("name", type=_table_name)
+    inspect.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="AGE",
+        help="highlight slots this old (500ms, 5s, 2m; default: the table's max_hold_s)",
+    )
+    inspect.add_argument("--slot", type=int, metavar="N", help="decode the row of slot N")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(run=_inspect)
+
+    watch = sub.add_parser("watch", help="live states, rates and the oldest slot")
+    watch.add_argument("name", type=_table_name)
+    watch.add_argument("--interval", type=_positive(float), default=1.0, metavar="S")
+    watch.add_argument("--count", type=_positive(int), metavar="N", help="stop after N refreshes")
+    watch.set_defaults(run=_watch)
+
+    metrics = sub.add_parser("metrics", help="counters and gauges in Prometheus text format")
+    metrics.add_argument("names", nargs="+", type=_table_name, metavar="NAME")
+    metrics.set_defaults(run=_metrics)
+
+    reap = sub.add_parser("reap", help="reclaim the slots of dead participants now")
+    reap.add_argument("name", type=_table_name)
+    reap.set_defaults(run=_reap)
+
+    rm = sub.add_parser("unlink", help="remove a table (refused while participants live)")
+    rm.add_argument("name", type=_table_name)
+    rm.add_argument("--force", action="store_true", help="remove even with live participants")
+    rm.set_defaults(run=_unlink)
+
+    demo = sub.add_parser(
+        "demo", help="transfer -> decode workers moving EAGLE metadata rows, live"
+    )
+    demo.add_argument("--requests", type=int, default=20_000, help="requests to transfer")
+    demo.add_argument("--transfer", type=int, default=2, help="transfer workers")
+    demo.add_argument("--decode", type=int, default=2, help="decode workers")
+    demo.add_argument("--slots", type=int, default=64, help="rows in the table")
+    demo.add_argument(
+        "--policy",
+        choices=("hold", "clone", "early-release"),
+        default="hold",
+        help="when decode hands a slot back (early-release is the bug, caught)",
+    )
+    demo.add_argument("--hidden", type=int, default=4096, help="hidden-state size (bf16)")
+    demo.add_argument("--burst", type=int, default=32, help="back-to-back commits per burst")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def _error(args: argparse.Namespace, exc: BaseException) -> int:
+    message = " ".join(str(exc).split())
+    name = getattr(args, "name", None)
+    if name and name not in message:
+        message = f"{name}: {message}"
+    print(f"shmslots: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shmslots", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="move rows from producer to consumer processes, live")
-    demo.add_argument("--rows", type=int, default=100_000)
-    demo.add_argument("--producers", type=int, default=1)
-    demo.add_argument("--consumers", type=int, default=1)
-    demo.add_argument("--slots", type=int, default=64)
-    demo.set_defaults(run=_demo)
-    args = parser.parse_args(argv)
-    code: int = args.run(args)
+    args = _parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except BrokenPipeError:  # `shmslots ls | head -1`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (ShmSlotsError, OSError, posix_ipc.Error) as exc:
+        return _error(args, exc)
+    except KeyboardInterrupt:
+        return 130
     return code
 
 

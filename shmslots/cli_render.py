@@ -1,0 +1,573 @@
+"""Rendering for the `shmslots` command line: rich tables, JSON documents, Prometheus text.
+
+Everything here is a pure function of snapshots taken by `shmslots.snapshot.TableView`;
+nothing here opens, maps or changes a table.  The JSON shapes are documented in
+`shmslots.cli`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .participants import Participant
+from .schema import Field
+from .snapshot import DecodedRow, SlotSnapshot, TableSnapshot
+from .states import State
+
+JSON_VERSION = 1
+# What each rate of `watch` adds up.
+RATES: dict[str, tuple[str, ...]] = {
+    "claims": ("claims",),
+    "publishes": ("publishes",),
+    "releases": ("releases",),
+    "aborts": ("aborts", "cancels"),
+    "reclaims": (
+        "reclaimed_writing",
+        "reclaimed_reserved",
+        "reclaimed_held_dropped",
+        "redelivered",
+    ),
+}
+COUNTER_HELP = {
+    "claims": "Slots claimed for writing (FREE -> WRITING).",
+    "reserves": "Slots reserved for a producer (FREE -> RESERVED).",
+    "publishes": "Rows published (WRITING -> READY).",
+    "takes": "Rows taken by a consumer (READY -> HELD).",
+    "releases": "Leases released after consumption (HELD -> FREE).",
+    "aborts": "Slots aborted by their owner (WRITING, RESERVED or HELD -> FREE).",
+    "cancels": "READY slots cancelled by request tag before pickup.",
+    "leaked_views": "Field views still referenced when their slot was handed back.",
+    "reclaimed_writing": "WRITING slots of dead participants returned to FREE.",
+    "reclaimed_reserved": "RESERVED slots of dead participants returned to FREE.",
+    "reclaimed_held_dropped": "HELD slots of dead consumers dropped (on_consumer_death=drop).",
+    "redelivered": "HELD slots of dead consumers queued again as READY.",
+    "participants_reaped": "Dead participants whose registry entries were reaped.",
+}
+MAIN_STATES = ("FREE", "RESERVED", "WRITING", "READY", "HELD")
+FIRST_VALUES = 8
+
+
+# -- small formatters ------------------------------------------------------------------
+def fmt_duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def fmt_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def fmt_time(ns: int) -> str:
+    """Local wall-clock time and how long ago."""
+    when = datetime.fromtimestamp(ns / 1e9).astimezone()
+    ago = fmt_duration(max(0.0, time.time() - ns / 1e9))
+    return f"{when:%Y-%m-%d %H:%M:%S %Z} ({ago} ago)"
+
+
+def _num(value: float | int | bool) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    text = f"{value:.6g}"
+    return text + ".0" if text.lstrip("-").isdigit() else text
+
+
+def state_name(s: SlotSnapshot) -> str:
+    return s.state.name if s.state is not None else "changing"
+
+
+def _titled(title: str) -> Table:
+    return Table(title=title, title_justify="left", title_style="bold")
+
+
+# -- who owns what ---------------------------------------------------------------------
+def by_index(snap: TableSnapshot) -> dict[int, Participant]:
+    return {p.index: p for p in snap.participants}
+
+
+def in_use(snap: TableSnapshot) -> list[SlotSnapshot]:
+    """Every slot that is not FREE (a slot read mid-change included)."""
+    return [s for s in snap.slot_states if s.state is not State.FREE]
+
+
+def dead_owned(snap: TableSnapshot) -> list[SlotSnapshot]:
+    """Owned slots whose owner is not a live participant."""
+    parts = by_index(snap)
+    return [
+        s
+        for s in in_use(snap)
+        if s.state is not None and s.owner >= 0 and not (s.owner in parts and parts[s.owner].alive)
+    ]
+
+
+def oldest(snap: TableSnapshot) -> SlotSnapshot | None:
+    steady = [s for s in in_use(snap) if s.state is not None]
+    return max(steady, key=lambda s: s.age_s, default=None)
+
+
+def owner_text(snap: TableSnapshot, owner: int) -> Text:
+    if owner < 0:
+        return Text("-")
+    p = by_index(snap).get(owner)
+    if p is None:
+        return Text(f"{owner} (unregistered)", style="red")
+    if p.alive:
+        return Text(f"{owner} pid {p.pid} {p.role}")
+    return Text(f"{owner} pid {p.pid} {p.role} (dead)", style="bold red")
+
+
+def problems(snap: TableSnapshot, dead: Sequence[SlotSnapshot]) -> list[str]:
+    parts = by_index(snap)
+    out = []
+    for s in dead:
+        p = parts.get(s.owner)
+        who = f"participant {s.owner} (pid {p.pid} {p.role})" if p else f"participant {s.owner}"
+        out.append(f"slot {s.slot} {state_name(s)} is owned by dead {who}")
+    return out
+
+
+def state_counts(states: Mapping[str, int]) -> str:
+    """`FREE 4  WRITING 1 ...`: the main states always, the transient ones when present."""
+    shown = [k for k in states if k in MAIN_STATES or states[k]]
+    return "  ".join(f"{k} {states[k]}" for k in shown)
+
+
+# -- inspect ---------------------------------------------------------------------------
+def header_table(snap: TableSnapshot) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    rows = {
+        "table": snap.name,
+        "format": f"version {snap.version}",
+        "size": f"{fmt_bytes(snap.total_size)} ({snap.slots} slots x {snap.row_size} B rows)",
+        "created": fmt_time(snap.created_ns),
+        "creator": f"pid {snap.creator_pid} uid {snap.creator_uid}",
+        "strict": "yes" if snap.strict else "no",
+        "on consumer death": snap.on_consumer_death,
+        "max hold": fmt_duration(snap.max_hold_s) if snap.max_hold_s else "not set",
+    }
+    for key, value in rows.items():
+        grid.add_row(key, Text(value))
+    return grid
+
+
+def schema_table(snap: TableSnapshot) -> Table:
+    t = _titled("schema")
+    for col in ("field", "kind", "dtype", "shape", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for f in snap.fields:
+        t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), str(f.nbytes))
+    return t
+
+
+def participants_table(snap: TableSnapshot) -> Table | Text:
+    if not snap.participants:
+        return Text("participants: none attached")
+    t = _titled("participants")
+    for col in ("#", "pid", "role", "name", "status", "attached for", "last seen"):
+        t.add_column(col, justify="right" if col in ("#", "pid") else "left")
+    now = time.time_ns()
+    for p in snap.participants:
+        status = Text("alive", style="green") if p.alive else Text("dead", style="bold red")
+        t.add_row(
+            str(p.index),
+            str(p.pid),
+            Text(p.role),
+            Text(p.name),
+            status,
+            fmt_duration(max(0, now - p.attach_ns) / 1e9),
+            fmt_duration(max(0, now - p.last_seen_ns) / 1e9) + " ago",
+        )
+    return t
+
+
+def counters_table(counters: Mapping[str, int]) -> Table:
+    t = _titled("counters")
+    items = list(counters.items())
+    half = (len(items) + 1) // 2
+    for _ in range(2):
+        t.add_column("counter")
+        t.add_column("total", justify="right")
+    for i in range(half):
+        left = items[i]
+        right = items[i + half] if i + half < len(items) else ("", "")
+        t.add_row(left[0], f"{left[1]:,}", right[0], f"{right[1]:,}" if right[0] else "")
+    return t
+
+
+def slots_table(snap: TableSnapshot, older_than: float | None) -> Table | Text:
+    rows = in_use(snap)
+    if not rows:
+        return Text(f"all {snap.slots} slots are FREE")
+    t = _titled(f"slots not FREE ({len(rows)} of {snap.slots})")
+    for col in ("slot", "state", "gen", "owner", "tag", "age", "redeliveries"):
+        t.add_column(col, justify="right" if col in ("slot", "gen", "tag", "age") else "left")
+    for s in rows:
+        old = older_than is not None and s.age_s >= older_than
+        age = Text(fmt_duration(s.age_s) + (" (old)" if old else ""), style="bold yellow" * old)
+        state = Text(state_name(s), style="dim" if s.state is None else "")
+        deliveries = str(s.deliveries) if s.deliveries else ""
+        owner = owner_text(snap, s.owner)
+        t.add_row(str(s.slot), state, str(s.generation), owner, str(s.tag), age, deliveries)
+    return t
+
+
+def inspect_view(
+    snap: TableSnapshot, older_than: float | None, dead: Sequence[SlotSnapshot]
+) -> Group:
+    sections: list[RenderableType] = [
+        header_table(snap),
+        schema_table(snap),
+        participants_table(snap),
+        Text(f"states: {state_counts(snap.states)}  (queued {snap.queued})"),
+        counters_table(snap.counters),
+        slots_table(snap, older_than),
+    ]
+    parts: list[RenderableType] = []
+    for section in sections:
+        parts += [section, Text("")]
+    n = sum(1 for s in in_use(snap) if older_than is not None and s.age_s >= older_than)
+    if n and older_than is not None:
+        parts.append(
+            Text(f"{n} slot(s) not FREE for {fmt_duration(older_than)} or longer", style="yellow")
+        )
+    for line in problems(snap, dead):
+        parts.append(Text(f"problem: {line} (run `shmslots reap {snap.name}`)", style="bold red"))
+    return Group(*parts)
+
+
+# -- one decoded row -------------------------------------------------------------------
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinities: spell them as JavaScript does, as strings."""
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def tensor_summary(t: torch.Tensor) -> str:
+    if t.dim() == 0:
+        return _num(t.item())
+    flat = t.flatten().tolist()
+    first = ", ".join(_num(v) for v in flat[:FIRST_VALUES])
+    more = f", ... ({len(flat)} values)" if len(flat) > FIRST_VALUES else ""
+    return f"[{first}{more}]"
+
+
+def row_view(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> Group:
+    head = Text(
+        f"slot {s.slot} of {snap.name}: {state_name(s)}, generation {s.generation}, "
+        f"tag {s.tag}, age {fmt_duration(s.age_s)}, owner "
+    )
+    head.append_text(owner_text(snap, s.owner))
+    ok = Text("ok", style="green") if row.checksum_ok else Text("bad", style="bold red")
+    seal = Text(f"row sealed under generation {row.sealed_generation}, checksum ")
+    seal.append_text(ok)
+    if s.state not in (State.READY, State.HELD):
+        seal.append(" (the slot is not published: its row is not sealed yet)", style="dim")
+    t = _titled("fields")
+    for col in ("field", "kind", "dtype", "shape", "values"):
+        t.add_column(col)
+    for f in snap.fields:
+        value = (
+            handle_summary(row.handles[f.name])
+            if f.name in row.handles
+            else tensor_summary(row.values[f.name])
+        )
+        t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), Text(value))
+    return Group(head, seal, t)
+
+
+def handle_summary(handle: Mapping[str, Any]) -> str:
+    """What a handle field's row bytes point to (the tensor itself is not opened)."""
+    if "error" in handle:
+        return f"no handle: {handle['error']}"
+    what = f"{handle['b']} handle, {handle['dtype']} {tuple(handle['shape'])}"
+    if handle["b"] == "shm":
+        return f"{what} in arena {handle['arena']} at {handle['off']} ({handle['n']} bytes)"
+    return f"{what} on GPU {handle.get('uuid')} of pid {handle.get('pid')}"
+
+
+def _plain(value: Any) -> Any:
+    """A handle's msgpack values as JSON values (bytes as hex)."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def field_doc(f: Field, row: DecodedRow) -> dict[str, Any]:
+    doc: dict[str, Any] = {"kind": f.kind, "dtype": f.dtype, "shape": list(f.shape)}
+    if f.name in row.handles:
+        doc["handle"] = _plain(row.handles[f.name])
+    else:
+        doc["values"] = _finite(row.values[f.name].tolist())
+    return doc
+
+
+def row_doc(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> dict[str, Any]:
+    doc = slot_doc(snap, s, None)
+    doc.update(
+        json_version=JSON_VERSION,
+        table=snap.name,
+        sealed_generation=row.sealed_generation,
+        checksum_ok=row.checksum_ok,
+        fields={f.name: field_doc(f, row) for f in snap.fields},
+    )
+    return doc
+
+
+# -- JSON documents --------------------------------------------------------------------
+def slot_doc(snap: TableSnapshot, s: SlotSnapshot, older_than: float | None) -> dict[str, Any]:
+    p = by_index(snap).get(s.owner)
+    return {
+        "slot": s.slot,
+        "state": s.state.name if s.state is not None else None,
+        "generation": s.generation,
+        "owner": s.owner,
+        "owner_pid": p.pid if p else None,
+        "owner_role": p.role if p else None,
+        "owner_alive": p.alive if p else (None if s.owner < 0 else False),
+        "tag": s.tag,
+        "age_s": round(s.age_s, 6),
+        "deliveries": s.deliveries,
+        "older": older_than is not None and s.age_s >= older_than,
+    }
+
+
+def table_doc(
+    snap: TableSnapshot, older_than: float | None, dead: Sequence[SlotSnapshot]
+) -> dict[str, Any]:
+    now = time.time_ns()
+    return {
+        "json_version": JSON_VERSION,
+        "name": snap.name,
+        "header": {
+            "version": snap.version,
+            "total_size": snap.total_size,
+            "slots": snap.slots,
+            "row_size": snap.row_size,
+            "created_ns": snap.created_ns,
+            "created": datetime.fromtimestamp(snap.created_ns / 1e9, UTC).isoformat(),
+            "creator_pid": snap.creator_pid,
+            "creator_uid": snap.creator_uid,
+            "strict": snap.strict,
+            "on_consumer_death": snap.on_consumer_death,
+            "max_hold_s": snap.max_hold_s,
+        },
+        "schema": [
+            {
+                "name": f.name,
+                "kind": f.kind,
+                "dtype": f.dtype,
+                "shape": list(f.shape),
+                "nbytes": f.nbytes,
+            }
+            for f in snap.fields
+        ],
+        "participants": [
+            {
+                "index": p.index,
+                "pid": p.pid,
+                "role": p.role,
+                "name": p.name,
+                "alive": p.alive,
+                "attach_ns": p.attach_ns,
+                "attached_s": round(max(0, now - p.attach_ns) / 1e9, 6),
+                "last_seen_ns": p.last_seen_ns,
+            }
+            for p in snap.participants
+        ],
+        "states": dict(snap.states),
+        "queued": snap.queued,
+        "counters": dict(snap.counters),
+        "slots": [slot_doc(snap, s, older_than) for s in in_use(snap)],
+        "older_than_s": older_than,
+        "problems": problems(snap, dead),
+    }
+
+
+def summary_doc(snap: TableSnapshot, dead: Sequence[SlotSnapshot]) -> dict[str, Any]:
+    """One table as `ls --json` lists it."""
+    alive = sum(p.alive for p in snap.participants)
+    return {
+        "name": snap.name,
+        "total_size": snap.total_size,
+        "slots": snap.slots,
+        "states": dict(snap.states),
+        "queued": snap.queued,
+        "participants_alive": alive,
+        "participants_dead": len(snap.participants) - alive,
+        "dead_owned_slots": len(dead),
+        "creator_pid": snap.creator_pid,
+        "creator_uid": snap.creator_uid,
+        "created_ns": snap.created_ns,
+    }
+
+
+# -- ls --------------------------------------------------------------------------------
+def ls_table(found: Iterable[tuple[TableSnapshot, Sequence[SlotSnapshot]]]) -> Table:
+    t = Table(title="shmslots tables", title_justify="left", title_style="bold")
+    for col in ("table", "size", "slots", "free", "in use", "queued", "participants", "creator"):
+        right = col in ("size", "slots", "free", "queued")
+        t.add_column(col, justify="right" if right else "left", no_wrap=col == "table")
+    for snap, dead in found:
+        busy = {k: v for k, v in snap.states.items() if k != "FREE" and v}
+        alive = sum(p.alive for p in snap.participants)
+        who = Text(f"{alive} alive")
+        if len(snap.participants) > alive:
+            who.append(f", {len(snap.participants) - alive} dead", style="bold red" if dead else "")
+        t.add_row(
+            Text(snap.name),
+            fmt_bytes(snap.total_size),
+            str(snap.slots),
+            str(snap.states["FREE"]),
+            state_counts(busy) or "-",
+            str(snap.queued),
+            who,
+            f"pid {snap.creator_pid} uid {snap.creator_uid}",
+        )
+    return t
+
+
+# -- watch -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Frame:
+    """One refresh of `watch`: the snapshot and per-second rates since the previous one."""
+
+    snap: TableSnapshot
+    rates: dict[str, float] | None  # None on the first refresh
+    interval: float
+
+
+def rates(before: Mapping[str, int], after: Mapping[str, int], seconds: float) -> dict[str, float]:
+    dt = max(seconds, 1e-9)
+    return {
+        rate: sum(after[c] - before[c] for c in counters) / dt for rate, counters in RATES.items()
+    }
+
+
+def _oldest_text(snap: TableSnapshot) -> Text:
+    s = oldest(snap)
+    if s is None:
+        return Text("none (every slot is FREE)")
+    out = Text(f"slot {s.slot} {state_name(s)} for {fmt_duration(s.age_s)}, tag {s.tag}, owner ")
+    out.append_text(owner_text(snap, s.owner))
+    return out
+
+
+def _rates_text(r: dict[str, float] | None) -> str:
+    if r is None:
+        return "(from the next refresh on)"
+    return "  ".join(f"{k} {v:,.1f}" for k, v in r.items())
+
+
+def _who(snap: TableSnapshot) -> str:
+    alive = sum(p.alive for p in snap.participants)
+    return f"{alive} alive, {len(snap.participants) - alive} dead"
+
+
+def watch_view(frame: Frame) -> Table:
+    snap = frame.snap
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row(
+        "table",
+        Text(f"{snap.name}  (every {fmt_duration(frame.interval)}, {datetime.now():%H:%M:%S})"),
+    )
+    grid.add_row("states", f"{state_counts(snap.states)}  (queued {snap.queued})")
+    grid.add_row("rates/s", _rates_text(frame.rates))
+    grid.add_row("oldest", _oldest_text(snap))
+    grid.add_row("participants", _who(snap))
+    return grid
+
+
+def watch_text(frame: Frame) -> str:
+    snap = frame.snap
+    return "\n".join(
+        [
+            f"[{datetime.now():%H:%M:%S}] {snap.name}: {snap.slots} slots, queued {snap.queued}, "
+            f"participants {_who(snap)}",
+            f"  states   {state_counts(snap.states)}",
+            f"  rates/s  {_rates_text(frame.rates)}",
+            f"  oldest   {_oldest_text(snap).plain}",
+        ]
+    )
+
+
+# -- Prometheus text exposition ----------------------------------------------------------
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**labels: str) -> str:
+    return "{" + ",".join(f'{k}="{_label(v)}"' for k, v in labels.items()) + "}"
+
+
+def prometheus(snaps: Sequence[tuple[TableSnapshot, Sequence[SlotSnapshot]]]) -> str:
+    """Counters and gauges of every table, grouped by metric family, ending in a newline."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+
+    def sample(metric: str, kind: str, help_: str, value: float, **labels: str) -> None:
+        family = families.setdefault(metric, (kind, help_, []))
+        shown = str(value) if isinstance(value, int) else repr(float(value))
+        family[2].append(f"{metric}{_labels(**labels)} {shown}")
+
+    for snap, dead in snaps:
+        table = snap.name
+        for name, value in snap.counters.items():
+            help_ = COUNTER_HELP.get(name, f"shmslots counter {name}.")
+            sample(f"shmslots_{name}_total", "counter", help_, value, table=table)
+        for state, n in snap.states.items():
+            sample("shmslots_slots", "gauge", "Slots per state.", n, table=table, state=state)
+        sample("shmslots_slot_capacity", "gauge", "Slots in the table.", snap.slots, table=table)
+        sample("shmslots_queued", "gauge", "Published rows waiting.", snap.queued, table=table)
+        for alive in (True, False):
+            n = sum(p.alive is alive for p in snap.participants)
+            help_ = "Registered participants, by liveness."
+            sample(
+                "shmslots_participants", "gauge", help_, n, table=table, alive=str(alive).lower()
+            )
+        help_ = "Slots owned by participants that are no longer alive (run shmslots reap)."
+        sample("shmslots_dead_owned_slots", "gauge", help_, len(dead), table=table)
+        s = oldest(snap)
+        help_ = "Age of the oldest slot that is not FREE (0 if none)."
+        sample(
+            "shmslots_oldest_slot_age_seconds", "gauge", help_, s.age_s if s else 0.0, table=table
+        )
+    lines = []
+    for metric, (kind, help_, samples) in families.items():
+        lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}", *samples]
+    return "\n".join(lines) + "\n"
