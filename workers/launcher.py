@@ -1,122 +1,168 @@
-"""Start producers and consumers on one table, show it live, and always clean up.
+"""Run transfer and decode workers on one table, watch them, and always clean up.
 
-Every child is reaped and the table unlinked on any exit: normal end,
-Ctrl-C, or a child's death.
+Every child is reaped and the table unlinked on any exit — a normal end,
+Ctrl-C in the launcher, or a worker's death (reported as an error).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import queue
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 
-from rich.console import Console
-from rich.live import Live
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 from shmslots import SlotTable, Stats
-from workers.stress import SCHEMA, ConsumerReport, ProducerReport, consume, produce
+from workers import eagle
+from workers.decode import DecodeConfig, DecodeReport, Policy, decode_worker
+from workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 SPAWN = mp.get_context("spawn")
 
 
+@dataclass(frozen=True)
+class FlowConfig:
+    requests: int = 20_000
+    transfer_workers: int = 2
+    decode_workers: int = 2
+    slots: int = 64
+    policy: Policy = "hold"
+    shape: eagle.RowShape = field(default_factory=eagle.RowShape)
+    burst: int = 32
+    transfer_abort: float = 0.02
+    decode_abort: float = 0.02
+    seed: int = 0
+    timeout_s: float = 300.0
+
+
 @dataclass
-class DemoResult:
+class FlowProgress:
+    """What the launcher knows so far; passed to the live view."""
+
+    config: FlowConfig
+    started: float
+    stats: Stats | None = None
+    verified: int = 0
+    corrupted: int = 0
+    decode_aborted: int = 0
+    latencies_us: list[float] = field(default_factory=list)
+    peak_owned: int = 0
+    copies: int = 0
+    transfers: list[TransferReport] = field(default_factory=list)
+    consumed_tags: list[int] = field(default_factory=list)
+    aborted_tags: list[int] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def handled(self) -> int:
+        return self.verified + self.corrupted + self.decode_aborted
+
+    def latency_us(self, q: float) -> float:
+        if not self.latencies_us:
+            return 0.0
+        if len(self.latencies_us) == 1:
+            return self.latencies_us[0]
+        return statistics.quantiles(self.latencies_us, n=100)[int(q * 100) - 1]
+
+    def add(self, report: DecodeReport) -> None:
+        self.verified += report.verified
+        self.corrupted += report.corrupted
+        self.decode_aborted += len(report.aborted)
+        self.latencies_us += report.latencies_us
+        self.copies += report.copies
+        self.consumed_tags += report.consumed
+        self.aborted_tags += report.aborted
+
+
+@dataclass(frozen=True)
+class FlowResult:
+    progress: FlowProgress
     published: int
-    handled: int
-    aborted: int
-    corrupted: int
-    seconds: float
+    transfer_aborted: int
     final: Stats
 
-
-def _view(stats: Stats, progress: Progress, rate: float) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_row(progress)
-    states = Table("state", "slots", title="slot table", title_justify="left")
-    for state, count in stats.states.items():
-        if count or state in ("FREE", "READY", "HELD", "WRITING"):
-            states.add_row(state, str(count))
-    c = stats.counters
-    flow = Table("measure", "value", title="flow", title_justify="left")
-    flow.add_row("rows/s", f"{rate:,.0f}")
-    for key in ("claims", "publishes", "takes", "releases", "aborts", "leaked_views"):
-        flow.add_row(key, f"{c[key]:,}")
-    row = Table.grid(padding=(0, 4))
-    row.add_row(states, flow)
-    grid.add_row(row)
-    return grid
+    @property
+    def accounted(self) -> bool:
+        """Every published request was consumed or aborted by decode, exactly once."""
+        published = sorted(t for r in self.progress.transfers for t in r.published)
+        handled = sorted(self.progress.consumed_tags + self.progress.aborted_tags)
+        return published == handled
 
 
-def run_demo(
-    name: str, rows: int, producers: int, consumers: int, slots: int, console: Console
-) -> DemoResult:
-    """Move `rows` rows through a fresh table and show progress until all are handled."""
-    producer_results = SPAWN.Queue()
-    consumer_results = SPAWN.Queue()
-    done = SPAWN.Event()
+def run_flow(
+    config: FlowConfig, on_progress: Callable[[FlowProgress], None] | None = None
+) -> FlowResult:
+    name = f"shmslots-flow-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
+    transfer_results: mp.Queue[TransferReport] = SPAWN.Queue()
+    decode_results: mp.Queue[DecodeReport] = SPAWN.Queue()
+    stop = SPAWN.Event()
     procs: list[SpawnProcess] = []
-    started = time.monotonic()
-    with SlotTable.create(name, SCHEMA, slots=slots) as table:
+    progress = FlowProgress(config, time.monotonic())
+    tconf = TransferConfig(config.shape, config.burst, 0.002, config.transfer_abort, config.seed)
+    dconf = DecodeConfig(
+        config.policy, config.shape, abort_fraction=config.decode_abort, seed=config.seed
+    )
+    with SlotTable.create(name, config.shape.fields(), slots=config.slots) as table:
         try:
-            for c in range(consumers):
-                procs.append(
-                    SPAWN.Process(target=consume, args=(name, c, 0, done, consumer_results))
-                )
-            per = rows // producers
-            for p in range(producers):
-                tags = range(1 + p * per, 1 + (p + 1) * per)
-                procs.append(
-                    SPAWN.Process(target=produce, args=(name, p, tags, 50, producer_results))
-                )
+            for w in range(config.decode_workers):
+                args = (name, w, dconf, decode_results, stop)
+                procs.append(SPAWN.Process(target=decode_worker, args=args))
+            per = config.requests // config.transfer_workers
+            for w in range(config.transfer_workers):
+                tags = range(1 + w * per, 1 + (w + 1) * per)
+                args2 = (name, w, tags, tconf, transfer_results, stop)
+                procs.append(SPAWN.Process(target=transfer_worker, args=args2))
             for proc in procs:
                 proc.start()
-            progress = Progress(
-                TextColumn("rows"),
-                BarColumn(),
-                TextColumn("{task.completed:,}/{task.total:,}"),
-                TimeElapsedColumn(),
-            )
-            task = progress.add_task("rows", total=per * producers)
-            reports: list[ProducerReport] = []
-            last_n, last_t = 0, started
-            with Live(console=console, refresh_per_second=4, transient=False) as live:
-                while True:
-                    stats = table.stats()
-                    handled = stats.counters["publishes"] + stats.counters["aborts"]
-                    now = time.monotonic()
-                    rate = (stats.counters["releases"] - last_n) / max(now - last_t, 1e-9)
-                    last_n, last_t = stats.counters["releases"], now
-                    progress.update(task, completed=min(handled, per * producers))
-                    live.update(_view(stats, progress, rate))
-                    while not producer_results.empty():
-                        reports.append(producer_results.get())
-                    if len(reports) == producers:
-                        break
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(f"worker {dead[0].pid} died (exit {dead[0].exitcode})")
-                    time.sleep(0.25)
-                done.set()
-                results: list[ConsumerReport] = [
-                    consumer_results.get(timeout=60) for _ in range(consumers)
-                ]
-                for proc in procs:
-                    proc.join(30)
-                live.update(_view(table.stats(), progress, 0.0))
+            finals = 0
+            while finals < config.decode_workers:
+                if progress.seconds > config.timeout_s:
+                    raise TimeoutError(f"flow did not finish in {config.timeout_s} s")
+                finals += _collect(decode_results, progress)
+                while not transfer_results.empty():
+                    progress.transfers.append(transfer_results.get())
+                if len(progress.transfers) == config.transfer_workers:
+                    stop.set()
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"worker pid {dead[0].pid} died (exit {dead[0].exitcode})")
+                progress.stats = table.stats()
+                progress.peak_owned = max(progress.peak_owned, progress.stats.owned)
+                if on_progress is not None:
+                    on_progress(progress)
+            for proc in procs:
+                proc.join(30)
         finally:
-            done.set()
+            stop.set()
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
                 proc.join(5)
-        return DemoResult(
-            published=sum(len(r.published) for r in reports),
-            handled=sum(len(r.consumed) for r in results),
-            aborted=sum(len(r.aborted) for r in reports),
-            corrupted=sum(len(r.corrupted) for r in results),
-            seconds=time.monotonic() - started,
+        return FlowResult(
+            progress,
+            published=sum(len(r.published) for r in progress.transfers),
+            transfer_aborted=sum(len(r.aborted) for r in progress.transfers),
             final=table.stats(),
         )
+
+
+def _collect(results: mp.Queue[DecodeReport], progress: FlowProgress) -> int:
+    """Fold decode reports into `progress`; returns how many were final."""
+    finals = 0
+    try:
+        report = results.get(timeout=0.1)
+    except queue.Empty:
+        return 0
+    while True:
+        progress.add(report)
+        finals += report.final
+        try:
+            report = results.get_nowait()
+        except queue.Empty:
+            return finals
