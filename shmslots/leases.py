@@ -42,6 +42,10 @@ class _Handle:
         self._open = True
         self._viewed: set[str] = set()
 
+    def _still_mine(self, state: int) -> bool:
+        """False when the transition already happened but an interrupt hit before we noted it."""
+        return self._table._own.owns(self.slot, self.generation, state)
+
     def _check_open(self, action: str) -> None:
         if not self._open:
             raise StaleLeaseError(
@@ -161,8 +165,9 @@ class WriteSlot(_Handle):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         """Leaving the block without publishing aborts: nothing half-written is delivered."""
-        if self._open:
+        if self._open and self._still_mine(_WRITING):
             self.abort()
+        self._open = False
 
 
 class Reservation(_Handle):
@@ -261,8 +266,9 @@ class Lease(_Handle):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._open:
+        if self._open and self._still_mine(_HELD):
             if et is None:
                 self.release()
             else:
                 self.abort()
+        self._open = False

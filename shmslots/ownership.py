@@ -34,6 +34,7 @@ from ._hotpath import HotPath
 from .errors import InvalidSlot, OwnershipError, SlotsExhausted
 from .states import (
     GEN_MASK,
+    KNOWN_STATES,
     OWNER_CHECKED,
     TRANSITIONS,
     Event,
@@ -295,10 +296,17 @@ class Ownership:
 
     # -- observation ----------------------------------------------------------------
     def occupancy(self) -> dict[str, int]:
+        """Slots per state; words of no known state (corruption) count as INVALID."""
         counts = {s.name: 0 for s in State}
         for slot in range(self._nslots):
-            counts[state_of(self.word(slot)).name] += 1
+            state = self.word(slot) & 0xFFFF
+            name = State(state).name if state in KNOWN_STATES else "INVALID"
+            counts[name] = counts.get(name, 0) + 1
         return counts
+
+    def owns(self, slot: int, generation: int, state: int) -> bool:
+        """Whether this participant holds the slot in `state` at `generation`."""
+        return self.word(slot) == (generation & GEN_MASK) << 32 | self.me << 16 | state
 
 
 def describe_word(word: int) -> str:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .errors import CorruptTable
 from .ownership import Ownership
 from .participants import Registry
-from .states import OWNED, owner_of, state_of
+from .states import KNOWN_STATES, OWNED, owner_of, state_of
 
 
 def reclaim_owner(own: Ownership, owner: int, drop_held: bool) -> Counter[str]:
@@ -21,7 +22,11 @@ def reclaim_owner(own: Ownership, owner: int, drop_held: bool) -> Counter[str]:
     done: Counter[str] = Counter()
     for slot in range(own.layout.slots):
         word = own.word(slot)
-        if owner_of(word) == owner and state_of(word) in OWNED:
+        if owner_of(word) != owner:
+            continue
+        if word & 0xFFFF not in KNOWN_STATES:
+            raise CorruptTable(f"slot {slot} has state word {word:#x}: no state this version knows")
+        if state_of(word) in OWNED:
             reason = own.reclaim(slot, word, drop_held)
             if reason is not None:
                 done[reason] += 1

@@ -7,6 +7,7 @@ can decode rows knowing only the table's name.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,9 @@ class Field:
     budget: int = DEFAULT_HANDLE_BUDGET
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.isidentifier():
+        if not all(isinstance(x, str) for x in (self.name, self.dtype, self.kind)):
+            raise SchemaError(f"field name, dtype and kind must be strings: {self!r}")
+        if not self.name.isidentifier():
             raise SchemaError(f"field name {self.name!r} must be a Python identifier")
         if len(self.name) > MAX_NAME:
             raise SchemaError(f"field name {self.name!r} is longer than {MAX_NAME}")
@@ -185,11 +188,19 @@ class RowSchema:
             or not isinstance(doc.get("fields"), list)
         ):
             raise SchemaError("schema blob has no version-1 field list")
+        if len(doc["fields"]) > MAX_FIELDS:
+            raise SchemaError(f"schema lists {len(doc['fields'])} fields, at most {MAX_FIELDS}")
         fields = []
         for entry in doc["fields"]:
-            if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[2], list)):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 5
+                and all(isinstance(x, str) for x in (entry[0], entry[1], entry[3]))
+                and isinstance(entry[2], list)
+                and isinstance(entry[4], int)
+            ):
                 raise SchemaError(
-                    f"schema entry {entry!r} is not [name, dtype, shape, kind, budget]"
+                    f"schema entry {reprlib.repr(entry)} is not [name, dtype, shape, kind, budget]"
                 )
             fields.append(Field(entry[0], entry[1], tuple(entry[2]), entry[3], entry[4]))
         return cls(fields)

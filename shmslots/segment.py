@@ -101,7 +101,13 @@ class Segment:
             if size == 0:
                 raise IncompatibleTable(f"{name!r} is empty: not a shmslots table")
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            mm = mmap.mmap(fd, size, access=access)
+            try:
+                mm = mmap.mmap(fd, size, access=access)
+            except (OSError, OverflowError, ValueError) as exc:
+                # A sparse object can claim any size; one too big to map is no table of ours.
+                raise IncompatibleTable(
+                    f"{name!r} is {size} bytes and cannot be mapped ({exc}): not a shmslots table"
+                ) from None
         except BaseException:
             os.close(fd)
             raise

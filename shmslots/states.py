@@ -64,6 +64,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.REDELIVERING, Event.FINISH): State.READY,
 }
 
+KNOWN_STATES = frozenset(int(s) for s in State)
 # States in which the slot belongs to a participant (named in the word).
 OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING, State.REDELIVERING})
 # Events by which a participant takes a slot that nobody owns (FREE or READY).

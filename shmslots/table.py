@@ -28,7 +28,7 @@ from .recovery import reap, reclaim_owner
 from .rows import Rows
 from .schema import Field, RowSchema
 from .segment import Segment
-from .states import Event, State, generation_of, owner_of, state_of
+from .states import KNOWN_STATES, Event, State, generation_of, owner_of, state_of
 from .validate import read_schema, read_valid_header
 from .waiting import wait_for
 
@@ -335,7 +335,7 @@ class SlotTable:
             entry = self._own.entry(slot)
             word = self._atomics.load(entry)
             age = now - self._atomics.load(entry + L.SLOT_STAMP)
-            if state_of(word) != State.FREE and age > limit:
+            if word & 0xFFFF in KNOWN_STATES and state_of(word) != State.FREE and age > limit:
                 tag = self._atomics.load(entry + L.SLOT_TAG)
                 late.append(SlotAge(slot, state_of(word), owner_of(word) - 1, tag, age / 1e9))
         return late
@@ -350,6 +350,9 @@ class SlotTable:
         problems = []
         for slot in range(self.slots):
             word = self._own.word(slot)
+            if word & 0xFFFF not in KNOWN_STATES:
+                problems.append(f"slot {slot}: state word {word:#x} holds no known state")
+                continue
             owned = state_of(word) != State.FREE
             if owned != self._own.bit(slot):
                 problems.append(
@@ -364,6 +367,8 @@ class SlotTable:
         self._own.check_slot(slot)
         word = self._own.word(slot)
         tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
+        if word & 0xFFFF not in KNOWN_STATES:
+            raise CorruptTable(f"slot {slot} has state word {word:#x}: no state this version knows")
         return state_of(word), generation_of(word), owner_of(word) - 1, tag
 
     # -- teardown -----------------------------------------------------------------------

@@ -36,11 +36,29 @@ def read_valid_header(segment: Segment) -> L.Header:
 
 
 def read_schema(segment: Segment, header: L.Header) -> RowSchema:
+    """Decode the stored schema; any failure, whatever it is, becomes CorruptTable.
+
+    The blob is untrusted: `read_header` already bounded its length, and a
+    decoder bug (TypeError on an unhashable dtype, RecursionError while
+    describing a deeply nested entry, ...) must not escape as anything but a
+    refusal.
+    """
     lay = header.layout
+    blob = bytes(segment.mm[lay.schema : lay.schema + lay.schema_len])
     try:
-        schema = RowSchema.decode(bytes(segment.mm[lay.schema : lay.schema + lay.schema_len]))
+        schema = RowSchema.decode(blob)
     except SchemaError as exc:
-        raise CorruptTable(f"table {segment.name!r}: {exc}") from None
+        raise CorruptTable(f"table {segment.name!r}: {_clip(str(exc))}") from None
+    except Exception as exc:  # untrusted input: refuse, never crash
+        raise CorruptTable(
+            f"table {segment.name!r}: schema blob cannot be decoded "
+            f"({type(exc).__name__}: {_clip(str(exc))})"
+        ) from None
     if schema.row_size != lay.row_size:
         raise CorruptTable(f"schema gives {schema.row_size}-byte rows, header says {lay.row_size}")
     return schema
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """Messages about hostile input quote it; keep them readable."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
