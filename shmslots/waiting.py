@@ -15,9 +15,9 @@ from ._atomic import AtomicView
 
 T = TypeVar("T")
 
-SPIN_S = 50e-6
+SPIN_S = 20e-6
 # Sleep at most this long at a time, so `on_idle` (dead-owner checks) runs.
-NAP_S = 0.05
+NAP_S = 0.25
 
 
 def wait_for(
