@@ -1,0 +1,274 @@
+"""shmslots in the benchmark (tools/bench.py): the request/reply transport over two tables,
+and the measurements only shmslots has (claim cost, contention, an idle blocked reader).
+
+Process A claims, writes and publishes into table REQ; B takes, reads and releases, and
+answers through table RESP. Rows are read through zero-copy views; tensor payloads go
+through a handle field in the table's arena and are opened with `lease.tensor` (zero copy).
+Not run on its own; see tools/bench.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from typing import Any
+
+import torch
+from bench_common import (
+    CACHED_TOKENS,
+    EAGLE,
+    HIDDEN_BITS,
+    INTS,
+    SMALL,
+    STALL_S,
+    START_S,
+    TOPK_INDEX,
+    TOPK_P,
+    VEC,
+    End,
+    Kind,
+    blocked_cpu_percent,
+    pin_self,
+    poll_until,
+    reply_kind,
+    touch,
+    unique_name,
+)
+
+from shmslots import Field, Lease, SlotTable
+
+ARENA_PAGE = 16384
+BLOCK_S = 1.0  # one blocking take(); repeated until STALL_S
+
+SMALL_FIELDS = (Field("id", "int64"), Field("ints", "int64", (5,)), Field("vec", "float32", (64,)))
+EAGLE_FIELDS = (
+    Field("output_id", "int64"),
+    Field("cached_tokens", "int64"),
+    Field("topk_p", "float32", (16,)),
+    Field("topk_index", "int64", (16,)),
+    Field("hidden", "bfloat16", (4096,)),
+)
+TENSOR_FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="handle"))
+
+
+def fields_for(kind: Kind) -> tuple[Field, ...]:
+    if kind.tensor:
+        return TENSOR_FIELDS
+    return EAGLE_FIELDS if kind == EAGLE else SMALL_FIELDS
+
+
+def id_field(kind: Kind) -> str:
+    return "output_id" if kind == EAGLE else "id"
+
+
+def record_values(kind: Kind) -> dict[str, torch.Tensor]:
+    """The fields of one record except its id, as the tensors a producer writes."""
+    if kind.tensor:
+        pattern = torch.arange(kind.nbytes, dtype=torch.int64) % 251
+        return {"x": pattern.to(torch.uint8)}
+    if kind == EAGLE:
+        return {
+            "cached_tokens": torch.tensor(CACHED_TOKENS, dtype=torch.int64),
+            "topk_p": torch.tensor(TOPK_P, dtype=torch.float32),
+            "topk_index": torch.tensor(TOPK_INDEX, dtype=torch.int64),
+            "hidden": torch.tensor(HIDDEN_BITS, dtype=torch.int16).view(torch.bfloat16),
+        }
+    return {
+        "ints": torch.tensor(INTS, dtype=torch.int64),
+        "vec": torch.tensor(VEC, dtype=torch.float32),
+    }
+
+
+# -- tables ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def created_table(name: str, kind: Kind) -> Iterator[SlotTable]:
+    """Create a table for `kind` and always close and unlink it (nothing left in /dev/shm)."""
+    slots = kind.in_flight
+    arena = slots * (kind.nbytes + ARENA_PAGE) if kind.tensor else 0
+    table = SlotTable.create(name, fields_for(kind), slots=slots, arena_bytes=arena)
+    try:
+        yield table
+    finally:
+        try:
+            table.close()
+        finally:
+            table.unlink()
+
+
+@contextmanager
+def attached(name: str, role: str) -> Iterator[SlotTable]:
+    table = SlotTable.attach(name, role)
+    try:
+        yield table
+    finally:
+        table.close()
+
+
+@contextmanager
+def table_pair(kind: Kind) -> Iterator[tuple[str, str]]:
+    """REQ (the session's kind) and RESP (its reply kind), created here; yields their names."""
+    with (
+        created_table(unique_name(f"req-{kind.name}"), kind) as req,
+        created_table(unique_name(f"resp-{kind.name}"), reply_kind(kind)) as resp,
+    ):
+        yield req.name, resp.name
+
+
+# -- the transport ----------------------------------------------------------------------------
+
+
+class ShmEnd:
+    """One side of the REQ/RESP table pair; `timeout` 0 busy-polls, > 0 blocks in take()."""
+
+    def __init__(self, names: tuple[str, str], kind: Kind, role: str, timeout: float) -> None:
+        req_name, resp_name = names
+        self._req = SlotTable.attach(req_name, f"bench-{role}")
+        self._resp = SlotTable.attach(resp_name, f"bench-{role}")
+        a_side = role == "a"
+        self._out = self._req if a_side else self._resp
+        self._in = self._resp if a_side else self._req
+        self._out_kind = kind if a_side else reply_kind(kind)
+        self._in_kind = reply_kind(kind) if a_side else kind
+        self._out_id = id_field(self._out_kind)
+        self._in_id = id_field(self._in_kind)
+        self._values = record_values(self._out_kind)
+        self._names = [f.name for f in fields_for(self._in_kind)]
+        self._timeout = timeout
+        self._echo_rows = not kind.tensor
+
+    def send(self, rid: int) -> None:
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        ws.write(**{self._out_id: rid}, **self._values)
+        ws.publish()
+
+    def recv(self) -> int:
+        lease = self._take()
+        rid = self._read(lease)
+        lease.release()
+        return rid
+
+    def echo(self) -> int:
+        lease = self._take()
+        if not self._echo_rows:
+            rid = self._read(lease)
+            lease.release()
+            self.send(rid)
+            return rid
+        views = {name: lease.view(name) for name in self._names}
+        rid = int(views[self._in_id])
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        ws.write(**views)  # copies the request row into the reply row
+        del views
+        lease.release()
+        ws.publish()
+        return rid
+
+    def _take(self) -> Lease:
+        table, timeout = self._in, self._timeout
+        if not timeout:
+            return poll_until(lambda: table.take(0.0), f"take from {table.name}")
+        give_up = time.monotonic() + STALL_S
+        while (lease := table.take(timeout)) is None:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"take from {table.name}: nothing for {STALL_S} s")
+        return lease
+
+    def _read(self, lease: Lease) -> int:
+        """The id as an int; every field fetched zero copy, a tensor payload touched."""
+        if self._in_kind.tensor:
+            touch(lease.tensor("x"))
+            return int(lease.view("id"))
+        views = [lease.view(name) for name in self._names]
+        return int(views[0])
+
+    def close(self) -> None:
+        try:
+            self._req.close()
+        finally:
+            self._resp.close()
+
+
+def open_busy(names: tuple[str, str], kind: Kind, role: str) -> End:
+    return ShmEnd(names, kind, role, 0.0)
+
+
+def open_blocking(names: tuple[str, str], kind: Kind, role: str) -> End:
+    return ShmEnd(names, kind, role, BLOCK_S)
+
+
+# -- one process ------------------------------------------------------------------------------
+
+
+def time_claim_abort(table: SlotTable, ops: int) -> float:
+    """ns per claim+abort: taking slot ownership and handing it straight back."""
+    start = time.perf_counter_ns()
+    for _ in range(ops):
+        table.claim(tag=1).abort()
+    return (time.perf_counter_ns() - start) / ops
+
+
+def time_local_cycle(table: SlotTable, ops: int) -> float:
+    """ns per claim->write->publish->take->read->release of a small row, no IPC wait."""
+    values = record_values(SMALL)
+    start = time.perf_counter_ns()
+    for i in range(ops):
+        ws = table.claim(tag=1)
+        ws.write(id=i, **values)
+        ws.publish()
+        lease = table.take(0.0)
+        assert lease is not None
+        int(lease.view("id"))
+        lease.view("ints")
+        lease.view("vec")
+        lease.release()
+    return (time.perf_counter_ns() - start) / ops
+
+
+def bench_one_process(ops: int, repeats: int) -> dict[str, list[float]]:
+    """Both single-process costs, each repeated, after a warmup."""
+    with created_table(unique_name("single"), SMALL) as table:
+        time_claim_abort(table, ops // 10)
+        time_local_cycle(table, ops // 10)
+        return {
+            "claim_abort_ns": [time_claim_abort(table, ops) for _ in range(repeats)],
+            "local_cycle_ns": [time_local_cycle(table, ops) for _ in range(repeats)],
+        }
+
+
+# -- children: contention and an idle blocked reader -----------------------------------------
+
+
+def contend_main(
+    name: str, cpu: int | None, seconds: float, repeats: int, barrier: Barrier, out: Queue[Any]
+) -> None:
+    """Child: claim+abort in a loop for `seconds`, `repeats` times; reports claims/s each."""
+    pin_self(cpu)
+    with attached(name, "bench-contend") as table:
+        rates = []
+        for _ in range(repeats):
+            barrier.wait(START_S)  # all contenders start each run together
+            count = 0
+            start = time.perf_counter()
+            end = start + seconds
+            while time.perf_counter() < end:
+                for _ in range(64):
+                    table.claim(tag=1).abort()
+                count += 64
+            rates.append(count / (time.perf_counter() - start))
+        out.put(rates)
+
+
+def blocked_reader_main(name: str, seconds: float, repeats: int, out: Queue[Any]) -> None:
+    """Child: % of a core used while take(timeout=seconds) waits on a table nobody writes."""
+    with attached(name, "bench-idle") as table:
+
+        def wait() -> None:
+            if table.take(timeout=seconds) is not None:
+                raise RuntimeError("a row appeared in the idle table")
+
+        out.put([blocked_cpu_percent(wait, seconds) for _ in range(repeats)])
