@@ -54,7 +54,7 @@ def main() -> int:
         consumed = p.verified + p.corrupted
         table.add_row(
             policy,
-            f"{consumed / p.seconds:,.0f}",
+            f"{p.rate:,.0f}",
             f"{p.latency_us(0.99) / 1e3:.2f}",
             str(p.peak_owned),
             f"{p.copies / max(consumed + p.decode_aborted, 1):.2f}",

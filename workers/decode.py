@@ -59,6 +59,12 @@ class DecodeReport:
     consumed: list[int] = field(default_factory=list)
     latencies_us: list[float] = field(default_factory=list)
     copies: int = 0
+    first_ns: int = 0  # CLOCK_MONOTONIC (shared by all processes) of the first row handled
+    last_ns: int = 0
+
+    def handled_now(self) -> None:
+        self.last_ns = time.monotonic_ns()
+        self.first_ns = self.first_ns or self.last_ns
 
 
 @dataclass
@@ -134,6 +140,7 @@ class DecodeScheduler:
             request.lease.abort()  # the abort path hands the slot back at once
         request.draft = None
         self.report.aborted.append(request.tag)
+        self.report.handled_now()
 
     def process_prebuilt(self, batch: list[Request]) -> None:
         """Stack the batch's draft state, verify every row, then release each slot."""
@@ -153,6 +160,7 @@ class DecodeScheduler:
             request.draft = None
             if request.lease is not None:
                 request.lease.release()
+        self.report.handled_now()
 
     @staticmethod
     def _stack(batch: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

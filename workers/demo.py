@@ -18,7 +18,7 @@ from workers.launcher import FlowConfig, FlowProgress, FlowResult, run_flow
 
 def flow_table(progress: FlowProgress, title: str) -> Table:
     c = progress.stats.counters if progress.stats else {}
-    rate = progress.handled / max(progress.seconds, 1e-9)
+    rate = progress.rate
     table = Table("measure", "value", title=title, title_justify="left")
     table.add_row("policy", progress.config.policy)
     table.add_row("rows/s consumed", f"{rate:,.0f}")

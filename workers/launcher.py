@@ -55,9 +55,20 @@ class FlowProgress:
     consumed_tags: list[int] = field(default_factory=list)
     aborted_tags: list[int] = field(default_factory=list)
 
+    first_ns: int = 0  # CLOCK_MONOTONIC of the first and last row decode handled
+    last_ns: int = 0
+
     @property
     def seconds(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def rate(self) -> float:
+        """Rows consumed or aborted by decode per second, from first to last report
+        (worker start-up, mostly importing torch, is left out)."""
+        if not self.first_ns:
+            return 0.0
+        return self.handled / max((self.last_ns - self.first_ns) / 1e9, 1e-9)
 
     @property
     def handled(self) -> int:
@@ -71,6 +82,9 @@ class FlowProgress:
         return statistics.quantiles(self.latencies_us, n=100)[int(q * 100) - 1]
 
     def add(self, report: DecodeReport) -> None:
+        if report.first_ns:
+            self.first_ns = min(self.first_ns or report.first_ns, report.first_ns)
+            self.last_ns = max(self.last_ns, report.last_ns)
         self.verified += report.verified
         self.corrupted += report.corrupted
         self.decode_aborted += len(report.aborted)
