@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
+from conftest import SPAWN, Children
 
 from workers.decode import Policy
 from workers.launcher import FlowConfig, FlowResult, run_flow
@@ -50,3 +55,48 @@ def test_early_release_is_caught() -> None:
     assert p.corrupted > 0 or leaked > 0
     assert leaked > 0  # every early release keeps views: the detector must see them
     assert result.accounted and result.final.owned == 0
+
+
+def _run_big_flow() -> None:
+    run_flow(FlowConfig(requests=2_000_000, timeout_s=120))
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Live worker processes (multiprocessing spawn children) whose parent is `pid`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except OSError:
+            continue
+        if int(ppid) == pid and spawned and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_launcher_reaps_workers_and_unlinks_the_table(
+    children: Children,
+) -> None:
+    launcher = SPAWN.Process(target=_run_big_flow)  # not daemonic: it has children of its own
+    launcher.start()
+    children.procs.append(launcher)  # reaped by the fixture whatever happens
+    pid = launcher.pid
+    assert pid is not None
+
+    def tables() -> list[str]:
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"shmslots-flow-{pid}-")]
+
+    deadline = time.monotonic() + 60
+    while not (tables() and len(_spawned_children(pid)) == 4) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _spawned_children(pid)
+    assert tables() and len(workers) == 4, "the flow never got going"
+    os.kill(pid, signal.SIGTERM)
+    launcher.join(60)
+    assert launcher.exitcode == 128 + signal.SIGTERM
+    assert tables() == []
+    assert [w for w in workers if os.path.exists(f"/proc/{w}")] == []

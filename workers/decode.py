@@ -18,6 +18,7 @@ The consumption policy decides when the slot goes back:
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import signal
 import time
@@ -176,6 +177,11 @@ class DecodeScheduler:
         )
 
 
+def _launcher_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
 def decode_worker(
     name: str,
     worker: int,
@@ -195,6 +201,8 @@ def decode_worker(
             arrived = scheduler.pop_transferred(timeout=0.0 if scheduler.waiting else 0.02)
             scheduler.step()
             if time.monotonic() - last >= progress_every_s:
+                if not _launcher_alive():
+                    break  # orphaned (the launcher was killed): nobody will set `stop`
                 results.put(report)
                 report = scheduler.report = DecodeReport(worker, final=False)
                 last = time.monotonic()

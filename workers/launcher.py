@@ -9,9 +9,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 
@@ -109,9 +111,29 @@ class FlowResult:
         return published == handled
 
 
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While running, SIGTERM unwinds like Ctrl-C, so children are reaped and the table
+    unlinked instead of the launcher vanishing and leaving both behind."""
+
+    def unwind(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_flow(
     config: FlowConfig, on_progress: Callable[[FlowProgress], None] | None = None
 ) -> FlowResult:
+    with sigterm_unwinds():
+        return _run_flow(config, on_progress)
+
+
+def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | None) -> FlowResult:
     name = f"shmslots-flow-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
     transfer_results: mp.Queue[TransferReport] = SPAWN.Queue()
     decode_results: mp.Queue[DecodeReport] = SPAWN.Queue()
