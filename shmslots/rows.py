@@ -30,26 +30,31 @@ _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
 _ROW_HEADER = struct.Struct("<QI")
 
 
-def reference_counts(t: torch.Tensor) -> tuple[int, int]:
-    """(Python references to `t`, tensors sharing its storage) — both rise with any view."""
-    return sys.getrefcount(t), _use_count(t.untyped_storage()._cdata)
-
-
 class WatchedTensors:
-    """Tensors handed out to callers, with the reference counts they have at rest."""
+    """Tensors handed out to callers, with the reference counts they have at rest.
 
-    __slots__ = ("_baseline", "tensors")
+    Two counts rise while anything outside still uses a tensor: Python
+    references to the tensor object itself, and the use count of its storage
+    (every view or slice derived from it holds the storage).
+    """
+
+    __slots__ = ("_baseline", "_storages", "tensors")
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
+        # The storage outlives nothing but its tensors, which this object keeps alive.
+        self._storages = {n: t.untyped_storage()._cdata for n, t in tensors.items()}
         # Same expression shape as in leaked(), so temporaries count the same.
-        self._baseline = {n: reference_counts(tensors[n]) for n in tensors}
+        self._baseline = {n: self._counts(n) for n in tensors}
+
+    def _counts(self, name: str) -> tuple[int, int]:
+        return sys.getrefcount(self.tensors[name]), _use_count(self._storages[name])
 
     def leaked(self, names: set[str]) -> list[str]:
         """Names among `names` whose tensor something outside still references."""
         leaked = []
         for n in names:
-            refs, uses = reference_counts(self.tensors[n])
+            refs, uses = self._counts(n)
             base_refs, base_uses = self._baseline[n]
             if refs > base_refs or uses > base_uses:
                 leaked.append(n)
