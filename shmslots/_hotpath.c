@@ -59,6 +59,7 @@ typedef struct {
     int ev_claim, ev_publish, ev_take, st_free, st_writing, st_ready, st_held;
     uint32_t pending_states; /* bit s set: a queued slot in state s is still coming */
     Py_ssize_t hint;
+    PyObject *corrupt; /* exception class raised for a ring that never settles */
 } HotPath;
 
 static inline uint64_t *w64(HotPath *h, Py_ssize_t off) { return (uint64_t *)(h->base + off); }
@@ -128,15 +129,46 @@ counter_ok(HotPath *h, Py_ssize_t counter)
 
 /* -- ready ring -------------------------------------------------------------------- */
 
+/* Loops below retry only while another process makes progress; a ring that
+ * never settles (a corrupt segment) is reported instead of spun on forever
+ * with the GIL held. */
+#define RING_RETRIES 1000000
+#define RING_CORRUPT (-2)
+
+static inline uint64_t cell_at(HotPath *h, uint64_t pos)
+{
+    return ld(h, h->ring + 8 * (Py_ssize_t)(pos % (uint64_t)h->ring_cap));
+}
+
+/* The cell at `head` shows that position `head` was already consumed (its popper
+ * stopped before moving head, or the cell was even reused a lap later): move head. */
+static int
+help_head(HotPath *h, uint64_t head)
+{
+    uint64_t value = cell_at(h, head);
+    uint64_t next_lap = (head + (uint64_t)h->ring_cap) & POS_MASK;
+    if (value == empty_cell(head + (uint64_t)h->ring_cap) || (value >> 21) == next_lap) {
+        cas(h, h->head, head, head + 1);
+        return 1;
+    }
+    return 0;
+}
+
 /* Queue `slot`, storing its position in the slot entry before filling the cell.
- * Returns the position, or -1 when the ring is full. */
+ * Returns the position, -1 when the ring is full, RING_CORRUPT if it never settles. */
 static int64_t
 ring_push(HotPath *h, Py_ssize_t slot)
 {
     Py_ssize_t qpos = entry_of(h, slot) + h->qpos_off;
-    for (;;) {
-        uint64_t tail = ld(h, h->tail);
-        Py_ssize_t cell = h->ring + 8 * (Py_ssize_t)(tail % (uint64_t)h->ring_cap);
+    uint64_t cap = (uint64_t)h->ring_cap;
+    for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
+        uint64_t tail = ld(h, h->tail), head = ld(h, h->head);
+        if (tail - head >= cap) { /* full, unless head lags behind a consumed cell */
+            if (!help_head(h, head))
+                return -1;
+            continue;
+        }
+        Py_ssize_t cell = h->ring + 8 * (Py_ssize_t)(tail % cap);
         uint64_t value = ld(h, cell);
         if (value == empty_cell(tail)) {
             st(h, qpos, tail);
@@ -145,21 +177,20 @@ ring_push(HotPath *h, Py_ssize_t slot)
                 return (int64_t)tail;
             }
         } else if (((value & FULL) && (value >> 21) == (tail & POS_MASK)) ||
-                   value == empty_cell(tail + (uint64_t)h->ring_cap)) {
+                   value == empty_cell(tail + cap)) {
             cas(h, h->tail, tail, tail + 1); /* a pusher stopped before moving tail */
-        } else if ((value & FULL) && (value >> 21) == ((tail - (uint64_t)h->ring_cap) & POS_MASK)) {
-            return -1; /* the previous lap's entry is not consumed yet */
         }
     }
+    return RING_CORRUPT;
 }
 
-/* (position, slot) at the head; 0 if found, -1 if the ring is empty. */
+/* (position, slot) at the head: 0 if found, -1 if the ring is empty, RING_CORRUPT. */
 static int
 ring_peek(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
 {
-    for (;;) {
+    for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
         uint64_t head = ld(h, h->head);
-        uint64_t value = ld(h, h->ring + 8 * (Py_ssize_t)(head % (uint64_t)h->ring_cap));
+        uint64_t value = cell_at(h, head);
         if ((value & FULL) && (value >> 21) == (head & POS_MASK)) {
             *pos = head;
             *slot = (Py_ssize_t)(value & SLOT_MASK);
@@ -167,9 +198,16 @@ ring_peek(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
         }
         if (value == empty_cell(head))
             return -1;
-        if (value == empty_cell(head + (uint64_t)h->ring_cap))
-            cas(h, h->head, head, head + 1); /* a popper stopped before moving head */
+        help_head(h, head);
     }
+    return RING_CORRUPT;
+}
+
+static PyObject *
+corrupt_ring(HotPath *h)
+{
+    PyErr_SetString(h->corrupt, "the ready ring never settles: its head, tail or cells are corrupt");
+    return NULL;
 }
 
 static void
@@ -231,8 +269,13 @@ hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t slot = wi * 64 + __builtin_ctzll(free_bits);
             Py_ssize_t entry = entry_of(h, slot);
             uint64_t word = ld(h, entry), mine;
-            if ((int)(word & 0xFFFF) == h->st_free && transition(h, word, event, h->me, &mine) == 0 &&
-                cas(h, entry, word, mine)) {
+            /* A slot whose last queue entry may still be in the ring (a cancelled or
+             * reclaimed publication) waits until head passes it: at most one entry
+             * per slot, so stale entries can never fill the ring. */
+            uint64_t queued_at = ld(h, entry + h->qpos_off);
+            int entry_gone = queued_at == UINT64_MAX || queued_at < ld(h, h->head);
+            if ((int)(word & 0xFFFF) == h->st_free && entry_gone &&
+                transition(h, word, event, h->me, &mine) == 0 && cas(h, entry, word, mine)) {
                 __atomic_fetch_or(w64(h, woff), low, __ATOMIC_SEQ_CST);
                 st(h, entry + h->tag_off, (uint64_t)tag);
                 st(h, entry + h->qpos_off, UINT64_MAX);
@@ -262,7 +305,10 @@ hp_publish(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     uint64_t ready;
     if (ld(h, entry) != mine || transition(h, mine, h->ev_publish, h->me, &ready) != 0)
         return PyLong_FromLong(-1);
-    if (ring_push(h, slot) < 0)
+    int64_t pushed = ring_push(h, slot);
+    if (pushed == RING_CORRUPT)
+        return corrupt_ring(h);
+    if (pushed < 0)
         return PyLong_FromLong(-2);
     if (!cas(h, entry, mine, ready))
         return PyLong_FromLong(-1);
@@ -281,7 +327,10 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     for (;;) {
         uint64_t pos;
         Py_ssize_t slot;
-        if (ring_peek(h, &pos, &slot) < 0)
+        int peeked = ring_peek(h, &pos, &slot);
+        if (peeked == RING_CORRUPT)
+            return corrupt_ring(h);
+        if (peeked < 0)
             Py_RETURN_NONE;
         if (slot >= h->nslots) { /* a cell naming no slot: drop it, never follow it */
             ring_pop(h, pos, slot);
@@ -307,6 +356,8 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
                 return PyLong_FromUnsignedLongLong((word >> 16) & 0xFFFF);
         }
         ring_pop(h, pos, slot); /* stale: taken, cancelled or queued again elsewhere */
+        if ((int)state == h->st_free)
+            wake(h, h->release_seq, h->claimers_waiting); /* claimable again (see acquire) */
     }
 }
 
@@ -337,7 +388,8 @@ hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     uint64_t bit = UINT64_C(1) << (slot & 63);
     __atomic_fetch_and(w64(h, woff), ~bit, __ATOMIC_SEQ_CST);
     if (!cas(h, entry, mine, freed)) {
-        __atomic_fetch_or(w64(h, woff), bit, __ATOMIC_SEQ_CST);
+        if ((int)(ld(h, entry) & 0xFFFF) != h->st_free) /* never set the bit of a FREE slot */
+            __atomic_fetch_or(w64(h, woff), bit, __ATOMIC_SEQ_CST);
         return PyLong_FromLong(-1);
     }
     st(h, entry + h->stamp_off, now_ns());
@@ -352,7 +404,10 @@ hp_push(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
     if (!need(h, nargs, 1, "push") || !slot_arg(h, args[0], &slot)) return NULL;
-    return PyLong_FromLongLong(ring_push(h, slot));
+    int64_t pushed = ring_push(h, slot);
+    if (pushed == RING_CORRUPT)
+        return corrupt_ring(h);
+    return PyLong_FromLongLong(pushed < 0 ? -1 : pushed);
 }
 
 /* drop_stale_head() -> bool: remove the head entry if its slot no longer waits there. */
@@ -362,7 +417,10 @@ hp_drop_stale_head(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     if (!need(h, nargs, 0, "drop_stale_head")) return NULL;
     uint64_t pos;
     Py_ssize_t slot;
-    if (ring_peek(h, &pos, &slot) < 0)
+    int peeked = ring_peek(h, &pos, &slot);
+    if (peeked == RING_CORRUPT)
+        return corrupt_ring(h);
+    if (peeked < 0)
         Py_RETURN_FALSE;
     if (slot < h->nslots) {
         Py_ssize_t entry = entry_of(h, slot);
@@ -375,13 +433,31 @@ hp_drop_stale_head(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* init_ring(): every cell empty for its first position (table creation only). */
+/* forget_position(slot): clear the slot's queue position if no entry of it sits
+ * there (a publisher died between recording the position and filling the cell).
+ * Only the slot's owner (a reaper finishing it) may call this. */
+static PyObject *
+hp_forget_position(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    if (!need(h, nargs, 1, "forget_position") || !slot_arg(h, args[0], &slot)) return NULL;
+    Py_ssize_t qpos = entry_of(h, slot) + h->qpos_off;
+    uint64_t pos = ld(h, qpos);
+    if (pos != UINT64_MAX && cell_at(h, pos) != full_cell(pos, (uint64_t)slot))
+        st(h, qpos, UINT64_MAX);
+    Py_RETURN_NONE;
+}
+
+/* init_ring(): every cell empty for its first position, and no slot queued anywhere
+ * (table creation only). */
 static PyObject *
 hp_init_ring(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!need(h, nargs, 0, "init_ring")) return NULL;
     for (Py_ssize_t pos = 0; pos < h->ring_cap; pos++)
         st(h, h->ring + 8 * pos, empty_cell((uint64_t)pos));
+    for (Py_ssize_t slot = 0; slot < h->nslots; slot++)
+        st(h, entry_of(h, slot) + h->qpos_off, UINT64_MAX);
     Py_RETURN_NONE;
 }
 
@@ -431,21 +507,29 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         "tag_off", "stamp_off", "qpos_off", "deliveries_off", "ring", "ring_cap", "head",
         "tail", "publish_seq", "readers_waiting", "release_seq", "claimers_waiting",
         "publishes_counter", "takes_counter", "me", "transitions", "owner_checked",
-        "events", "states", "pending_states", NULL,
+        "events", "states", "pending_states", "corrupt", NULL,
     };
     PyObject *obj;
     unsigned long long tail_mask, me;
     Py_buffer table;
     unsigned int owner_checked, pending;
+    PyObject *corrupt;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnKy*I(iii)(iiii)I", kw, &obj, &h->bitmap, &h->nwords,
+            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnKy*I(iii)(iiii)IO", kw, &obj, &h->bitmap, &h->nwords,
             &tail_mask, &h->entries, &h->entry_size, &h->nslots, &h->tag_off, &h->stamp_off,
             &h->qpos_off, &h->deliveries_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
             &h->publish_seq, &h->readers_waiting, &h->release_seq, &h->claimers_waiting,
             &h->publishes_counter, &h->takes_counter, &me, &table, &owner_checked, &h->ev_claim,
             &h->ev_publish, &h->ev_take, &h->st_free, &h->st_writing, &h->st_ready, &h->st_held,
-            &pending))
+            &pending, &corrupt))
         return -1;
+    if (!PyExceptionClass_Check(corrupt)) {
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_TypeError, "corrupt must be an exception class");
+        return -1;
+    }
+    Py_INCREF(corrupt);
+    Py_XSETREF(h->corrupt, corrupt);
     int bad = table.len != NSTATES * NEVENTS;
     if (!bad) memcpy(h->next, table.buf, sizeof(h->next));
     PyBuffer_Release(&table);
@@ -495,6 +579,7 @@ hp_dealloc(HotPath *h)
 {
     if (h->held)
         PyBuffer_Release(&h->buf);
+    Py_XDECREF(h->corrupt);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
@@ -508,6 +593,7 @@ static PyMethodDef hp_methods[] = {
     FAST("drop_stale_head", hp_drop_stale_head, "drop_stale_head() -> bool"),
     FAST("transition", hp_transition, "transition(word, event, actor) -> word | None"),
     FAST("init_ring", hp_init_ring, "init_ring(): mark every ring cell empty"),
+    FAST("forget_position", hp_forget_position, "forget_position(slot): drop a dangling position"),
     FAST("queued", hp_queued, "queued() -> entries in the ready ring"),
     {"release", (PyCFunction)hp_release, METH_NOARGS, "release the buffer export"},
     {NULL, NULL, 0, NULL},

@@ -82,6 +82,11 @@ class HandleStore:
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
         nbytes = tensor.numel() * tensor.element_size()
+        if self._arena.pages_for(nbytes) > self._arena.pages:
+            raise SchemaError(
+                f"field {name!r}: {nbytes} bytes exceed the whole arena "
+                f"({self._arena.pages * self._arena.page_size} bytes)"
+            )
         offset = self._arena.alloc(nbytes, slot, generation)
         if offset is None:
             self.collect()

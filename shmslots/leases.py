@@ -47,6 +47,11 @@ class _Handle:
         return self._table._own.owns(self.slot, self.generation, state)
 
     def _check_open(self, action: str) -> None:
+        if self._table._closed:
+            raise StaleLeaseError(
+                f"cannot {action}: table {self._table.name!r} was closed, and with it this "
+                f"{type(self).__name__} of slot {self.slot}"
+            )
         if not self._open:
             raise StaleLeaseError(
                 f"cannot {action}: slot {self.slot} generation {self.generation} "
@@ -165,7 +170,7 @@ class WriteSlot(_Handle):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         """Leaving the block without publishing aborts: nothing half-written is delivered."""
-        if self._open and self._still_mine(_WRITING):
+        if self._open and not self._table._closed and self._still_mine(_WRITING):
             self.abort()
         self._open = False
 
@@ -178,6 +183,17 @@ class Reservation(_Handle):
     def abort(self) -> None:
         self._check_open("abort")
         self._table._own.free(self.slot, self.generation, _RESERVED, _ABORT)
+        self._open = False
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leaving the block aborts the reservation unless a producer opened it."""
+        if self._open and not self._table._closed and self._still_mine(_RESERVED):
+            self.abort()
         self._open = False
 
 
@@ -253,9 +269,10 @@ class Lease(_Handle):
             leaked += self._opened.leaked(set(self._opened.tensors))
         return leaked
 
-    def _end(self, event: int, action: str) -> None:
+    def _end(self, event: int, action: str, check_views: bool = True) -> None:
         self._check_open(action)
-        self._check_views(action)
+        if check_views:
+            self._check_views(action)
         self._table._own.free(self.slot, self.generation, _HELD, event)
         self._open = False
         self._opened = None
@@ -266,9 +283,9 @@ class Lease(_Handle):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._open and self._still_mine(_HELD):
+        if self._open and not self._table._closed and self._still_mine(_HELD):
             if et is None:
                 self.release()
-            else:
-                self.abort()
+            else:  # the block's locals may still hold views: hand the slot back regardless
+                self._end(_ABORT, "abort", check_views=False)
         self._open = False

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from . import layout as L
 from ._atomic import AtomicView
 from ._hotpath import HotPath
-from .errors import InvalidSlot, OwnershipError, SlotsExhausted
+from .errors import CorruptTable, InvalidSlot, OwnershipError, SlotsExhausted
 from .states import (
     GEN_MASK,
     KNOWN_STATES,
@@ -50,6 +50,8 @@ _WRITING = int(State.WRITING)
 _READY = int(State.READY)
 _HELD = int(State.HELD)
 _REDELIVERING = int(State.REDELIVERING)
+_RECLAIMING = int(State.RECLAIMING)
+_CANCEL = int(Event.CANCEL)
 _TAKE = int(Event.TAKE)
 _RELEASE = int(Event.RELEASE)
 _ABORT = int(Event.ABORT)
@@ -127,6 +129,7 @@ def hot_path(buffer: mmap.mmap, lay: L.Layout, me: int) -> HotPath:
         events=(int(Event.CLAIM), int(Event.PUBLISH), int(Event.TAKE)),
         states=(int(State.FREE), _WRITING, _READY, _HELD),
         pending_states=_bits((State.WRITING, State.REDELIVERING)),
+        corrupt=CorruptTable,
     )
 
 
@@ -191,6 +194,8 @@ class Ownership:
     # -- owned -> owned ----------------------------------------------------------------
     def open_reserved(self, slot: int, generation: int) -> None:
         self.check_slot(slot)
+        if not isinstance(generation, int) or not 0 <= generation <= GEN_MASK:
+            raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
         entry = self.entry(slot)
         word = self.a.load(entry)
         if state_of(word) != State.RESERVED or generation_of(word) != generation & GEN_MASK:
@@ -240,18 +245,25 @@ class Ownership:
             raise self._not_mine(slot, generation, state)
 
     def cancel(self, tag: int) -> int:
-        """Abort every READY slot carrying `tag` (a request cancelled before pickup)."""
+        """Abort every READY slot carrying `tag` (a request cancelled before pickup).
+
+        One CAS takes the slot from READY to RECLAIMING under our id, so a
+        canceller killed before the slot is FREE leaves it to a reaper to free,
+        never to redeliver.  Its queue entry goes stale; the slot is claimable
+        again once the queue's head has passed it (see _hotpath.c, acquire).
+        """
         cancelled = 0
         for slot in range(self._nslots):
             entry = self.entry(slot)
             word = self.a.load(entry)
-            if state_of(word) != State.READY or self.a.load(entry + L.SLOT_TAG) != tag:
+            if word & 0xFFFF != _READY or self.a.load(entry + L.SLOT_TAG) != tag:
                 continue
-            if self.a.cas(entry, word, next_word(word, _TAKE, self.me)):
-                self.free(slot, generation_of(word), _HELD, _ABORT)
+            if self.a.cas(entry, word, next_word(word, _CANCEL, self.me)):
+                self.free(slot, generation_of(word), _RECLAIMING, _FINISH)
                 cancelled += 1
         if cancelled:
             self.count("cancels", cancelled)
+            self.count("aborts", cancelled)
         return cancelled
 
     # -- recovery -------------------------------------------------------------------
@@ -291,7 +303,8 @@ class Ownership:
         reason = RECLAIM_REASONS.get(state)
         if reason is not None:
             self.count(reason)
-        self.free(slot, generation, int(State.RECLAIMING), _FINISH)
+        self.hot.forget_position(slot)  # a publisher may have died mid-queueing
+        self.free(slot, generation, _RECLAIMING, _FINISH)
         return reason
 
     # -- observation ----------------------------------------------------------------

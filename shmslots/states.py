@@ -41,6 +41,7 @@ class Event(IntEnum):
     RECLAIM = 7
     REDELIVER = 8
     FINISH = 9  # a reaper completes RECLAIMING -> FREE or REDELIVERING -> READY
+    CANCEL = 10  # a READY slot's request was cancelled before pickup
 
 
 # (state, event) -> next state.  Absent pairs are illegal.
@@ -60,6 +61,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.RECLAIMING, Event.RECLAIM): State.RECLAIMING,
     (State.HELD, Event.REDELIVER): State.REDELIVERING,
     (State.REDELIVERING, Event.REDELIVER): State.REDELIVERING,
+    (State.READY, Event.CANCEL): State.RECLAIMING,
     (State.RECLAIMING, Event.FINISH): State.FREE,
     (State.REDELIVERING, Event.FINISH): State.READY,
 }
@@ -68,7 +70,7 @@ KNOWN_STATES = frozenset(int(s) for s in State)
 # States in which the slot belongs to a participant (named in the word).
 OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING, State.REDELIVERING})
 # Events by which a participant takes a slot that nobody owns (FREE or READY).
-_ACQUIRING = frozenset({Event.CLAIM, Event.RESERVE, Event.TAKE})
+_ACQUIRING = frozenset({Event.CLAIM, Event.RESERVE, Event.TAKE, Event.CANCEL})
 # Events by which one participant takes over a slot owned by another one.
 _TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER})
 

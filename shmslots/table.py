@@ -236,7 +236,14 @@ class SlotTable:
             timeout,
         )
         if got is None:
-            raise SlotsExhausted(f"no free slot to {what} within {timeout} s", own.occupancy())
+            occupancy = own.occupancy()
+            why = f"no free slot to {what} within {timeout} s"
+            if occupancy["FREE"]:
+                why += (
+                    f" ({occupancy['FREE']} FREE slots still have a cancelled or reclaimed entry "
+                    "in the ready queue, behind a head that readers are not taking)"
+                )
+            raise SlotsExhausted(why, occupancy)
         return got
 
     # -- reader side ------------------------------------------------------------------
@@ -271,6 +278,8 @@ class SlotTable:
         got = self._own.take()
         if type(got) is not Taken:
             self._head_blocked = type(got) is Blocked
+            if self._head_blocked:
+                self._check_blocked_head()  # busy pollers must not wait on a dead publisher
             return None
         lease = Lease(self, got.slot, got.generation, got.tag, got.deliveries)
         if self.strict and not self._row_intact(got.slot, got.generation):
@@ -279,7 +288,8 @@ class SlotTable:
         return lease
 
     def _check_blocked_head(self) -> None:
-        """Called while a reader sleeps: reap if the queue head's owner died mid-publish."""
+        """The queue head is a publication not finished yet: reap (throttled) in case its
+        owner died mid-publish, so no reader, sleeping or polling, waits on it forever."""
         now = time.monotonic()
         if self._head_blocked and now - self._last_blocked_check >= BLOCKED_CHECK_S:
             self._last_blocked_check = now
@@ -382,6 +392,7 @@ class SlotTable:
         leaked = self._rows.close()
         self._mv.release()
         self._atomics.release()
+        self._own.hot.release()
         if leaked:
             warnings.warn(
                 f"table {self.name!r} closed while views are referenced ({', '.join(leaked)}); "

@@ -920,3 +920,15 @@ def test_interrupt_just_after_a_transition_is_not_masked(name: str, step: str) -
         assert t.check_consistency() == []
         expected = State.READY if step == "publish" else State.FREE
         assert t.slot_info(0)[0] is expected
+
+
+@pytest.mark.timeout(60)
+def test_a_garbage_ready_ring_is_a_corrupt_table_not_a_hang(name: str) -> None:
+    """One bad word in the ring must not spin a reader forever with the GIL held."""
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        t.claim(tag=1).write(**small_row(1)).publish()
+        _poke(name, t.layout.ring, struct.pack("<Q", 0xDEAD))
+        started = time.monotonic()
+        with SlotTable.attach(name, "reader") as reader, pytest.raises(CorruptTable, match="ring"):
+            reader.take(timeout=0.1)
+        assert time.monotonic() - started < 30

@@ -275,3 +275,69 @@ def test_close_hands_back_what_this_process_still_owns(name: str) -> None:
         assert lease is not None and lease.tag == 5 and lease.deliveries == 1
         lease.release()
         assert t.check_consistency() == []
+
+
+def test_handles_of_a_closed_table_cannot_touch_a_newcomers_slot(name: str) -> None:
+    """The newcomer reuses the closed table's participant entry (same owner id)."""
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim(tag=1).write(**small_row(1)).publish()
+        old = SlotTable.attach(name, "old")
+        stale = old.take()
+        assert stale is not None
+        index = old.participant
+        old.close()  # the lease's slot is redelivered
+        with SlotTable.attach(name, "new") as new:
+            assert new.participant == index
+            lease = new.take()
+            assert lease is not None and lease.slot == stale.slot
+            with pytest.raises(StaleLeaseError, match="closed"):
+                stale.release()
+            with pytest.raises(StaleLeaseError, match="closed"):
+                stale.view("p")
+            assert new.slot_info(lease.slot)[:3] == (State.HELD, 0, index)
+            assert lease.verify()
+            lease.release()
+
+
+def test_exception_inside_a_strict_lease_block_is_not_replaced(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        with pytest.raises(KeyError), t.take() as lease:  # type: ignore[union-attr]
+            row = lease.view("p")  # still referenced while the block unwinds
+            raise KeyError(float(row[0]))
+        assert t.slot_info(0)[0] is State.FREE
+        assert t.stats().counters["aborts"] == 1
+        del row, lease
+
+
+def test_cancelled_slots_wait_for_the_queue_instead_of_filling_it(name: str) -> None:
+    """A READY row nobody takes pins the queue head; cancel/publish cycles must not fill
+    the ready ring: a cancelled slot becomes claimable once takes pass its entry."""
+    with SlotTable.create(name, SMALL, slots=3) as t:
+        t.claim(tag=1).write(**small_row(1)).publish()  # pins the head
+        for tag in (2, 3):
+            t.claim(tag=tag).write(**small_row(tag)).publish()
+            assert t.cancel(tag) == 1
+        assert t.stats().states["FREE"] == 2
+        with pytest.raises(SlotsExhausted, match="cancelled or reclaimed entry"):
+            t.claim(timeout=0.05)
+        lease = t.take()
+        assert lease is not None and lease.tag == 1
+        lease.release()
+        assert t.take() is None  # passes the two cancelled entries
+        held = [t.claim(timeout=0.0) for _ in range(3)]
+        for ws in held:
+            ws.abort()
+        assert t.check_consistency() == []
+
+
+def test_reservations_refuse_bad_generations_and_abort_on_exit(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        with t.reserve(tag=4) as res:
+            with pytest.raises(OwnershipError, match="32-bit"):
+                t.open_reserved(res.slot, res.generation + 2**32)
+            assert t.slot_info(0)[0] is State.RESERVED
+        assert t.slot_info(0)[0] is State.FREE
+        with t.reserve() as res:
+            t.open_reserved(res.slot, res.generation).abort()  # handed over, then aborted
+        assert t.stats().counters["aborts"] == 2

@@ -255,3 +255,39 @@ def test_chaos_sigkill_random_participants(name: str, tmp_path: Path) -> None:
 
 def test_spawn_context_is_used_for_children() -> None:
     assert SPAWN.get_start_method() == "spawn"
+
+
+def die_mid_cancel(name: str, slot: int) -> None:
+    """A canceller killed between taking a READY slot over and freeing it."""
+    t = SlotTable.attach(name, "canceller")
+    own = t._own
+    word = own.word(slot)
+    assert own.a.cas(own.entry(slot), word, next_word(word, int(Transition.CANCEL), own.me))
+    _die()
+
+
+def test_a_cancel_cut_short_is_finished_as_a_cancel_not_redelivered(
+    name: str, children: Children
+) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim(tag=3).write(**small_row(3)).publish()
+        _kill_and_wait(children, die_mid_cancel, name, 0)
+        assert t.slot_info(0)[0] is State.RECLAIMING
+        t.reap()
+        assert t.slot_info(0)[0] is State.FREE
+        assert t.take() is None  # the cancelled request is never delivered
+        assert t.stats().counters["redelivered"] == 0 and t.check_consistency() == []
+
+
+def test_busy_polling_reader_behind_a_dead_publisher_recovers(
+    name: str, children: Children
+) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t, SlotTable.attach(name, "r") as reader:
+        _kill_and_wait(children, die_owning, name, "queued-unfinished")
+        t.claim(tag=8).write(**small_row(8)).publish()
+        deadline = time.monotonic() + 5
+        lease = None
+        while lease is None and time.monotonic() < deadline:
+            lease = reader.take()  # timeout 0: never sleeps, must still reap
+        assert lease is not None and lease.tag == 8
+        lease.release()

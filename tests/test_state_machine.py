@@ -38,7 +38,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.consumer = SlotTable.attach(self.name, "consumer")
         # model: slot -> (state, generation, owner participant or -1)
         self.model = {s: (State.FREE, 0, -1) for s in range(SLOTS)}
-        self.queue: deque[int] = deque()
+        self.queue: deque[int] = deque()  # READY slots, in publish order
+        # Entries still in the ready ring, in order: a cancelled slot's entry stays
+        # until a take passes it, and until then the slot cannot be claimed.
+        self.ring: deque[tuple[int, bool]] = deque()  # (slot, still READY there)
         self.tags = itertools.count(1)
 
     def _set(self, slot: int, state: State, owner: int = -1, bump: bool = False) -> None:
@@ -46,7 +49,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.model[slot] = (state, generation + bump, owner)
 
     def _free_slots(self) -> int:
-        return sum(1 for s, _, _ in self.model.values() if s is State.FREE)
+        queued = {slot for slot, _ in self.ring}
+        return sum(
+            1 for slot, (s, _, _) in self.model.items() if s is State.FREE and slot not in queued
+        )
 
     @rule(target=writes)
     def claim(self) -> WriteSlot | None:
@@ -89,6 +95,7 @@ class Lifecycle(RuleBasedStateMachine):
             ws.write(v=value).publish()
             self._set(ws.slot, State.READY)
             self.queue.append(ws.slot)
+            self.ring.append((ws.slot, True))
 
     @rule(ws=consumes(writes))
     def abort_write(self, ws: WriteSlot | None) -> None:
@@ -99,10 +106,13 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(target=leases)
     def take(self) -> Lease | None:
         lease = self.consumer.take()
+        while self.ring and not self.ring[0][1]:
+            self.ring.popleft()  # take drops cancelled entries it passes
         if not self.queue:
             assert lease is None
             return None
         assert lease is not None and lease.slot == self.queue.popleft()
+        assert self.ring.popleft() == (lease.slot, True)
         self._set(lease.slot, State.HELD, self.consumer.participant)
         return lease
 
@@ -119,6 +129,7 @@ class Lifecycle(RuleBasedStateMachine):
         tag = self.producer.slot_info(slot)[3]
         assert self.producer.cancel(tag) == 1
         self.queue.remove(slot)
+        self.ring = deque((s, live and s != slot) for s, live in self.ring)
         self._set(slot, State.FREE, bump=True)
 
     @invariant()
