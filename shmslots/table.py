@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -37,6 +38,15 @@ _RESERVE = int(Event.RESERVE)
 _M64 = (1 << 64) - 1
 # How often a waiting reader checks whether the owner blocking the queue died.
 BLOCKED_CHECK_S = 0.1
+_LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    for table in list(_LIVE_TABLES):
+        table._disown()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 @dataclass(frozen=True)
@@ -80,21 +90,30 @@ class SlotTable:
         self.schema = schema
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
-        self._registry = Registry(self._atomics, self._mv, self.layout, segment.fd)
-        index, died_here = self._registry.register(role, name)
-        self.participant = index
-        self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
-        self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
-        arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
-        self._arena = arena
-        self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
         self._closed = False
+        self._forked = False
         self._last_blocked_check = 0.0
         self._head_blocked = False
-        if died_here:  # the entry we took was a dead participant's: settle its slots first
-            reclaim_owner(self._own, index + 1, self.drop_on_consumer_death)
-            self._own.count("participants_reaped")
-        self.reap()
+        # Liveness locks live on an open file description of their own, not the one
+        # the mapping holds: a forked child can then drop its copy (see _disown).
+        self._lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._registry = Registry(self._atomics, self._mv, self.layout, self._lock_fd)
+            index, died_here = self._registry.register(role, name)
+            self.participant = index
+            self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
+            self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
+            arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
+            self._arena = arena
+            self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
+            if died_here:  # the entry we took was a dead participant's: settle its slots first
+                reclaim_owner(self._own, index + 1, self.drop_on_consumer_death)
+                self._own.count("participants_reaped")
+            self.reap()
+        except BaseException:
+            os.close(self._lock_fd)  # drops our lock: a half-made entry reads as dead
+            raise
+        _LIVE_TABLES.add(self)
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -389,6 +408,7 @@ class SlotTable:
         reclaim_owner(self._own, self._own.me, self.drop_on_consumer_death)
         self._registry.deregister(self.participant)
         self._closed = True
+        os.close(self._lock_fd)
         leaked = self._rows.close()
         self._mv.release()
         self._atomics.release()
@@ -414,13 +434,29 @@ class SlotTable:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         """Close; the process that created the table also unlinks it."""
+        forked = self._forked
         self.close()
-        if self.created_here:
+        if self.created_here and not forked:  # a forked child must not unlink the parent's
             self.unlink()
 
     def _check_open(self) -> None:
+        if self._forked:
+            raise ValueError(
+                f"table {self.name!r} was inherited through fork(); attach again in this process"
+            )
         if self._closed:
             raise ValueError(f"table {self.name!r} is closed")
+
+    def _disown(self) -> None:
+        """In a forked child: this table object is the parent's participant, not ours.
+
+        Closing the child's copy of the lock descriptor leaves the parent's liveness
+        lock to the parent alone (so its death is seen), and marking the object
+        closed keeps the child from acting, or closing, in the parent's name.
+        """
+        if not self._closed:
+            os.close(self._lock_fd)
+            self._closed = self._forked = True
 
     def __repr__(self) -> str:
         return (

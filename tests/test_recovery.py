@@ -6,6 +6,7 @@ import os
 import signal
 import struct
 import time
+from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
@@ -291,3 +292,39 @@ def test_busy_polling_reader_behind_a_dead_publisher_recovers(
             lease = reader.take()  # timeout 0: never sleeps, must still reap
         assert lease is not None and lease.tag == 8
         lease.release()
+
+
+def claim_fork_then_die(name: str, report: Queue[tuple[str, int, bool]]) -> None:
+    """Claim a slot, fork a long-lived helper, then die: the helper must not keep us alive."""
+    t = SlotTable.attach(name, "producer")
+    t.claim(tag=5)
+    helper = os.fork()
+    if helper == 0:
+        try:
+            t.claim()
+            refused = False
+        except ValueError as exc:
+            refused = "fork" in str(exc)
+        report.put(("helper", os.getpid(), refused))
+        time.sleep(60)
+        os._exit(0)
+    _die()
+
+
+def test_a_forked_child_does_not_keep_a_dead_owner_alive(name: str, children: Children) -> None:
+    report: Queue[tuple[str, int, bool]] = SPAWN.Queue()
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        owner = children.start(claim_fork_then_die, name, report)
+        role, helper, refused = report.get(timeout=30)
+        try:
+            # join() would wait on a pipe the helper inherited; poll the exit status instead
+            deadline = time.monotonic() + 30
+            while owner.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert owner.exitcode == -signal.SIGKILL
+            assert role == "helper" and refused  # the inherited table is unusable there
+            assert os.path.exists(f"/proc/{helper}")  # the helper still lives...
+            assert t.reap()["reclaimed_writing"] == 1  # ...yet the owner is seen dead
+            assert t.slot_info(0)[0] is State.FREE
+        finally:
+            os.kill(helper, signal.SIGKILL)
