@@ -42,7 +42,6 @@ from .states import (
     generation_of,
     next_word,
     owner_of,
-    state_of,
 )
 
 _M64 = (1 << 64) - 1
@@ -51,6 +50,7 @@ _READY = int(State.READY)
 _HELD = int(State.HELD)
 _REDELIVERING = int(State.REDELIVERING)
 _RECLAIMING = int(State.RECLAIMING)
+_RESERVED = int(State.RESERVED)
 _CANCEL = int(Event.CANCEL)
 _TAKE = int(Event.TAKE)
 _RELEASE = int(Event.RELEASE)
@@ -198,10 +198,9 @@ class Ownership:
             raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
         entry = self.entry(slot)
         word = self.a.load(entry)
-        if state_of(word) != State.RESERVED or generation_of(word) != generation & GEN_MASK:
+        if word & 0xFFFF != _RESERVED or generation_of(word) != generation:
             raise OwnershipError(
-                f"slot {slot} generation {generation} is not reserved "
-                f"(it is {state_of(word).name} at generation {generation_of(word)})"
+                f"slot {slot} generation {generation} is not reserved (it is {describe_word(word)})"
             )
         if not self.a.cas(entry, word, next_word(word, _OPEN_RESERVED, self.me)):
             raise OwnershipError(f"slot {slot} changed while being opened; reservation is stale")
@@ -323,6 +322,9 @@ class Ownership:
 
 
 def describe_word(word: int) -> str:
+    """A state word for an error message; words are untrusted, so no ValueError here."""
     owner = owner_of(word)
     who = f" owned by participant {owner - 1}" if owner else ""
-    return f"{state_of(word).name} generation {generation_of(word)}{who}"
+    state = word & 0xFFFF
+    name = State(state).name if state in KNOWN_STATES else f"INVALID({state:#x})"
+    return f"{name} generation {generation_of(word)}{who}"

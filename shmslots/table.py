@@ -253,6 +253,7 @@ class SlotTable:
             own.release_seq,
             own.claimers_waiting,
             timeout,
+            self.reap,  # between naps: an owner may have died since the first reap
         )
         if got is None:
             occupancy = own.occupancy()

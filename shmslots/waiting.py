@@ -26,7 +26,7 @@ def wait_for(
     seq: int,
     waiting: int,
     timeout: float | None,
-    on_idle: Callable[[], None] | None = None,
+    on_idle: Callable[[], object] | None = None,
 ) -> T | None:
     """Call `attempt` until it returns non-None or `timeout` seconds pass.
 
