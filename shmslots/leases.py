@@ -146,8 +146,9 @@ class WriteSlot(_Handle):
     def publish(self, timeout: float = 1.0) -> None:
         """Seal the row (generation, checksum), queue it and make it READY."""
         self._check_open("publish")
-        missing = self._table._rows.schema.slots.keys() - self._written
-        if missing:
+        fields = self._table._rows.schema.slots
+        if len(self._written) != len(fields):  # written names were all checked to be fields
+            missing = fields.keys() - self._written
             raise SchemaError(
                 f"slot {self.slot}: fields {sorted(missing)} were never written; "
                 "publishing would hand out the previous occupant's bytes"

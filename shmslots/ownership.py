@@ -26,7 +26,6 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from . import layout as L
 from ._atomic import AtomicView
@@ -67,21 +66,6 @@ RECLAIM_REASONS = {
     int(State.RESERVED): "reclaimed_reserved",
     _HELD: "reclaimed_held_dropped",
 }
-
-
-@dataclass(frozen=True)
-class Blocked:
-    """The queue head is a publication its owner has not finished."""
-
-    owner: int
-
-
-@dataclass(frozen=True)
-class Taken:
-    slot: int
-    generation: int
-    tag: int
-    deliveries: int
 
 
 def _transition_table() -> bytes:
@@ -141,6 +125,10 @@ class Ownership:
         self.layout = lay
         self.me = me
         self.hot = hot_path(buffer, lay, me)
+        # READY -> HELD of the oldest queued slot, one C call: (slot, generation, tag,
+        # deliveries), None when the queue is empty, or the owner id (an int) of an
+        # unfinished publication at the head.
+        self.take = self.hot.take
         self._bitmap = lay.bitmap
         self._entries = lay.slot_states
         self._nslots = lay.slots
@@ -228,15 +216,6 @@ class Ownership:
         )
 
     # -- READY -> HELD ------------------------------------------------------------------
-    def take(self) -> Taken | Blocked | None:
-        """Take the oldest READY slot; None if the queue is empty."""
-        got = self.hot.take()
-        if got is None:
-            return None
-        if isinstance(got, int):
-            return Blocked(got)
-        return Taken(*got)
-
     # -- owned -> FREE --------------------------------------------------------------
     def free(self, slot: int, generation: int, state: int, event: int) -> None:
         """Hand an owned slot back: clear its bit, then CAS to FREE (generation + 1)."""

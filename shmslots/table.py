@@ -23,7 +23,7 @@ from .errors import (
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot
-from .ownership import Blocked, Ownership, Taken, hot_path
+from .ownership import Ownership, hot_path
 from .participants import Participant, Registry
 from .recovery import reap, reclaim_owner
 from .rows import Rows
@@ -296,15 +296,18 @@ class SlotTable:
 
     def _take_once(self) -> Lease | None:
         got = self._own.take()
-        if type(got) is not Taken:
-            self._head_blocked = type(got) is Blocked
-            if self._head_blocked:
-                self._check_blocked_head()  # busy pollers must not wait on a dead publisher
+        if got is None:
+            self._head_blocked = False
             return None
-        lease = Lease(self, got.slot, got.generation, got.tag, got.deliveries)
-        if self.strict and not self._row_intact(got.slot, got.generation):
+        if isinstance(got, int):  # the head is a publication its owner has not finished
+            self._head_blocked = True
+            self._check_blocked_head()  # busy pollers must not wait on a dead publisher
+            return None
+        slot, generation, tag, deliveries = got
+        lease = Lease(self, slot, generation, tag, deliveries)
+        if self.strict and not self._row_intact(slot, generation):
             lease.abort()
-            raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
+            raise CorruptTable(f"slot {slot} row does not match its published checksum")
         return lease
 
     def _check_blocked_head(self) -> None:
