@@ -210,6 +210,16 @@ corrupt_ring(HotPath *h)
     return NULL;
 }
 
+/* ring_peek for the methods: 0 found, -1 empty, -2 with the corrupt-ring error set. */
+static int
+peek_or_raise(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
+{
+    int peeked = ring_peek(h, pos, slot);
+    if (peeked == RING_CORRUPT)
+        corrupt_ring(h);
+    return peeked;
+}
+
 static void
 ring_pop(HotPath *h, uint64_t pos, Py_ssize_t slot)
 {
@@ -327,9 +337,9 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     for (;;) {
         uint64_t pos;
         Py_ssize_t slot;
-        int peeked = ring_peek(h, &pos, &slot);
+        int peeked = peek_or_raise(h, &pos, &slot);
         if (peeked == RING_CORRUPT)
-            return corrupt_ring(h);
+            return NULL;
         if (peeked < 0)
             Py_RETURN_NONE;
         if (slot >= h->nslots) { /* a cell naming no slot: drop it, never follow it */
@@ -417,9 +427,9 @@ hp_drop_stale_head(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     if (!need(h, nargs, 0, "drop_stale_head")) return NULL;
     uint64_t pos;
     Py_ssize_t slot;
-    int peeked = ring_peek(h, &pos, &slot);
+    int peeked = peek_or_raise(h, &pos, &slot);
     if (peeked == RING_CORRUPT)
-        return corrupt_ring(h);
+        return NULL;
     if (peeked < 0)
         Py_RETURN_FALSE;
     if (slot < h->nslots) {

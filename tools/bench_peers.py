@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue
@@ -173,9 +173,9 @@ class PipeEnd(MessageEnd):
 
 
 @contextmanager
-def queue_pair(kind: Kind) -> Iterator[tuple[Queue[Any], Queue[Any]]]:
-    """Two bounded multiprocessing queues (REQ, RESP), closed afterwards."""
-    queues = (CTX.Queue(kind.in_flight), CTX.Queue(kind.in_flight))
+def _bounded_queues(ctx: Any, kind: Kind) -> Iterator[tuple[Queue[Any], Queue[Any]]]:
+    """Two bounded queues (REQ, RESP) from `ctx`, closed afterwards."""
+    queues = (ctx.Queue(kind.in_flight), ctx.Queue(kind.in_flight))
     try:
         yield queues
     finally:
@@ -184,16 +184,14 @@ def queue_pair(kind: Kind) -> Iterator[tuple[Queue[Any], Queue[Any]]]:
             q.join_thread()
 
 
-@contextmanager
-def torch_queue_pair(kind: Kind) -> Iterator[tuple[Queue[Any], Queue[Any]]]:
-    """Two bounded torch.multiprocessing queues (REQ, RESP), closed afterwards."""
-    queues = (TORCH_CTX.Queue(kind.in_flight), TORCH_CTX.Queue(kind.in_flight))
-    try:
-        yield queues
-    finally:
-        for q in queues:
-            q.close()
-            q.join_thread()
+def queue_pair(kind: Kind) -> AbstractContextManager[tuple[Queue[Any], Queue[Any]]]:
+    """Two bounded multiprocessing queues (REQ, RESP)."""
+    return _bounded_queues(CTX, kind)
+
+
+def torch_queue_pair(kind: Kind) -> AbstractContextManager[tuple[Queue[Any], Queue[Any]]]:
+    """Two bounded torch.multiprocessing queues (REQ, RESP)."""
+    return _bounded_queues(TORCH_CTX, kind)
 
 
 @contextmanager
