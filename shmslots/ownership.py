@@ -42,6 +42,7 @@ from .states import (
     next_word,
     owner_of,
 )
+from .waiting import wake_all
 
 _M64 = (1 << 64) - 1
 _WRITING = int(State.WRITING)
@@ -272,9 +273,7 @@ class Ownership:
                 self._make_room(deadline)
             a.cas(entry, mine, next_word(mine, _FINISH, self.me))
             a.store(entry + L.SLOT_STAMP, time.monotonic_ns())
-            a.add32(self.publish_seq, 1)
-            if a.load(self.readers_waiting):
-                a.futex_wake(self.publish_seq, -1)
+            wake_all(a, self.publish_seq, self.readers_waiting)
             return reason
         if not a.cas(entry, word, next_word(word, _RECLAIM, self.me)):
             return None
