@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import layout as L
+from . import validate
 from .errors import CorruptTable, InvalidSlot
 from .handles import decode as decode_handle
 from .participants import Participant, RegistryReader
@@ -25,7 +26,7 @@ from .rows import Rows
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, owner_of, state_of
-from .validate import read_schema, read_valid_header
+from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
 _ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries
 
@@ -77,7 +78,7 @@ class TableView:
 
     def __init__(self, segment: Segment) -> None:
         self._segment = segment
-        self._header = read_valid_header(segment)
+        self._header = read_valid_header(segment, min(validate.INIT_WAIT_S, INSPECT_WAIT_S))
         self.layout = self._header.layout
         self.schema: RowSchema = read_schema(segment, self._header)
         self._registry = RegistryReader(memoryview(segment.mm), self.layout, segment.fd)
@@ -101,6 +102,8 @@ class TableView:
         return value
 
     def slot(self, slot: int) -> SlotSnapshot:
+        if not 0 <= slot < self.layout.slots:
+            raise InvalidSlot(f"slot {slot} out of range 0..{self.layout.slots - 1}")
         entry = self.layout.slot_entry(slot)
         mm = self._segment.mm
         word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)

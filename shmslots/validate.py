@@ -16,11 +16,14 @@ from .segment import Segment
 
 # A creator writes the magic last; an attacher that sees none waits this long.
 INIT_WAIT_S = 2.0
+# An inspector waits less: a segment still all zeros after this is reported.
+INSPECT_WAIT_S = 0.2
 
 
-def read_valid_header(segment: Segment) -> L.Header:
-    """Read the header, waiting briefly for a creator that is still initialising."""
-    deadline = time.monotonic() + INIT_WAIT_S
+def read_valid_header(segment: Segment, wait_s: float | None = None) -> L.Header:
+    """Read the header, waiting briefly (INIT_WAIT_S unless `wait_s`) for a creator
+    that is still initialising."""
+    deadline = time.monotonic() + (INIT_WAIT_S if wait_s is None else wait_s)
     while True:
         raw = bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)])
         if raw[:8] != b"\0" * 8 or time.monotonic() >= deadline:
