@@ -71,7 +71,8 @@ class Rows:
         self._layout = lay
         self.schema = schema
         self._offsets = {name: fs.offset for name, fs in schema.slots.items()}
-        # name -> (field, torch dtype, packer for a Python number or None), built once
+        # name -> (field, torch dtype, packer for a Python number or None, is a handle):
+        # built once, since property lookups per field and write add up on the hot path
         self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
         self._views: list[WatchedTensors | None] = [None] * lay.slots
         self._payload = (ROW_HEADER_SIZE, schema.row_size)
@@ -103,11 +104,11 @@ class Rows:
             spec = specs.get(name)
             if spec is None:
                 raise SchemaError(f"no field {name!r}; fields are {list(self.schema.slots)}")
-            f, dtype, scalar = spec
+            f, dtype, scalar, is_handle = spec
             if isinstance(value, torch.Tensor):
                 if value.dtype is not dtype:
                     raise SchemaError(f"field {name!r} is {f.dtype}, got a {value.dtype} tensor")
-                if f.is_handle:
+                if is_handle:
                     _check_handle_tensor(f, value)
                 elif value.shape != f.shape:
                     raise SchemaError(
@@ -131,7 +132,7 @@ class Rows:
 
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
         """Copy a checked plan in; handle fields must already be encoded to bytes."""
-        base = self._layout.row(slot)
+        base = self._layout.rows + slot * self._layout.row_size
         offsets = self._offsets
         copy_in = self._atomics.copy_in if self._atomics is not None else None
         for name, value in plan:
@@ -174,7 +175,7 @@ class Rows:
         return leaked
 
 
-def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None]:
+def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bool]:
     scalar: Callable[[Any], Any] | None = None
     if f.shape == () and not f.is_handle:
         code = _SCALAR_CODES.get(f.dtype)
@@ -185,7 +186,7 @@ def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None]:
             def scalar(value: Any, dtype: torch.dtype = f.torch_dtype) -> Any:
                 return torch.tensor(value, dtype=dtype)
 
-    return f, f.torch_dtype, scalar
+    return f, f.torch_dtype, scalar, f.is_handle
 
 
 def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:
