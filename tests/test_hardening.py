@@ -886,8 +886,12 @@ def test_signal_in_read_loop_leaves_the_table_usable(
         assert max(handled) <= 2 and twice <= 1, "a row was delivered more than once"
         if sig == signal.SIGTERM:
             assert missing == 0, "a row was lost with its consumer"
-        else:  # the lease held at the interrupt is aborted on the way out, and counted
-            assert twice == 0 and missing <= 1 and aborts_before >= missing
+        else:
+            # The one lease the interrupt hits is either aborted on the way out of its
+            # with-block (counted; missing if it was not yet read), or, when the
+            # interrupt lands inside __exit__ before the release, still HELD when the
+            # table closes, and so redelivered like a dead consumer's (read twice).
+            assert missing + twice <= 1 and aborts_before >= missing
 
 
 class _Interrupt(BaseException):
