@@ -44,7 +44,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .errors import CorruptTable, IncompatibleTable
+from .errors import CorruptTable, IncompatibleTable, InvalidSlot
 
 MAGIC = b"SHMSLOTS"
 VERSION = 1
@@ -213,6 +213,11 @@ class Layout:
             sync, counters, schema, registry, bitmap, slot_states, ring, rows,
             arena_page_size if arena_pages else 0, arena_pages, arena_table, arena, total,
         )  # fmt: skip
+
+    def check_slot(self, slot: object) -> None:
+        """InvalidSlot unless `slot` is an int naming one of this table's slots."""
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.slots:
+            raise InvalidSlot(f"slot {slot!r} out of range 0..{self.slots - 1}")
 
     def slot_entry(self, slot: int) -> int:
         return self.slot_states + slot * SLOT_ENTRY

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from . import layout as L
 from ._atomic import AtomicView
 from ._hotpath import HotPath
-from .errors import CorruptTable, InvalidSlot, OwnershipError, SlotsExhausted
+from .errors import CorruptTable, OwnershipError, SlotsExhausted
 from .states import (
     GEN_MASK,
     KNOWN_STATES,
@@ -168,10 +168,6 @@ class Ownership:
     def bit(self, slot: int) -> bool:
         return bool(self.a.load(self._bitmap + 8 * (slot >> 6)) >> (slot & 63) & 1)
 
-    def check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._nslots:
-            raise InvalidSlot(f"slot {slot!r} out of range 0..{self._nslots - 1}")
-
     def queued(self) -> int:
         return self.hot.queued()
 
@@ -182,7 +178,7 @@ class Ownership:
 
     # -- owned -> owned ----------------------------------------------------------------
     def open_reserved(self, slot: int, generation: int) -> None:
-        self.check_slot(slot)
+        self.layout.check_slot(slot)
         if not isinstance(generation, int) or not 0 <= generation <= GEN_MASK:
             raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
         entry = self.entry(slot)

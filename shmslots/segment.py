@@ -42,7 +42,10 @@ def validate_name(name: str) -> str:
 
 
 class Segment:
-    """One mapped shared-memory object; `fd` stays open for participant locks."""
+    """One mapped shared-memory object and the descriptor it was opened with.
+
+    Participants take their liveness locks on a descriptor of their own
+    (table.py), so that the one this mapping holds carries no lock."""
 
     def __init__(self, name: str, fd: int, mm: mmap.mmap, created: bool) -> None:
         self.name = name

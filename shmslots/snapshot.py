@@ -19,7 +19,7 @@ import torch
 
 from . import layout as L
 from . import validate
-from .errors import CorruptTable, InvalidSlot
+from .errors import CorruptTable
 from .handles import decode as decode_handle
 from .participants import Participant, RegistryReader
 from .rows import Rows
@@ -102,8 +102,7 @@ class TableView:
         return value
 
     def slot(self, slot: int) -> SlotSnapshot:
-        if not 0 <= slot < self.layout.slots:
-            raise InvalidSlot(f"slot {slot} out of range 0..{self.layout.slots - 1}")
+        self.layout.check_slot(slot)
         entry = self.layout.slot_entry(slot)
         mm = self._segment.mm
         word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)
@@ -149,8 +148,7 @@ class TableView:
 
     def row(self, slot: int) -> DecodedRow:
         """Copies of one row's fields and whether its checksum matches its seal."""
-        if not 0 <= slot < self.layout.slots:
-            raise InvalidSlot(f"slot {slot} out of range 0..{self.layout.slots - 1}")
+        self.layout.check_slot(slot)
         base = self.layout.row(slot)
         values = {}
         handles: dict[str, dict[str, Any]] = {}

@@ -397,7 +397,7 @@ class SlotTable:
 
     def slot_info(self, slot: int) -> tuple[State, int, int, int]:
         """(state, generation, owner participant index or -1, tag) of one slot."""
-        self._own.check_slot(slot)
+        self.layout.check_slot(slot)
         word = self._own.word(slot)
         tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
         if word & 0xFFFF not in KNOWN_STATES:
