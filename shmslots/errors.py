@@ -61,3 +61,7 @@ class LeakedViewWarning(UserWarning):
 
 class SchemaError(ShmSlotsError, ValueError):
     """A field, dtype, shape or value does not match the table's schema."""
+
+
+class RowRejected(ShmSlotsError):
+    """A row packed elsewhere does not carry the slot's generation or fails its checksum."""

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import LeakedViewError, LeakedViewWarning, SchemaError, StaleLeaseError
+from .errors import (
+    LeakedViewError,
+    LeakedViewWarning,
+    RowRejected,
+    SchemaError,
+    StaleLeaseError,
+)
 from .handles import Pin
 from .rows import WatchedTensors
 from .states import Event, State
@@ -142,6 +148,30 @@ class WriteSlot(_Handle):
         self._written.add(name)
         self._viewed.add(name)
         return tensor
+
+    def write_packed(self, row: memoryview) -> WriteSlot:
+        """Copy in a whole row packed by another process (a remote writer), header included.
+
+        The copy is checked, not the source (which a late remote write may still
+        change): unless the copied header carries this slot's generation and the
+        payload matches its checksum, RowRejected is raised and nothing is published.
+        """
+        self._check_open("write")
+        rows = self._table._rows
+        if row.nbytes != rows.schema.row_size:
+            raise SchemaError(f"packed row is {row.nbytes} bytes, rows are {rows.schema.row_size}")
+        if rows.schema.has_handles:
+            raise SchemaError("rows with handle fields cannot be packed by another process")
+        rows.fill(self.slot, row)
+        generation, checksum = rows.sealed(self.slot)
+        if generation != self.generation or checksum != rows.checksum(self.slot):
+            raise RowRejected(
+                f"slot {self.slot}: packed row carries generation {generation} and "
+                f"{'a matching' if checksum == rows.checksum(self.slot) else 'a wrong'} "
+                f"checksum; the reservation is generation {self.generation}"
+            )
+        self._written.update(rows.schema.slots)
+        return self
 
     def publish(self, timeout: float = 1.0) -> None:
         """Seal the row (generation, checksum), queue it and make it READY."""

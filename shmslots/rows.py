@@ -13,11 +13,11 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from . import layout as L
 from ._atomic import AtomicView
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
@@ -61,9 +61,35 @@ class WatchedTensors:
         return sorted(leaked)
 
 
+class RowRegion(Protocol):
+    """Where rows lie in a buffer: a table's `Layout`, or a `RowBlock`."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def row_size(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    def row(self, slot: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows packed back to back in a private buffer (a remote writer's staging cells)."""
+
+    rows: int
+    row_size: int
+    slots: int
+
+    def row(self, slot: int) -> int:
+        return self.rows + slot * self.row_size
+
+
 class Rows:
+    """The rows of one buffer; a table's and a remote writer's are packed by the same code."""
+
     def __init__(
-        self, mm: mmap.mmap, lay: L.Layout, schema: RowSchema, atomics: AtomicView | None = None
+        self, mm: mmap.mmap, lay: RowRegion, schema: RowSchema, atomics: AtomicView | None = None
     ) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
@@ -143,6 +169,11 @@ class Rows:
                 copy_in(off, value.data_ptr(), value.nbytes)  # a memcpy, no torch dispatch
             else:
                 self.views(slot).tensors[name].copy_(value)
+
+    def fill(self, slot: int, packed: memoryview) -> None:
+        """Copy a whole row packed elsewhere (header included) over this slot's row."""
+        base = self._layout.row(slot)
+        self._mv[base : base + self._layout.row_size] = packed
 
     def field_bytes(self, slot: int, name: str) -> bytes:
         """A copy of the field's bytes in the row (handles are decoded from these)."""

@@ -6,6 +6,7 @@ can decode rows knowing only the table's name.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import reprlib
 from dataclasses import dataclass
@@ -165,6 +166,11 @@ class RowSchema:
 
     def __repr__(self) -> str:
         return f"RowSchema({list(self.fields)!r})"
+
+    @property
+    def fingerprint(self) -> int:
+        """64-bit digest of the encoded schema: two ends agree on the row layout or refuse."""
+        return int.from_bytes(hashlib.blake2b(self.encode(), digest_size=8).digest(), "little")
 
     def encode(self) -> bytes:
         blob: bytes = msgpack.packb(
