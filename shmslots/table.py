@@ -204,6 +204,10 @@ class SlotTable:
         return self._segment.name
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def slots(self) -> int:
         return self.layout.slots
 
