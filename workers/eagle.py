@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 
 from shmslots import Field
+from shmslots.schema import RowSchema
 
 DEFAULT_TOPK = 16
 DEFAULT_HIDDEN = 4096
@@ -22,6 +23,12 @@ DEFAULT_HIDDEN = 4096
 class RowShape:
     topk: int = DEFAULT_TOPK
     hidden: int = DEFAULT_HIDDEN
+
+    @classmethod
+    def of(cls, schema: RowSchema) -> RowShape:
+        """The shape of a schema made by `fields()` (a remote writer learns it this way)."""
+        slots = schema.slots
+        return cls(slots["topk_p"].field.fixed_shape[0], slots["hidden"].field.fixed_shape[0])
 
     def fields(self) -> tuple[Field, ...]:
         return (

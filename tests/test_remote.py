@@ -1,0 +1,253 @@
+"""Remote writers through the real Mooncake Transfer Engine (TCP), on loopback and across
+network namespaces.  Skipped, with the reason, only where the engine cannot be imported."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, small_row
+from shmslots import Field, SchemaError, SlotTable
+from shmslots.remote import (
+    Engine,
+    Grant,
+    GrantError,
+    GrantListener,
+    LinkError,
+    RemoteServer,
+    RemoteUnavailable,
+    RemoteWriter,
+    Settled,
+    connect,
+)
+from shmslots.remote.engine import _mooncake
+from workers.remote_flow import RemoteFlowConfig, RemoteFlowResult, run_remote_flow
+
+try:
+    _mooncake()
+    SKIP = ""
+except RemoteUnavailable as exc:
+    SKIP = str(exc)
+
+needs_engine = pytest.mark.skipif(bool(SKIP), reason=SKIP)
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[Engine, Engine]:
+    """An owner's and a writer's engine (one pair per module: engines have no close)."""
+    return Engine(), Engine()
+
+
+def _poll_until(server: RemoteServer, done: object, timeout: float = 10.0) -> Settled:
+    settled = Settled()
+    deadline = time.monotonic() + timeout
+    while not done(server, settled):  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"remote server stuck at {server.stats}"
+        settled.extend(server.poll())
+        time.sleep(0.005)
+    return settled
+
+
+# -- no engine needed -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [b"", b"\xc1", b"\x93\x01\x02\x03", Grant("h:1", 1, 2, 3, 4, 5, 6).encode()[:-1]],
+)
+def test_a_malformed_grant_is_refused(blob: bytes) -> None:
+    with pytest.raises(GrantError):
+        Grant.decode(blob)
+
+
+def test_a_grant_survives_its_encoding() -> None:
+    grant = Grant("10.0.0.1:15000", 0x7F00_0000_1000, 8256, 3, 2**40, 2**64 - 1, 12345)
+    assert Grant.decode(grant.encode()) == grant
+
+
+def test_a_link_refuses_a_peer_without_its_token() -> None:
+    listener = GrantListener()
+    try:
+        intruder = connect(listener.address, "not-the-token")
+        with pytest.raises(LinkError, match="token"):
+            listener.accept(timeout=10.0)
+        intruder.close()
+    finally:
+        listener.close()
+
+
+# -- one process, two real engines -------------------------------------------------------
+
+
+@needs_engine
+def test_handle_fields_cannot_be_written_remotely(name: str, engines: tuple[Engine, Engine]) -> None:
+    fields = [Field("x", "float32", (None,), kind="handle")]
+    with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 16) as table:
+        with pytest.raises(SchemaError, match="handles"):
+            RemoteServer(table, engines[0])
+        with pytest.raises(SchemaError, match="handles"):
+            RemoteWriter(engines[1], table.schema)
+
+
+@needs_engine
+def test_a_remote_row_arrives_exactly_as_packed(name: str, engines: tuple[Engine, Engine]) -> None:
+    owner, remote = engines
+    with (
+        SlotTable.create(name, SMALL, slots=4) as table,
+        RemoteServer(table, owner) as server,
+        RemoteWriter(remote, table.schema) as writer,
+    ):
+        grants = [server.grant(tag) for tag in (11, 12, 13)]
+        writer.write([(g, small_row(g.tag)) for g in grants])
+        settled = _poll_until(server, lambda s, got: len(got.published) == 3)
+        assert settled.published == [11, 12, 13]
+        for tag in (11, 12, 13):
+            with table.take() as lease:
+                assert lease.tag == tag and lease.verify()
+                assert int(lease.view("id")) == tag
+                assert torch.equal(lease.view("h"), small_row(tag)["h"])
+
+
+@needs_engine
+def test_a_writer_checks_every_row_before_sending(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    owner, remote = engines
+    with (
+        SlotTable.create(name, SMALL, slots=4) as table,
+        RemoteServer(table, owner, commit_timeout_s=0.2) as server,
+        RemoteWriter(remote, table.schema) as writer,
+    ):
+        good, other = server.grant(1), server.grant(2)
+        foreign = Grant(**{**good.__dict__, "fingerprint": good.fingerprint ^ 1})
+        bad_dtype = {**small_row(2), "p": torch.zeros(4, dtype=torch.float64)}
+        missing = {k: v for k, v in small_row(2).items() if k != "h"}
+        for rows, error in [
+            ([(good, small_row(1)), (foreign, small_row(1))], GrantError),
+            ([(good, small_row(1)), (other, bad_dtype)], SchemaError),
+            ([(good, small_row(1)), (other, missing)], SchemaError),
+        ]:
+            with pytest.raises(error):
+                writer.write(rows)
+        # nothing was sent, not even the good row: both grants expire unpublished
+        settled = _poll_until(server, lambda s, got: s.pending == 0)
+        assert settled.published == [] and sorted(settled.expired) == [1, 2]
+        assert table.take() is None and table.stats().owned == 0
+
+
+@needs_engine
+def test_late_writes_are_discarded_and_never_delivered(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """One slot, so every grant reuses it: a late write can only hit a live reservation's
+    row by way of the landing cells, and the generation check refuses it there."""
+    owner, remote = engines
+    with (
+        SlotTable.create(name, SMALL, slots=1) as table,
+        RemoteServer(table, owner, commit_timeout_s=0.2) as server,
+        RemoteWriter(remote, table.schema) as writer,
+    ):
+        expired = server.grant(1)  # generation 0
+        assert _poll_until(server, lambda s, got: s.pending == 0).expired == [1]
+        aborted = server.grant(2)  # generation 1
+        assert server.abort(aborted) and not server.abort(aborted)
+        victim = server.grant(3)  # generation 2: the same landing cell as generation 0
+        assert (expired.slot, aborted.slot, victim.slot) == (0, 0, 0)
+        writer.write([(victim, small_row(3))])
+        writer.write([(expired, small_row(1)), (aborted, small_row(2))])  # late, after it
+        settled = _poll_until(server, lambda s, got: s.stats.late == 2 and not s.pending)
+        # the late bytes clobbered the victim's cell: refused and reported, never delivered
+        assert settled.published == [] and settled.rejected == [3]
+        assert table.take() is None and table.stats().owned == 0
+        # the slot serves the next grant normally
+        fresh = server.grant(4)
+        writer.write([(fresh, small_row(4))])
+        assert _poll_until(server, lambda s, got: got.published).published == [4]
+        with table.take() as lease:
+            assert int(lease.view("id")) == 4 and lease.verify()
+        writer.engine.write(fresh.session, [0], [0], [0], "garbage;4:x")  # foreign commits
+        _poll_until(server, lambda s, got: s.stats.malformed == 2)
+        assert server.stats.committed == 1 and server.stats.rejected == 1
+
+
+# -- the flow: spawned remote writer, decode worker, owner --------------------------------
+
+
+def _check_flow(result: RemoteFlowResult, requests: int) -> None:
+    settled, remote, decode = result.settled, result.remote, result.decode
+    published, aborted = set(settled.published), set(result.aborted)
+    uncommitted = set(result.uncommitted)
+    assert len(settled.published) >= 0.9 * requests and len(published) == len(settled.published)
+    # every grant has exactly one fate
+    fates = published | aborted | set(settled.expired) | set(settled.rejected)
+    assert len(fates) == requests == remote.granted
+    assert remote.granted == (
+        remote.committed + remote.aborted + remote.expired + remote.rejected
+    )
+    # every published row reached the decode worker and verified; nothing else did
+    handled = decode.consumed + decode.aborted
+    assert sorted(handled) == sorted(published)
+    assert decode.corrupted == 0 and decode.verified == len(decode.consumed)
+    # a write for an aborted grant came anyway: discarded, counted
+    assert remote.late == len(aborted - uncommitted) > 0
+    # rows the writer never committed expired and were reclaimed
+    assert set(settled.expired) == uncommitted - aborted and settled.expired
+    assert result.final.owned == 0 and result.final.queued == 0
+    assert result.consistency == []
+
+
+@needs_engine
+@pytest.mark.timeout(180)
+def test_remote_flow_on_loopback(name: str) -> None:
+    config = RemoteFlowConfig(requests=2000, never_commit_every=97, commit_timeout_s=1.0)
+    _check_flow(run_remote_flow(config, name), 2000)
+
+
+NETNS = "shmslots-test-w"
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespace() -> Iterator[tuple[str, str]]:
+    """A network namespace for the writer, joined to ours by a veth pair."""
+    try:
+        _sh("ip", "netns", "add", NETNS)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"network namespaces unavailable here (root and iproute2 needed): {exc}")
+    try:
+        _sh("ip", "link", "add", "shms-o", "type", "veth", "peer", "name", "shms-w")
+        _sh("ip", "link", "set", "shms-w", "netns", NETNS)
+        _sh("ip", "addr", "add", "10.231.7.1/24", "dev", "shms-o")
+        _sh("ip", "link", "set", "shms-o", "up")
+        inside = ("ip", "netns", "exec", NETNS)
+        _sh(*inside, "ip", "addr", "add", "10.231.7.2/24", "dev", "shms-w")
+        _sh(*inside, "ip", "link", "set", "shms-w", "up")
+        _sh(*inside, "ip", "link", "set", "lo", "up")
+        yield "10.231.7.1", "10.231.7.2"
+    finally:
+        subprocess.run(["ip", "link", "del", "shms-o"], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True, timeout=30)
+
+
+@needs_engine
+@pytest.mark.timeout(180)
+def test_remote_flow_across_network_namespaces(name: str, namespace: tuple[str, str]) -> None:
+    owner_ip, writer_ip = namespace
+    config = RemoteFlowConfig(
+        requests=2000,
+        never_commit_every=97,
+        commit_timeout_s=1.0,
+        owner_host=owner_ip,
+        writer_host=writer_ip,
+        writer_prefix=("ip", "netns", "exec", NETNS),
+    )
+    _check_flow(run_remote_flow(config, name), 2000)
+    assert Path(f"/var/run/netns/{NETNS}").exists()  # the writer really ran in there

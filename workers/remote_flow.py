@@ -1,0 +1,181 @@
+"""The owner side of remote writing: grant rows, publish commits, feed the decode worker.
+
+The owner process holds the table and a `RemoteServer`; a decode worker
+(the same one the local flow uses) consumes from the table; a remote writer
+process — on loopback, or in another network namespace — fills the rows
+through the Mooncake Transfer Engine.  Grants travel by one function,
+`deliver`; by default the small framed link of `shmslots.remote.bootstrap`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from shmslots import SlotsExhausted, SlotTable, Stats
+from shmslots.remote import (
+    Engine,
+    Grant,
+    GrantLink,
+    GrantListener,
+    RemoteServer,
+    RemoteStats,
+    Settled,
+)
+from workers import eagle
+from workers.decode import DecodeConfig, DecodeReport, decode_worker
+from workers.launcher import SPAWN
+from workers.remote_writer import TOKEN_ENV
+
+
+@dataclass(frozen=True)
+class RemoteFlowConfig:
+    requests: int = 2000
+    slots: int = 64
+    batch: int = 16  # grants per link message, rows per engine call
+    window: int = 48  # grants outstanding at most
+    abort_fraction: float = 0.03  # cancelled right after the grant left: its write comes late
+    never_commit_every: int = 0  # writer fault: every Nth row written, never committed
+    commit_timeout_s: float = 2.0
+    decode_abort: float = 0.02
+    shape: eagle.RowShape = field(default_factory=eagle.RowShape)
+    owner_host: str = "127.0.0.1"
+    writer_host: str = "127.0.0.1"
+    writer_prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "ns")
+    timeout_s: float = 120.0
+    seed: int = 0
+
+
+@dataclass
+class RemoteFlowResult:
+    remote: RemoteStats
+    settled: Settled  # published, rejected, expired tags
+    aborted: list[int]  # by the owner
+    uncommitted: list[int]  # what the writer wrote and never committed
+    decode: DecodeReport
+    final: Stats
+    consistency: list[str]
+    seconds: float
+
+
+def run_remote_flow(config: RemoteFlowConfig, name: str | None = None) -> RemoteFlowResult:
+    """Move `config.requests` rows from a remote writer through the table to a decode worker."""
+    name = name or f"shmslots-remote-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
+    return _run(config, name)
+
+
+def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
+    results: mp.Queue[DecodeReport] = SPAWN.Queue()
+    stop = SPAWN.Event()
+    dconf = DecodeConfig("hold", config.shape, abort_fraction=config.decode_abort, seed=config.seed)
+    started = time.monotonic()
+    listener = GrantListener(config.owner_host)
+    writer: subprocess.Popen[bytes] | None = None
+    with SlotTable.create(name, config.shape.fields(), slots=config.slots) as table:
+        consumer = SPAWN.Process(target=decode_worker, args=(name, 0, dconf, results, stop))
+        try:
+            consumer.start()
+            engine = Engine(config.owner_host)
+            with RemoteServer(table, engine, commit_timeout_s=config.commit_timeout_s) as server:
+                writer = subprocess.Popen(
+                    [
+                        *config.writer_prefix, sys.executable, "-m", "workers.remote_writer",
+                        "--connect", listener.address, "--host", config.writer_host,
+                        "--batch", str(config.batch),
+                        "--never-commit-every", str(config.never_commit_every),
+                    ],
+                    env={**os.environ, TOKEN_ENV: listener.token},
+                )  # fmt: skip
+                link = listener.accept(timeout=60.0)
+                link.send({"schema": table.schema.encode()})
+                link.recv(60.0)  # ready: its engine is up
+                settled, aborted = _grant_all(config, server, link, started)
+                link.send({"stop": True})
+                uncommitted: list[int] = link.recv(60.0)["uncommitted"]
+                # late commits of aborted grants may still be on the wire: let them land
+                late_due = len(set(aborted) - set(uncommitted))
+                settle = time.monotonic() + 5.0
+                while server.stats.late < late_due and time.monotonic() < settle:
+                    settled.extend(server.poll())
+                    time.sleep(0.01)
+                remote = server.stats
+            stop.set()
+            decode = DecodeReport(worker=0, final=False)
+            while not decode.final:
+                _check_deadline(started, config.timeout_s)
+                _fold(results, decode)
+            consumer.join(30)
+        finally:
+            stop.set()
+            listener.close()
+            if consumer.is_alive():
+                consumer.kill()
+            consumer.join(5)
+            if writer is not None:
+                if writer.poll() is None:
+                    writer.kill()
+                writer.wait(10)
+        return RemoteFlowResult(
+            remote,
+            settled,
+            aborted,
+            uncommitted,
+            decode,
+            table.stats(),
+            table.check_consistency(),
+            time.monotonic() - started,
+        )
+
+
+def _grant_all(
+    config: RemoteFlowConfig, server: RemoteServer, link: GrantLink, started: float
+) -> tuple[Settled, list[int]]:
+    """Grant every request, `window` at a time; cancel some right after their grant left."""
+    rng = random.Random(config.seed)
+    settled, aborted = Settled(), []
+    left = config.requests
+    while left or server.pending:
+        _check_deadline(started, config.timeout_s)
+        grants: list[Grant] = []
+        while left and server.pending < config.window and len(grants) < config.batch:
+            try:
+                grants.append(server.grant(config.requests - left + 1, timeout=0.0))
+            except SlotsExhausted:
+                break  # the decode worker still holds them
+            left -= 1
+        if grants:
+            link.send({"grants": [g.encode() for g in grants]})  # the bootstrap
+        for grant in grants:
+            if rng.random() < config.abort_fraction and server.abort(grant):
+                aborted.append(grant.tag)
+        settled.extend(server.poll())
+    return settled, aborted
+
+
+def _fold(results: mp.Queue[DecodeReport], into: DecodeReport) -> None:
+    """Add decode reports to `into` (the final one sets `into.final`)."""
+    try:
+        report = results.get(timeout=0.1)
+    except queue.Empty:
+        return
+    while True:
+        into.verified += report.verified
+        into.corrupted += report.corrupted
+        into.consumed += report.consumed
+        into.aborted += report.aborted
+        into.final = into.final or report.final
+        try:
+            report = results.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _check_deadline(started: float, timeout_s: float) -> None:
+    if time.monotonic() - started > timeout_s:
+        raise TimeoutError(f"remote flow did not finish in {timeout_s} s")
