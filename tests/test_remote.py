@@ -3,15 +3,13 @@ network namespaces.  Skipped, with the reason, only where the engine cannot be i
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SMALL, small_row
+
 from shmslots import Field, SchemaError, SlotTable
 from shmslots.remote import (
     Engine,
@@ -26,6 +24,7 @@ from shmslots.remote import (
     connect,
 )
 from shmslots.remote.engine import _mooncake
+from workers.netns import Namespace, NamespaceUnavailable, veth_namespace
 from workers.remote_flow import RemoteFlowConfig, RemoteFlowResult, run_remote_flow
 
 try:
@@ -85,7 +84,9 @@ def test_a_link_refuses_a_peer_without_its_token() -> None:
 
 
 @needs_engine
-def test_handle_fields_cannot_be_written_remotely(name: str, engines: tuple[Engine, Engine]) -> None:
+def test_handle_fields_cannot_be_written_remotely(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
     fields = [Field("x", "float32", (None,), kind="handle")]
     with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 16) as table:
         with pytest.raises(SchemaError, match="handles"):
@@ -107,7 +108,9 @@ def test_a_remote_row_arrives_exactly_as_packed(name: str, engines: tuple[Engine
         settled = _poll_until(server, lambda s, got: len(got.published) == 3)
         assert settled.published == [11, 12, 13]
         for tag in (11, 12, 13):
-            with table.take() as lease:
+            lease = table.take()
+            assert lease is not None
+            with lease:
                 assert lease.tag == tag and lease.verify()
                 assert int(lease.view("id")) == tag
                 assert torch.equal(lease.view("h"), small_row(tag)["h"])
@@ -168,7 +171,9 @@ def test_late_writes_are_discarded_and_never_delivered(
         fresh = server.grant(4)
         writer.write([(fresh, small_row(4))])
         assert _poll_until(server, lambda s, got: got.published).published == [4]
-        with table.take() as lease:
+        lease = table.take()
+        assert lease is not None
+        with lease:
             assert int(lease.view("id")) == 4 and lease.verify()
         writer.engine.write(fresh.session, [0], [0], [0], "garbage;4:x")  # foreign commits
         _poll_until(server, lambda s, got: s.stats.malformed == 2)
@@ -186,9 +191,7 @@ def _check_flow(result: RemoteFlowResult, requests: int) -> None:
     # every grant has exactly one fate
     fates = published | aborted | set(settled.expired) | set(settled.rejected)
     assert len(fates) == requests == remote.granted
-    assert remote.granted == (
-        remote.committed + remote.aborted + remote.expired + remote.rejected
-    )
+    assert remote.granted == (remote.committed + remote.aborted + remote.expired + remote.rejected)
     # every published row reached the decode worker and verified; nothing else did
     handled = decode.consumed + decode.aborted
     assert sorted(handled) == sorted(published)
@@ -208,46 +211,24 @@ def test_remote_flow_on_loopback(name: str) -> None:
     _check_flow(run_remote_flow(config, name), 2000)
 
 
-NETNS = "shmslots-test-w"
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
-def namespace() -> Iterator[tuple[str, str]]:
-    """A network namespace for the writer, joined to ours by a veth pair."""
+def namespace() -> Iterator[Namespace]:
     try:
-        _sh("ip", "netns", "add", NETNS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"network namespaces unavailable here (root and iproute2 needed): {exc}")
-    try:
-        _sh("ip", "link", "add", "shms-o", "type", "veth", "peer", "name", "shms-w")
-        _sh("ip", "link", "set", "shms-w", "netns", NETNS)
-        _sh("ip", "addr", "add", "10.231.7.1/24", "dev", "shms-o")
-        _sh("ip", "link", "set", "shms-o", "up")
-        inside = ("ip", "netns", "exec", NETNS)
-        _sh(*inside, "ip", "addr", "add", "10.231.7.2/24", "dev", "shms-w")
-        _sh(*inside, "ip", "link", "set", "shms-w", "up")
-        _sh(*inside, "ip", "link", "set", "lo", "up")
-        yield "10.231.7.1", "10.231.7.2"
-    finally:
-        subprocess.run(["ip", "link", "del", "shms-o"], capture_output=True, timeout=30)
-        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True, timeout=30)
+        with veth_namespace("shmslots-t") as ns:
+            yield ns
+    except NamespaceUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @needs_engine
 @pytest.mark.timeout(180)
-def test_remote_flow_across_network_namespaces(name: str, namespace: tuple[str, str]) -> None:
-    owner_ip, writer_ip = namespace
+def test_remote_flow_across_network_namespaces(name: str, namespace: Namespace) -> None:
     config = RemoteFlowConfig(
         requests=2000,
         never_commit_every=97,
         commit_timeout_s=1.0,
-        owner_host=owner_ip,
-        writer_host=writer_ip,
-        writer_prefix=("ip", "netns", "exec", NETNS),
+        owner_host=namespace.outside_ip,
+        writer_host=namespace.inside_ip,
+        writer_prefix=namespace.prefix,
     )
     _check_flow(run_remote_flow(config, name), 2000)
-    assert Path(f"/var/run/netns/{NETNS}").exists()  # the writer really ran in there

@@ -9,6 +9,7 @@ through the Mooncake Transfer Engine.  Grants travel by one function,
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import queue
@@ -16,7 +17,8 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 
 from shmslots import SlotsExhausted, SlotTable, Stats
 from shmslots.remote import (
@@ -31,6 +33,7 @@ from shmslots.remote import (
 from workers import eagle
 from workers.decode import DecodeConfig, DecodeReport, decode_worker
 from workers.launcher import SPAWN
+from workers.netns import veth_namespace
 from workers.remote_writer import TOKEN_ENV
 
 
@@ -179,3 +182,40 @@ def _fold(results: mp.Queue[DecodeReport], into: DecodeReport) -> None:
 def _check_deadline(started: float, timeout_s: float) -> None:
     if time.monotonic() - started > timeout_s:
         raise TimeoutError(f"remote flow did not finish in {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workers.remote_flow [--requests N] [--netns]`: run the flow, print its fates."""
+    parser = argparse.ArgumentParser(prog="python -m workers.remote_flow", description=__doc__)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--netns", action="store_true", help="writer in its own network namespace")
+    args = parser.parse_args(argv)
+    config = RemoteFlowConfig(requests=args.requests, batch=args.batch, never_commit_every=97)
+    with ExitStack() as stack:
+        if args.netns:
+            ns = stack.enter_context(veth_namespace())
+            config = replace(
+                config,
+                owner_host=ns.outside_ip,
+                writer_host=ns.inside_ip,
+                writer_prefix=ns.prefix,
+            )
+        result = run_remote_flow(config)
+    s, d = result.settled, result.decode
+    print(f"granted {result.remote.granted} rows in {result.seconds:.1f} s")
+    print(
+        f"published {len(s.published)}, aborted by the owner {len(result.aborted)} "
+        f"(late writes discarded: {result.remote.late}), expired {len(s.expired)} "
+        f"(writer never committed {len(result.uncommitted)}), rejected {len(s.rejected)}"
+    )
+    print(
+        f"decode: verified {d.verified}, corrupted {d.corrupted}, aborted {len(d.aborted)}; "
+        f"slots still owned {result.final.owned}"
+    )
+    ok = d.corrupted == 0 and result.final.owned == 0 and not result.consistency
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
