@@ -15,5 +15,6 @@ setup(
     ext_modules=[
         Extension("shmslots._atomic", sources=["shmslots/_atomic.c"], extra_compile_args=FLAGS),
         Extension("shmslots._hotpath", sources=["shmslots/_hotpath.c"], extra_compile_args=FLAGS),
+        Extension("shmslots._rowcodec", sources=["shmslots/_rowcodec.c"], extra_compile_args=FLAGS),
     ]
 )

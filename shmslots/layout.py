@@ -138,7 +138,7 @@ NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 
 # ROW header (relative to the row start); fields follow (schema.py).
 ROW_GENERATION = 0  # u64 generation the row was published under
-ROW_CHECKSUM = 8  # u32 crc32 of the payload
+ROW_CHECKSUM = 8  # u32 checksum of the payload (_rowcodec.c)
 
 MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index
 MAX_ARENA_PAGES = 1 << 24

@@ -107,11 +107,14 @@ class WriteSlot(_Handle):
         """
         self._check_open("write")
         rows = self._table._rows
-        plan = rows.prepare(fields)
-        if rows.schema.has_handles:
-            handles = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle]
-            plan = self._pin_handles(plan, handles)
-        rows.write(self.slot, plan)
+        if not rows.write_plain(self.slot, fields):
+            plan = rows.prepare(fields)
+            if rows.schema.has_handles:
+                handles = [
+                    i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle
+                ]
+                plan = self._pin_handles(plan, handles)
+            rows.write(self.slot, plan)
         self._written.update(fields)
         return self
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import struct
 import sys
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ._atomic import AtomicView
+from ._rowcodec import RowCodec, row_hash
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
 
@@ -102,6 +102,13 @@ class Rows:
         self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
         self._views: list[WatchedTensors | None] = [None] * lay.slots
         self._payload = (ROW_HEADER_SIZE, schema.row_size)
+        # Compiled plain-case writes and the checksum; None on a read-only mapping.
+        self._codec = (
+            RowCodec(mm, lay.rows, lay.row_size, lay.slots, ROW_HEADER_SIZE, _codec_specs(schema),
+                     torch.Tensor)
+            if atomics is not None
+            else None
+        )  # fmt: skip
 
     def views(self, slot: int) -> WatchedTensors:
         cached = self._views[slot]
@@ -156,6 +163,11 @@ class Rows:
                 )
         return plan
 
+    def write_plain(self, slot: int, values: dict[str, Any]) -> bool:
+        """Write values in one compiled call if all are the plain case (see _rowcodec.c);
+        False, with nothing written, sends the caller to prepare() and write()."""
+        return self._codec is not None and self._codec.write(slot, values)
+
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
         """Copy a checked plan in; handle fields must already be encoded to bytes."""
         base = self._layout.rows + slot * self._layout.row_size
@@ -182,13 +194,17 @@ class Rows:
         return bytes(self._mv[off : off + fs.field.nbytes])
 
     def checksum(self, slot: int) -> int:
+        if self._codec is not None:
+            return self._codec.checksum(slot)
         base = self._layout.row(slot)
         start, end = self._payload
-        return zlib.crc32(self._mv[base + start : base + end])
+        return row_hash(self._mv[base + start : base + end])
 
     def seal(self, slot: int, generation: int) -> None:
         """Record the generation and payload checksum a row is published with."""
-        _ROW_HEADER.pack_into(self._mv, self._layout.row(slot), generation, self.checksum(slot))
+        if self._codec is None:
+            raise ValueError("rows of a read-only mapping cannot be sealed")
+        self._codec.seal(slot, generation)
 
     def sealed(self, slot: int) -> tuple[int, int]:
         """(generation, checksum) stored in the row header."""
@@ -202,8 +218,29 @@ class Rows:
             if views is not None:
                 leaked += [f"slot {slot} field {n}" for n in views.leaked(set(views.tensors))]
         self._views = [None] * self._layout.slots
+        if self._codec is not None:
+            self._codec.release()
         self._mv.release()
         return leaked
+
+
+_CODEC_SCALARS = {"int64": 1, "int32": 2, "uint8": 3, "float32": 4}  # enum scalar in the C file
+_CODEC_HANDLE = 5
+
+
+def _codec_specs(
+    schema: RowSchema,
+) -> tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...]:
+    """(name, offset, nbytes, scalar kind, dtype, shape) per field, for RowCodec."""
+    specs = []
+    for name, fs in schema.slots.items():
+        f = fs.field
+        if f.is_handle:
+            kind = _CODEC_HANDLE
+        else:
+            kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
+        specs.append((name, fs.offset, f.nbytes, kind, f.torch_dtype, f.fixed_shape))
+    return tuple(specs)
 
 
 def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bool]:

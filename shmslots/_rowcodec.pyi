@@ -1,0 +1,25 @@
+from typing import Any
+
+import torch
+from typing_extensions import Buffer
+
+def row_hash(buffer: Buffer, /) -> int: ...
+
+class RowCodec:
+    """Plain-case row writes and row checksums over one writable buffer of rows."""
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        rows: int,
+        row_size: int,
+        slots: int,
+        header: int,
+        specs: tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...],
+        tensor_type: type[torch.Tensor],
+        /,
+    ) -> None: ...
+    def write(self, slot: int, fields: dict[str, Any], /) -> bool: ...
+    def checksum(self, slot: int, /) -> int: ...
+    def seal(self, slot: int, generation: int, /) -> None: ...
+    def release(self) -> None: ...
