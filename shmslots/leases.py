@@ -105,7 +105,8 @@ class WriteSlot(_Handle):
         A handle field's tensor is pinned (arena copy, or the CUDA tensor kept
         referenced) until this slot's generation moves on.
         """
-        self._check_open("write")
+        if self._table._closed or not self._open:
+            self._check_open("write")
         rows = self._table._rows
         if not rows.write_plain(self.slot, fields):
             plan = rows.prepare(fields)
@@ -178,7 +179,8 @@ class WriteSlot(_Handle):
 
     def publish(self, timeout: float = 1.0) -> None:
         """Seal the row (generation, checksum), queue it and make it READY."""
-        self._check_open("publish")
+        if self._table._closed or not self._open:
+            self._check_open("publish")
         fields = self._table._rows.schema.slots
         if len(self._written) != len(fields):  # written names were all checked to be fields
             missing = fields.keys() - self._written
@@ -186,7 +188,8 @@ class WriteSlot(_Handle):
                 f"slot {self.slot}: fields {sorted(missing)} were never written; "
                 "publishing would hand out the previous occupant's bytes"
             )
-        self._check_views("publish")
+        if self._viewed:
+            self._check_views("publish")
         table = self._table
         table._rows.seal(self.slot, self.generation)
         table._own.publish(self.slot, self.generation, timeout)
@@ -234,7 +237,7 @@ class Reservation(_Handle):
 class Lease(_Handle):
     """A READY slot taken by this process; views are valid until release or abort."""
 
-    __slots__ = ("_opened", "deliveries")
+    __slots__ = ("_opened", "_watched", "deliveries")
 
     def __init__(
         self, table: SlotTable, slot: int, generation: int, tag: int, deliveries: int
@@ -242,12 +245,14 @@ class Lease(_Handle):
         super().__init__(table, slot, generation, tag)
         self.deliveries = deliveries
         self._opened: WatchedTensors | None = None
+        self._watched = table._rows.views(slot)  # the slot's cached inline views
 
     def view(self, name: str) -> torch.Tensor:
         """Zero-copy tensor over an inline field; valid only while the lease is held."""
-        self._check_open("view")
+        if self._table._closed or not self._open:
+            self._check_open("view")
         try:
-            tensor = self._table._rows.views(self.slot).tensors[name]
+            tensor = self._watched.tensors[name]
         except KeyError:
             raise SchemaError(f"no inline field {name!r} (handle fields: tensor())") from None
         self._viewed.add(name)
@@ -298,14 +303,15 @@ class Lease(_Handle):
         self._end(_ABORT, "abort")
 
     def _leaked(self) -> list[str]:
-        leaked = super()._leaked()
+        leaked = self._watched.leaked(self._viewed) if self._viewed else []
         if self._opened is not None:
             leaked += self._opened.leaked(set(self._opened.tensors))
         return leaked
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
-        self._check_open(action)
-        if check_views:
+        if self._table._closed or not self._open:
+            self._check_open(action)
+        if check_views and (self._viewed or self._opened is not None):
             self._check_views(action)
         self._table._own.free(self.slot, self.generation, _HELD, event)
         self._open = False

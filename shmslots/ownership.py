@@ -193,9 +193,11 @@ class Ownership:
 
     def publish(self, slot: int, generation: int, timeout: float) -> None:
         """Queue the slot, then turn it READY; waits for queue room up to `timeout`."""
-        deadline = time.monotonic() + timeout
-        while (result := self.hot.publish(slot, generation)) == -2:
-            self._make_room(deadline)
+        result = self.hot.publish(slot, generation)
+        if result == -2:
+            deadline = time.monotonic() + timeout
+            while (result := self.hot.publish(slot, generation)) == -2:
+                self._make_room(deadline)
         if result == -1:
             raise self._not_mine(slot, generation, _WRITING)
 
