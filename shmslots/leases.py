@@ -97,7 +97,7 @@ class WriteSlot(_Handle):
     def __init__(self, table: SlotTable, slot: int, generation: int, tag: int) -> None:
         super().__init__(table, slot, generation, tag)
         self._written: set[str] = set()
-        self._pins: dict[str, Pin] = {}
+        self._pins: dict[str, Pin] | None = None  # handle fields pinned; made on first use
 
     def write(self, **fields: Any) -> WriteSlot:
         """Copy values into the row; all are checked before any byte changes.
@@ -136,7 +136,9 @@ class WriteSlot(_Handle):
         plan = list(plan)
         for i, (blob, pin) in encoded.items():
             name = plan[i][0]
-            if name in self._pins:
+            if self._pins is None:
+                self._pins = {}
+            elif name in self._pins:
                 store.unpin(self._pins[name])  # overwritten before anyone could see it
             self._pins[name] = pin
             plan[i] = (name, blob)
@@ -196,7 +198,8 @@ class WriteSlot(_Handle):
         self._open = False
 
     def abort(self) -> None:
-        self._check_open("abort")
+        if self._table._closed or not self._open:
+            self._check_open("abort")
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
         self._open = False
 

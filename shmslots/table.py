@@ -41,6 +41,11 @@ BLOCKED_CHECK_S = 0.1
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
 
+def _check_tag(tag: object) -> None:
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _M64:
+        raise ValueError(f"tag must be an int in 0..2**64-1, got {tag!r}")
+
+
 def _disown_after_fork() -> None:
     for table in list(_LIVE_TABLES):
         table._disown()
@@ -243,9 +248,10 @@ class SlotTable:
         return WriteSlot(self, slot, generation, tag)
 
     def _acquire(self, event: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
-        self._check_open()
-        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _M64:
-            raise ValueError(f"tag must be an int in 0..2**64-1, got {tag!r}")
+        if self._closed:
+            self._check_open()
+        if type(tag) is not int or not 0 <= tag <= _M64:  # the common case in one test
+            _check_tag(tag)
         got = self._own.acquire_free(event, tag)
         if got is not None:
             return got
