@@ -225,6 +225,12 @@ class Reservation(_Handle):
         self._table._own.free(self.slot, self.generation, _RESERVED, _ABORT)
         self._open = False
 
+    def end(self) -> None:
+        """Abort unless a producer opened it or it already ended; safe to call again."""
+        if self._open and not self._table._closed and self._still_mine(_RESERVED):
+            self.abort()
+        self._open = False
+
     def __enter__(self) -> Reservation:
         return self
 
@@ -232,9 +238,7 @@ class Reservation(_Handle):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         """Leaving the block aborts the reservation unless a producer opened it."""
-        if self._open and not self._table._closed and self._still_mine(_RESERVED):
-            self.abort()
-        self._open = False
+        self.end()
 
 
 class Lease(_Handle):

@@ -6,6 +6,7 @@ Needs root and iproute2; `NamespaceUnavailable` says why when it cannot be made.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,9 +39,15 @@ def _remove(name: str, link: str) -> None:
 
 
 @contextmanager
-def veth_namespace(name: str = "shmslots-w", subnet: str = "10.231.7") -> Iterator[Namespace]:
-    """Create the namespace and link, and always remove them (a stale pair is removed first)."""
-    outside, inside = f"{name[:9]}-o", f"{name[:9]}-i"  # interface names: 15 bytes at most
+def veth_namespace(name: str = "shmslots-w") -> Iterator[Namespace]:
+    """Create the namespace and link, and always remove them (a stale pair is removed first).
+
+    Interface names and the /24 subnet derive from `name`, so namespaces of
+    different names do not collide.
+    """
+    digest = hashlib.blake2s(name.encode(), digest_size=4).digest()
+    outside, inside = f"shm{digest.hex()}o", f"shm{digest.hex()}i"  # 15 bytes at most
+    subnet = f"10.{200 + digest[0] % 50}.{digest[1]}"
     _remove(name, outside)
     try:
         _ip("netns", "add", name)

@@ -3,8 +3,9 @@
 The owner process holds the table and a `RemoteServer`; a decode worker
 (the same one the local flow uses) consumes from the table; a remote writer
 process — on loopback, or in another network namespace — fills the rows
-through the Mooncake Transfer Engine.  Grants travel by one function,
-`deliver`; by default the small framed link of `shmslots.remote.bootstrap`.
+through the Mooncake Transfer Engine.  Grants leave the owner through one
+function, `deliver`; here it sends them on the small framed link of
+`shmslots.remote.bootstrap`, and a server plugs in its own channel there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import random
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 
 from shmslots import SlotsExhausted, SlotTable, Stats
@@ -35,6 +37,8 @@ from workers.decode import DecodeConfig, DecodeReport, decode_worker
 from workers.launcher import SPAWN
 from workers.netns import veth_namespace
 from workers.remote_writer import TOKEN_ENV
+
+START_S = 60.0  # a writer process imports torch and starts an engine
 
 
 @dataclass(frozen=True)
@@ -73,34 +77,72 @@ def run_remote_flow(config: RemoteFlowConfig, name: str | None = None) -> Remote
     return _run(config, name)
 
 
+@contextmanager
+def remote_writer(
+    table: SlotTable,
+    *,
+    owner_host: str = "127.0.0.1",
+    writer_host: str = "127.0.0.1",
+    prefix: tuple[str, ...] = (),
+    options: tuple[str, ...] = (),
+) -> Iterator[GrantLink]:
+    """Start a remote writer process and bootstrap it: link, token, schema, engine up.
+
+    Yields the link grants travel on; on exit the link is closed and the
+    process reaped (killed if it has not exited).
+    """
+    listener = GrantListener(owner_host)
+    writer = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "workers.remote_writer", "--connect", listener.address,
+         "--host", writer_host, *options],
+        env={**os.environ, TOKEN_ENV: listener.token},
+    )  # fmt: skip
+    link: GrantLink | None = None
+    try:
+        link = listener.accept(timeout=START_S)
+        link.send({"schema": table.schema.encode()})
+        link.recv(START_S)  # ready: its engine is up
+        yield link
+    finally:
+        listener.close()
+        if link is not None:
+            link.close()
+        try:
+            writer.wait(10)
+        except subprocess.TimeoutExpired:
+            writer.kill()
+            writer.wait(10)
+
+
 def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
     results: mp.Queue[DecodeReport] = SPAWN.Queue()
     stop = SPAWN.Event()
     dconf = DecodeConfig("hold", config.shape, abort_fraction=config.decode_abort, seed=config.seed)
     started = time.monotonic()
-    listener = GrantListener(config.owner_host)
-    writer: subprocess.Popen[bytes] | None = None
+    options = ("--batch", str(config.batch), "--never-commit-every", str(config.never_commit_every))
     with SlotTable.create(name, config.shape.fields(), slots=config.slots) as table:
         consumer = SPAWN.Process(target=decode_worker, args=(name, 0, dconf, results, stop))
         try:
             consumer.start()
             engine = Engine(config.owner_host)
-            with RemoteServer(table, engine, commit_timeout_s=config.commit_timeout_s) as server:
-                writer = subprocess.Popen(
-                    [
-                        *config.writer_prefix, sys.executable, "-m", "workers.remote_writer",
-                        "--connect", listener.address, "--host", config.writer_host,
-                        "--batch", str(config.batch),
-                        "--never-commit-every", str(config.never_commit_every),
-                    ],
-                    env={**os.environ, TOKEN_ENV: listener.token},
-                )  # fmt: skip
-                link = listener.accept(timeout=60.0)
-                link.send({"schema": table.schema.encode()})
-                link.recv(60.0)  # ready: its engine is up
-                settled, aborted = _grant_all(config, server, link, started)
+            with (
+                RemoteServer(table, engine, commit_timeout_s=config.commit_timeout_s) as server,
+                remote_writer(
+                    table,
+                    owner_host=config.owner_host,
+                    writer_host=config.writer_host,
+                    prefix=config.writer_prefix,
+                    options=options,
+                ) as link,
+            ):
+
+                def deliver(grants: Sequence[Grant]) -> None:
+                    """The bootstrap: the one place grants leave the owner."""
+                    link.send({"grants": [g.encode() for g in grants]})
+
+                settled, aborted = _grant_all(config, server, deliver, started)
                 link.send({"stop": True})
-                uncommitted: list[int] = link.recv(60.0)["uncommitted"]
+                uncommitted: list[int] = link.recv(START_S)["uncommitted"]
                 # late commits of aborted grants may still be on the wire: let them land
                 late_due = len(set(aborted) - set(uncommitted))
                 settle = time.monotonic() + 5.0
@@ -116,14 +158,9 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
             consumer.join(30)
         finally:
             stop.set()
-            listener.close()
             if consumer.is_alive():
                 consumer.kill()
             consumer.join(5)
-            if writer is not None:
-                if writer.poll() is None:
-                    writer.kill()
-                writer.wait(10)
         return RemoteFlowResult(
             remote,
             settled,
@@ -137,7 +174,10 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
 
 
 def _grant_all(
-    config: RemoteFlowConfig, server: RemoteServer, link: GrantLink, started: float
+    config: RemoteFlowConfig,
+    server: RemoteServer,
+    deliver: Callable[[Sequence[Grant]], None],
+    started: float,
 ) -> tuple[Settled, list[int]]:
     """Grant every request, `window` at a time; cancel some right after their grant left."""
     rng = random.Random(config.seed)
@@ -153,7 +193,7 @@ def _grant_all(
                 break  # the decode worker still holds them
             left -= 1
         if grants:
-            link.send({"grants": [g.encode() for g in grants]})  # the bootstrap
+            deliver(grants)
         for grant in grants:
             if rng.random() < config.abort_fraction and server.abort(grant):
                 aborted.append(grant.tag)
@@ -187,7 +227,7 @@ def _check_deadline(started: float, timeout_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m workers.remote_flow [--requests N] [--netns]`: run the flow, print its fates."""
     parser = argparse.ArgumentParser(prog="python -m workers.remote_flow", description=__doc__)
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--netns", action="store_true", help="writer in its own network namespace")
     args = parser.parse_args(argv)

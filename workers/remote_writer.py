@@ -15,13 +15,35 @@ import os
 import sys
 import time
 
-from shmslots.remote import Engine, Grant, RemoteWriter, connect
+from shmslots.remote import Engine, Grant, GrantLink, LinkError, RemoteWriter, connect
 from shmslots.remote.writer import GrantedRow
 from shmslots.schema import RowSchema
 from workers import eagle
 
 TOKEN_ENV = "SHMSLOTS_LINK_TOKEN"
 IDLE_LIMIT_S = 120.0  # an owner silent this long is gone
+
+
+def serve(link: GrantLink, host: str, batch: int, never_commit_every: int) -> None:
+    """Write every grant the owner sends until it says stop; then report what was done."""
+    schema = RowSchema.decode(link.recv(IDLE_LIMIT_S)["schema"])
+    shape = eagle.RowShape.of(schema)
+    written, uncommitted = 0, []
+    with RemoteWriter(Engine(host), schema, batch=batch) as writer:
+        link.send({"ready": True})
+        while "stop" not in (message := link.recv(IDLE_LIMIT_S)):
+            commit: list[GrantedRow] = []
+            hold: list[GrantedRow] = []
+            for blob in message["grants"]:
+                grant = Grant.decode(blob)
+                written += 1
+                dies = never_commit_every and written % never_commit_every == 0
+                row = (grant, eagle.row_values(grant.tag, shape, time.monotonic_ns()))
+                (hold if dies else commit).append(row)
+            writer.write(commit)
+            writer.write(hold, commit=False)
+            uncommitted += [grant.tag for grant, _ in hold]
+    link.send({"written": written, "uncommitted": uncommitted})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,28 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     link = connect(args.connect, os.environ[TOKEN_ENV])
-    schema = RowSchema.decode(link.recv(IDLE_LIMIT_S)["schema"])
-    shape = eagle.RowShape.of(schema)
-    written, uncommitted = 0, []
-    with RemoteWriter(Engine(args.host), schema, batch=args.batch) as writer:
-        link.send({"ready": True})
-        while True:
-            message = link.recv(IDLE_LIMIT_S)
-            if "stop" in message:
-                break
-            commit: list[GrantedRow] = []
-            hold: list[GrantedRow] = []
-            for blob in message["grants"]:
-                grant = Grant.decode(blob)
-                written += 1
-                dies = args.never_commit_every and written % args.never_commit_every == 0
-                row = (grant, eagle.row_values(grant.tag, shape, time.monotonic_ns()))
-                (hold if dies else commit).append(row)
-            writer.write(commit)
-            writer.write(hold, commit=False)
-            uncommitted += [grant.tag for grant, _ in hold]
-    link.send({"written": written, "uncommitted": uncommitted})
-    link.close()
+    try:
+        serve(link, args.host, args.batch, args.never_commit_every)
+    except LinkError as exc:
+        print(f"remote writer: {exc}; stopping", file=sys.stderr)
+        return 1
+    finally:
+        link.close()
     return 0
 
 

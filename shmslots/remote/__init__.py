@@ -6,13 +6,14 @@ RemoteUnavailable without them.
 """
 
 from .bootstrap import GrantLink, GrantListener, LinkError, connect
-from .engine import Engine, RemoteUnavailable, RemoteWriteError
+from .engine import Engine, EngineError, RemoteUnavailable
 from .grant import Grant, GrantError
 from .server import RemoteServer, RemoteStats, Settled
 from .writer import RemoteWriter
 
 __all__ = [
     "Engine",
+    "EngineError",
     "Grant",
     "GrantError",
     "GrantLink",
@@ -21,7 +22,6 @@ __all__ = [
     "RemoteServer",
     "RemoteStats",
     "RemoteUnavailable",
-    "RemoteWriteError",
     "RemoteWriter",
     "Settled",
     "connect",

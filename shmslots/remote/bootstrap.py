@@ -2,8 +2,10 @@
 
 A server with its own control plane (the router, HTTP, ZMQ) sends
 `Grant.encode()` bytes its own way and never needs this module; the flow in
-`workers/remote_flow.py` only calls `GrantLink.send`.  A link starts with a
-shared token so that a stray local process cannot inject grants.
+`workers/remote_flow.py` hands grants to one `deliver` function.  A link
+starts with a shared token so that a stray process cannot inject grants;
+it is not encryption, and the engine's own port accepts any peer that can
+reach it: run remote writers on a trusted network.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hmac
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -20,6 +23,7 @@ from ..errors import ShmSlotsError
 
 _FRAME = struct.Struct("<I")
 MAX_FRAME = 64 * 1024 * 1024
+MAX_TOKEN_FRAME = 256
 
 
 class LinkError(ShmSlotsError, ConnectionError):
@@ -36,21 +40,32 @@ class GrantLink:
         blob: bytes = msgpack.packb(message)
         self._sock.sendall(_FRAME.pack(len(blob)) + blob)
 
-    def recv(self, timeout: float | None) -> Any:
-        """The next message; TimeoutError if none arrives within `timeout` s."""
-        self._sock.settimeout(timeout)
-        (n,) = _FRAME.unpack(self._read(_FRAME.size))
-        if n > MAX_FRAME:
-            raise LinkError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    def recv(self, timeout: float | None, limit: int = MAX_FRAME) -> Any:
+        """The next message; TimeoutError if it is not whole within `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        (n,) = _FRAME.unpack(self._read(_FRAME.size, deadline))
+        if n > limit:
+            raise LinkError(f"frame of {n} bytes exceeds {limit}")
+        blob = self._read(n, deadline)
         try:
-            return msgpack.unpackb(self._read(n), raw=False)
-        except Exception as exc:
+            return msgpack.unpackb(blob, raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise LinkError(f"bad frame: {exc}") from None
 
-    def _read(self, n: int) -> bytes:
+    def _read(self, n: int, deadline: float | None) -> bytes:
         buf = bytearray()
         while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("link: message not whole before the deadline")
+                self._sock.settimeout(left)
+            else:
+                self._sock.settimeout(None)
+            try:
+                chunk = self._sock.recv(n - len(buf))
+            except TimeoutError:
+                raise TimeoutError("link: message not whole before the deadline") from None
             if not chunk:
                 raise LinkError("peer closed the link")
             buf += chunk
@@ -69,18 +84,23 @@ class GrantListener:
         self.address = f"{host}:{self._sock.getsockname()[1]}"
 
     def accept(self, timeout: float) -> GrantLink:
-        self._sock.settimeout(timeout)
-        conn, _ = self._sock.accept()
-        link = GrantLink(conn)
-        try:
-            token = link.recv(timeout)
-        except (OSError, LinkError):
+        """The first peer that presents the token; others are dropped.  TimeoutError if none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no writer with the token connected within {timeout} s")
+            self._sock.settimeout(left)
+            conn, _ = self._sock.accept()
+            link = GrantLink(conn)
+            try:
+                token = link.recv(min(left, 5.0), limit=MAX_TOKEN_FRAME)
+            except (OSError, LinkError):
+                link.close()
+                continue
+            if isinstance(token, str) and hmac.compare_digest(token, self.token):
+                return link
             link.close()
-            raise
-        if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
-            link.close()
-            raise LinkError("a peer connected without the link's token")
-        return link
 
     def close(self) -> None:
         self._sock.close()

@@ -10,20 +10,21 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ShmSlotsError
 
-COMMIT = "shmslots-commit"  # notify name: the message lists the rows just written
+MAX_NOTIFY = 64 * 1024  # Mooncake drops notify messages near 1 MiB without telling the sender
 
 
 class RemoteUnavailable(ShmSlotsError, ImportError):
-    """The Mooncake Transfer Engine cannot be imported or started here."""
+    """The Mooncake Transfer Engine cannot be imported here."""
 
 
-class RemoteWriteError(ShmSlotsError):
-    """The engine refused or failed a transfer (peer gone, address not registered)."""
+class EngineError(ShmSlotsError):
+    """The engine refused or failed an operation (start, registration, transfer)."""
 
 
 def _mooncake() -> Any:
@@ -49,7 +50,9 @@ class Engine:
 
     P2PHANDSHAKE mode needs no metadata server: peers exchange buffer lists
     directly, and the receiving side refuses a write outside its registered
-    buffers.
+    buffers.  `protocol` is the engine's transport ("tcp", or "rdma" where
+    there are RDMA devices); there is no fallback between them.  Mooncake
+    gives an engine no close: it stops when the object is collected.
     """
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
@@ -57,15 +60,18 @@ class Engine:
         self._mc = mc
         self._engine = mc.TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
-            raise RemoteUnavailable(f"transfer engine failed to start on {host} over {protocol}")
+            raise EngineError(f"transfer engine failed to start on {host} over {protocol}")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self._inbox: defaultdict[str, list[str]] = defaultdict(list)
+        self.served_by: object | None = None  # the RemoteServer using it, if any
 
     def register(self, address: int, length: int) -> None:
         if self._engine.register_memory(address, length) != 0:
-            raise RemoteUnavailable(f"cannot register {length} bytes at {address:#x}")
+            raise EngineError(f"cannot register {length} bytes at {address:#x}")
 
     def unregister(self, address: int) -> None:
-        self._engine.unregister_memory(address)
+        if self._engine.unregister_memory(address) != 0:
+            raise EngineError(f"cannot unregister the buffer at {address:#x}")
 
     def write(
         self,
@@ -73,27 +79,37 @@ class Engine:
         sources: Sequence[int],
         targets: Sequence[int],
         lengths: Sequence[int],
-        notify: str | None,
+        notify: tuple[str, str] | None = None,
     ) -> None:
-        """Write local buffers to the peer's addresses; `notify` reaches it afterwards."""
+        """Write local buffers to the peer's addresses, then send it `notify` (name, message).
+
+        Blocks until the transfer is done (the engine gives up on a silent peer
+        after about a minute).  The engine does not confirm the notify's
+        delivery: the peer's own accounting is the truth.
+        """
         if notify is None:
             rc = self._engine.batch_transfer_sync_write(
                 session, list(sources), list(targets), list(lengths)
             )
         else:
+            name, message = notify
+            if len(message) > MAX_NOTIFY:
+                raise ValueError(f"notify of {len(message)} bytes exceeds {MAX_NOTIFY}")
             rc = self._engine.batch_transfer_sync(
                 session,
                 list(sources),
                 list(targets),
                 list(lengths),
                 self._mc.TransferOpcode.Write,
-                self._mc.TransferNotify(COMMIT, notify),
+                self._mc.TransferNotify(name, message),
             )
         if rc != 0:
-            raise RemoteWriteError(
-                f"transfer of {len(sources)} row(s) to {session} failed (engine status {rc})"
+            raise EngineError(
+                f"transfer of {len(sources)} buffer(s) to {session} failed (engine status {rc})"
             )
 
-    def commits(self) -> list[str]:
-        """Commit messages received since the last call (other notifies are dropped)."""
-        return [n.msg for n in self._engine.get_notifies() if n.name == COMMIT]
+    def notifies(self, name: str) -> list[str]:
+        """Messages received under `name` since the last call; others wait for their reader."""
+        for notify in self._engine.get_notifies():
+            self._inbox[notify.name].append(notify.msg)
+        return self._inbox.pop(name, [])
