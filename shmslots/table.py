@@ -91,6 +91,7 @@ class SlotTable:
     ) -> None:
         self._segment = segment
         self._header = header
+        self._strict = bool(header.flags & L.FLAG_STRICT)  # read on every take
         self.layout = header.layout
         self.schema = schema
         self._atomics = AtomicView(segment.mm)
@@ -218,7 +219,7 @@ class SlotTable:
 
     @property
     def strict(self) -> bool:
-        return bool(self._header.flags & L.FLAG_STRICT)
+        return self._strict
 
     @property
     def drop_on_consumer_death(self) -> bool:
@@ -279,7 +280,8 @@ class SlotTable:
     # -- reader side ------------------------------------------------------------------
     def take(self, timeout: float | None = 0.0) -> Lease | None:
         """The oldest READY slot as a Lease, waiting up to `timeout` s (None: forever)."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         got = self._take_once()
         if got is None and timeout != 0.0:
             own = self._own
@@ -315,7 +317,7 @@ class SlotTable:
             return None
         slot, generation, tag, deliveries = got
         lease = Lease(self, slot, generation, tag, deliveries)
-        if self.strict and not self._row_intact(slot, generation):
+        if self._strict and not self._row_intact(slot, generation):
             lease.abort()
             raise CorruptTable(f"slot {slot} row does not match its published checksum")
         return lease
