@@ -95,13 +95,7 @@ class WriteSlot(_Handle):
     __slots__ = ("_pins", "_written")
 
     def __init__(self, table: SlotTable, slot: int, generation: int, tag: int) -> None:
-        # _Handle.__init__ inlined: a write slot is made for every row claimed
-        self._table = table
-        self.slot = slot
-        self.generation = generation
-        self.tag = tag
-        self._open = True
-        self._viewed: set[str] = set()
+        _Handle.__init__(self, table, slot, generation, tag)  # not super(): 0.1 us per row
         self._written: set[str] = set()
         self._pins: dict[str, Pin] | None = None  # handle fields pinned; made on first use
 
@@ -255,13 +249,7 @@ class Lease(_Handle):
     def __init__(
         self, table: SlotTable, slot: int, generation: int, tag: int, deliveries: int
     ) -> None:
-        # _Handle.__init__ inlined: a lease is made for every row taken
-        self._table = table
-        self.slot = slot
-        self.generation = generation
-        self.tag = tag
-        self._open = True
-        self._viewed: set[str] = set()
+        _Handle.__init__(self, table, slot, generation, tag)  # not super(): 0.1 us per row
         self.deliveries = deliveries
         self._opened: WatchedTensors | None = None
         self._watched = table._rows.views(slot)  # the slot's cached inline views
