@@ -149,18 +149,26 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-static int
-check_slot(RowCodec *r, Py_ssize_t slot)
+/* The row named by args[0] (a slot), after checking the argument count; NULL: error set. */
+static char *
+row_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
 {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
     if (!r->held) {
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return -1;
+        return NULL;
     }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
     if (slot < 0 || slot >= r->nslots) {
         PyErr_SetString(PyExc_IndexError, "slot out of range");
-        return -1;
+        return NULL;
     }
-    return 0;
+    return r->base + r->rows + slot * r->row_size;
 }
 
 /* -- write --------------------------------------------------------------------------------- */
@@ -260,13 +268,13 @@ plain_number(Spec *s, PyObject *v, Copy *c)
 static PyObject *
 rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyDict_Check(args[1])) {
+    char *row = row_arg(r, args, nargs, 2, "write(slot, fields: dict)");
+    if (!row)
+        return NULL;
+    if (!PyDict_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "write(slot, fields: dict)");
         return NULL;
     }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    if ((slot == -1 && PyErr_Occurred()) || check_slot(r, slot) < 0)
-        return NULL;
     Copy copies[MAX_FIELDS];
     Py_ssize_t n = 0, pos = 0;
     PyObject *key, *value;
@@ -293,7 +301,6 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         if (ok != 1)
             return ok < 0 ? NULL : Py_NewRef(Py_False);
     }
-    char *row = r->base + r->rows + slot * r->row_size;
     for (Py_ssize_t k = 0; k < n; k++)
         memmove(row + copies[k].offset, copies[k].src, (size_t)copies[k].nbytes); /* may be a view of a row */
     Py_RETURN_TRUE;
@@ -304,14 +311,9 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 rc_checksum(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "checksum(slot)");
+    const char *row = row_arg(r, args, nargs, 1, "checksum(slot)");
+    if (!row)
         return NULL;
-    }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    if ((slot == -1 && PyErr_Occurred()) || check_slot(r, slot) < 0)
-        return NULL;
-    const char *row = r->base + r->rows + slot * r->row_size;
     return PyLong_FromUnsignedLong(row_hash(row + r->header, r->row_size - r->header));
 }
 
@@ -319,17 +321,12 @@ rc_checksum(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 rc_seal(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "seal(slot, generation)");
-        return NULL;
-    }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    if ((slot == -1 && PyErr_Occurred()) || check_slot(r, slot) < 0)
+    char *row = row_arg(r, args, nargs, 2, "seal(slot, generation)");
+    if (!row)
         return NULL;
     unsigned long long generation = PyLong_AsUnsignedLongLong(args[1]);
     if (generation == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    char *row = r->base + r->rows + slot * r->row_size;
     uint64_t g = generation;
     uint32_t sum = row_hash(row + r->header, r->row_size - r->header);
     memcpy(row, &g, 8);

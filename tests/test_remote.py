@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import msgpack
 import pytest
@@ -42,6 +43,25 @@ needs_engine = pytest.mark.skipif(bool(SKIP), reason=SKIP)
 def engines() -> tuple[Engine, Engine]:
     """An owner's and a writer's engine (one pair per module: engines have no close)."""
     return Engine(), Engine()
+
+
+@contextmanager
+def served(
+    name: str,
+    engines: tuple[Engine, Engine],
+    *,
+    slots: int,
+    commit_timeout_s: float = 10.0,
+    batch: int = 64,
+) -> Iterator[tuple[SlotTable, RemoteServer, RemoteWriter]]:
+    """A table, its RemoteServer on the owner engine, and a RemoteWriter on the other."""
+    owner, remote = engines
+    with (
+        SlotTable.create(name, SMALL, slots=slots) as table,
+        RemoteServer(table, owner, commit_timeout_s=commit_timeout_s) as server,
+        RemoteWriter(remote, table.schema, batch=batch) as writer,
+    ):
+        yield table, server, writer
 
 
 def _poll_until(
@@ -129,12 +149,7 @@ def test_handle_fields_cannot_be_written_remotely(
 
 @needs_engine
 def test_a_remote_row_arrives_exactly_as_packed(name: str, engines: tuple[Engine, Engine]) -> None:
-    owner, remote = engines
-    with (
-        SlotTable.create(name, SMALL, slots=4) as table,
-        RemoteServer(table, owner) as server,
-        RemoteWriter(remote, table.schema) as writer,
-    ):
+    with served(name, engines, slots=4) as (table, server, writer):
         grants = [server.grant(tag) for tag in (11, 12, 13)]
         writer.write([(g, small_row(g.tag)) for g in grants])
         settled = _poll_until(server, lambda s, got: len(got.published) == 3)
@@ -152,12 +167,7 @@ def test_a_remote_row_arrives_exactly_as_packed(name: str, engines: tuple[Engine
 def test_a_writer_checks_every_row_before_sending(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
-    owner, remote = engines
-    with (
-        SlotTable.create(name, SMALL, slots=4) as table,
-        RemoteServer(table, owner, commit_timeout_s=0.2) as server,
-        RemoteWriter(remote, table.schema) as writer,
-    ):
+    with served(name, engines, slots=4, commit_timeout_s=0.2) as (table, server, writer):
         good, other = server.grant(1), server.grant(2)
         foreign = Grant(**{**good.__dict__, "fingerprint": good.fingerprint ^ 1})
         bad_dtype = {**small_row(2), "p": torch.zeros(4, dtype=torch.float64)}
@@ -181,12 +191,7 @@ def test_late_writes_are_discarded_and_never_delivered(
 ) -> None:
     """One slot, so every grant reuses it: a late write can only hit a live reservation's
     row by way of the landing cells, and the generation check refuses it there."""
-    owner, remote = engines
-    with (
-        SlotTable.create(name, SMALL, slots=1) as table,
-        RemoteServer(table, owner, commit_timeout_s=0.2) as server,
-        RemoteWriter(remote, table.schema) as writer,
-    ):
+    with served(name, engines, slots=1, commit_timeout_s=0.2) as (table, server, writer):
         expired = server.grant(1)  # generation 0
         assert _poll_until(server, lambda s, got: s.pending == 0).expired == [1]
         aborted = server.grant(2)  # generation 1
@@ -215,15 +220,10 @@ def test_late_writes_are_discarded_and_never_delivered(
 
 @needs_engine
 def test_a_stray_commit_cannot_use_up_a_grant(name: str, engines: tuple[Engine, Engine]) -> None:
-    owner, remote = engines
-    with (
-        SlotTable.create(name, SMALL, slots=2) as table,
-        RemoteServer(table, owner) as server,
-        RemoteWriter(remote, table.schema) as writer,
-    ):
+    with served(name, engines, slots=2) as (table, server, writer):
         grant = server.grant(5)
         guessed = f"{grant.slot}:{grant.generation}:{grant.nonce ^ 1:016x}"  # right slot and gen
-        remote.write(grant.session, [0], [0], [0], (COMMIT, guessed))
+        writer.engine.write(grant.session, [0], [0], [0], (COMMIT, guessed))
         _poll_until(server, lambda s, got: s.stats.late == 1)
         assert server.pending == 1  # still the real writer's
         writer.write([(grant, small_row(5))])
@@ -237,12 +237,7 @@ def test_a_stray_commit_cannot_use_up_a_grant(name: str, engines: tuple[Engine, 
 def test_every_row_is_checked_before_the_first_batch_leaves(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
-    owner, remote = engines
-    with (
-        SlotTable.create(name, SMALL, slots=4) as table,
-        RemoteServer(table, owner, commit_timeout_s=0.3) as server,
-        RemoteWriter(remote, table.schema, batch=2) as writer,
-    ):
+    with served(name, engines, slots=4, commit_timeout_s=0.3, batch=2) as (table, server, writer):
         grants = [server.grant(tag) for tag in (1, 2, 3, 4)]
         rows = [(g, small_row(g.tag)) for g in grants]
         rows[3] = (grants[3], {**small_row(4), "p": torch.zeros(5)})  # in the second batch
@@ -250,6 +245,7 @@ def test_every_row_is_checked_before_the_first_batch_leaves(
             writer.write(rows)
         settled = _poll_until(server, lambda s, got: s.pending == 0)
         assert settled.published == [] and sorted(settled.expired) == [1, 2, 3, 4]
+        assert table.take() is None and table.stats().owned == 0
 
 
 @needs_engine

@@ -133,3 +133,16 @@ def test_the_checksum_sees_every_byte(name: str) -> None:
                 payload[i] ^= bit
         assert len(seen) == 1 + 2 * payload.nbytes  # every single-bit flip changes it
         payload.release()
+
+
+def test_the_codec_refuses_a_slot_outside_its_rows(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=2) as table:
+        codec = table._rows._codec
+        assert codec is not None
+        for slot in (-1, 2, 2**62):
+            with pytest.raises(IndexError):
+                codec.write(slot, {"i64": 1})
+            with pytest.raises(IndexError):
+                codec.checksum(slot)
+            with pytest.raises(IndexError):
+                codec.seal(slot, 1)
