@@ -44,9 +44,10 @@ typedef struct {
     PyObject *specs;   /* the tuple the Spec pointers borrow from */
     PyObject *index;   /* field name -> index */
     PyObject *tensor_type;
+    PyObject *modes_on; /* torch._C._is_torch_function_mode_enabled */
 } RowCodec;
 
-static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_data_ptr;
+static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr;
 
 /* -- checksum ------------------------------------------------------------------------------ */
 
@@ -93,12 +94,19 @@ row_hash(const char *p, Py_ssize_t n)
 static int
 rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
 {
-    PyObject *buffer, *specs, *tensor_type;
-    if (!PyArg_ParseTuple(args, "OnnnnO!O", &buffer, &r->rows, &r->row_size, &r->nslots,
-                          &r->header, &PyTuple_Type, &specs, &tensor_type))
-        return -1;
-    if (r->held) {
+    PyObject *buffer, *specs, *tensor_type, *modes_on;
+    Py_ssize_t rows, row_size, nslots, header;
+    if (r->specs) {
         PyErr_SetString(PyExc_RuntimeError, "RowCodec already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OnnnnO!OO", &buffer, &rows, &row_size, &nslots, &header,
+                          &PyTuple_Type, &specs, &tensor_type, &modes_on))
+        return -1;
+    /* 12 header bytes are sealed; sizes are checked by subtraction, so nothing overflows */
+    if (header < 12 || row_size < header || rows < 0 || nslots < 0 ||
+        (nslots && row_size > (PY_SSIZE_T_MAX - rows) / nslots)) {
+        PyErr_SetString(PyExc_ValueError, "bad row geometry");
         return -1;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(specs);
@@ -110,9 +118,8 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     if (!index)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name;
+        PyObject *name, *at = NULL;
         Spec *s = &r->spec[i];
-        PyObject *at = NULL;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniOO!", &name, &s->offset,
                               &s->nbytes, &s->scalar, &s->dtype, &PyTuple_Type, &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
@@ -121,7 +128,7 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
             return -1;
         }
         Py_DECREF(at);
-        if (s->offset < r->header || s->nbytes < 0 || s->offset + s->nbytes > r->row_size) {
+        if (s->offset < header || s->nbytes < 0 || s->nbytes > row_size - s->offset) {
             Py_DECREF(index);
             PyErr_SetString(PyExc_ValueError, "field does not fit the row");
             return -1;
@@ -131,20 +138,22 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         Py_DECREF(index);
         return -1;
     }
-    if (r->rows < 0 || r->row_size < r->header || r->nslots < 0 ||
-        r->rows + r->nslots * r->row_size > r->buf.len) {
+    if (rows + nslots * row_size > r->buf.len) {
         PyBuffer_Release(&r->buf);
         Py_DECREF(index);
         PyErr_SetString(PyExc_ValueError, "rows do not fit the buffer");
         return -1;
     }
+    r->rows = rows;
+    r->row_size = row_size;
+    r->nslots = nslots;
+    r->header = header;
     r->base = r->buf.buf;
     r->nfields = n;
-    Py_INCREF(specs);
-    r->specs = specs;
+    r->specs = Py_NewRef(specs);
     r->index = index;
-    Py_INCREF(tensor_type);
-    r->tensor_type = tensor_type;
+    r->tensor_type = Py_NewRef(tensor_type);
+    r->modes_on = Py_NewRef(modes_on);
     r->held = 1;
     return 0;
 }
@@ -210,11 +219,19 @@ plain_tensor(RowCodec *r, Spec *s, PyObject *v, const void **src)
     Py_DECREF(x);
     if (!ok)
         return 0;
+    if (!(x = PyObject_CallMethodNoArgs(v, s_is_neg))) /* a lazily negated view */
+        return -1;
+    ok = x == Py_False;
+    Py_DECREF(x);
+    if (!ok)
+        return 0;
     if (!(x = PyObject_CallMethodNoArgs(v, s_data_ptr)))
         return -1;
     *src = PyLong_AsVoidPtr(x);
     Py_DECREF(x);
-    return PyErr_Occurred() ? -1 : 1;
+    if (PyErr_Occurred())
+        return -1;
+    return *src != NULL; /* no storage (freed, or a zero tensor): Python's path decides */
 }
 
 /* Is `v` a plain number for scalar field `s`? 1 yes (fills c->value), 0 no, -1 error. */
@@ -271,39 +288,69 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     char *row = row_arg(r, args, nargs, 2, "write(slot, fields: dict)");
     if (!row)
         return NULL;
-    if (!PyDict_Check(args[1])) {
+    PyObject *fields = args[1];
+    if (!PyDict_Check(fields)) {
         PyErr_SetString(PyExc_TypeError, "write(slot, fields: dict)");
         return NULL;
     }
-    Copy copies[MAX_FIELDS];
-    Py_ssize_t n = 0, pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(args[1], &pos, &key, &value)) {
-        PyObject *i = PyDict_GetItemWithError(r->index, key);
+    /* Under a torch-function mode the tensor calls below would run Python code between
+       the checks and the copies: leave that to Python's path. */
+    PyObject *on = PyObject_CallNoArgs(r->modes_on);
+    if (!on)
+        return NULL;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    Py_ssize_t n = PyDict_GET_SIZE(fields);
+    if (modes || n > MAX_FIELDS)
+        Py_RETURN_FALSE;
+    /* Strong references first, so nothing the checks run can free a value under us. */
+    PyObject *held[MAX_FIELDS];
+    Spec *spec[MAX_FIELDS];
+    Py_ssize_t pos = 0, k = 0;
+    PyObject *key, *value, *result = Py_False;
+    while (k < n && PyDict_Next(fields, &pos, &key, &value)) {
+        PyObject *i = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(r->index, key) : NULL;
         if (!i) {
-            if (PyErr_Occurred())
-                return NULL;
-            Py_RETURN_FALSE;
+            result = PyErr_Occurred() ? NULL : Py_False;
+            goto done;
         }
-        if (n == MAX_FIELDS)
-            Py_RETURN_FALSE;
-        Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-        Copy *c = &copies[n++];
+        spec[k] = &r->spec[PyLong_AsSsize_t(i)];
+        held[k++] = Py_NewRef(value);
+    }
+    Copy copies[MAX_FIELDS];
+    Py_ssize_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Spec *s = spec[j];
+        Copy *c = &copies[j];
         c->offset = s->offset;
         c->nbytes = s->nbytes;
+        total += s->nbytes;
         int ok;
         if (s->scalar == HANDLE)
             ok = 0;
-        else if (s->scalar != NO_SCALAR && Py_TYPE(value) != (PyTypeObject *)r->tensor_type)
-            ok = plain_number(s, value, c);
+        else if (s->scalar != NO_SCALAR && Py_TYPE(held[j]) != (PyTypeObject *)r->tensor_type)
+            ok = plain_number(s, held[j], c);
         else
-            ok = plain_tensor(r, s, value, &c->src);
-        if (ok != 1)
-            return ok < 0 ? NULL : Py_NewRef(Py_False);
+            ok = plain_tensor(r, s, held[j], &c->src);
+        if (ok != 1) {
+            result = ok < 0 ? NULL : Py_False;
+            goto done;
+        }
     }
-    for (Py_ssize_t k = 0; k < n; k++)
-        memmove(row + copies[k].offset, copies[k].src, (size_t)copies[k].nbytes); /* may be a view of a row */
-    Py_RETURN_TRUE;
+    if (total >= (1 << 20)) { /* big copies let other threads run, as _atomic's copy_in does */
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; j++)
+            memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
+            memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+    }
+    result = Py_True;
+done:
+    for (Py_ssize_t j = 0; j < k; j++)
+        Py_DECREF(held[j]);
+    return Py_XNewRef(result);
 }
 
 /* -- checksum and seal ---------------------------------------------------------------------- */
@@ -363,6 +410,7 @@ rc_dealloc(RowCodec *r)
     Py_XDECREF(r->specs);
     Py_XDECREF(r->index);
     Py_XDECREF(r->tensor_type);
+    Py_XDECREF(r->modes_on);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -404,6 +452,7 @@ PyInit__rowcodec(void)
         !(s_shape = PyUnicode_InternFromString("shape")) ||
         !(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
         !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
+        !(s_is_neg = PyUnicode_InternFromString("is_neg")) ||
         !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
         return NULL;
     if (PyType_Ready(&RowCodecType) < 0)

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ class RowCodec:
         header: int,
         specs: tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...],
         tensor_type: type[torch.Tensor],
+        modes_enabled: Callable[[], bool],
         /,
     ) -> None: ...
     def write(self, slot: int, fields: dict[str, Any], /) -> bool: ...

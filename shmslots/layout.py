@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from .errors import CorruptTable, IncompatibleTable, InvalidSlot
 
 MAGIC = b"SHMSLOTS"
-VERSION = 1
+VERSION = 2  # 2: row checksum by _rowcodec.row_hash (1 used zlib.crc32)
 CACHE_LINE = 64
 PAGE = 4096
 

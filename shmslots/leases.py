@@ -275,10 +275,10 @@ class Lease(_Handle):
         if fs is None or not fs.field.is_handle:
             return self.view(name)
         self._check_open("open a handle of")
-        if self._opened is None or name not in self._opened.tensors:
-            opened = dict(self._opened.tensors) if self._opened else {}
-            opened[name] = self._open_handle(name)
-            self._opened = WatchedTensors(opened)
+        if self._opened is None:
+            self._opened = WatchedTensors({name: self._open_handle(name)})
+        elif name not in self._opened.tensors:
+            self._opened.add(name, self._open_handle(name))
         return self._opened.tensors[name]
 
     def _open_handle(self, name: str) -> torch.Tensor:

@@ -50,6 +50,12 @@ class WatchedTensors:
     def _counts(self, name: str) -> tuple[int, int]:
         return sys.getrefcount(self.tensors[name]), _use_count(self._storages[name])
 
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Watch one more tensor; only its own counts are measured (the others' stand)."""
+        self.tensors[name] = tensor
+        self._storages[name] = tensor.untyped_storage()._cdata
+        self._baseline[name] = self._counts(name)
+
     def leaked(self, names: set[str]) -> list[str]:
         """Names among `names` whose tensor something outside still references."""
         leaked = []
@@ -98,6 +104,7 @@ class Rows:
         self._layout = lay
         self.schema = schema
         self._offsets = {name: fs.offset for name, fs in schema.slots.items()}
+        self._nbytes = {name: fs.field.nbytes for name, fs in schema.slots.items()}
         # name -> (field, torch dtype, packer for a Python number or None, is a handle):
         # built once, since property lookups per field and write add up on the hot path
         self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
@@ -106,7 +113,7 @@ class Rows:
         # Compiled plain-case writes and the checksum; None on a read-only mapping.
         self._codec = (
             RowCodec(mm, lay.rows, lay.row_size, lay.slots, ROW_HEADER_SIZE, _codec_specs(schema),
-                     torch.Tensor)
+                     torch.Tensor, torch._C._is_torch_function_mode_enabled)
             if atomics is not None
             else None
         )  # fmt: skip
@@ -148,6 +155,11 @@ class Rows:
                     raise SchemaError(
                         f"field {name!r} has shape {f.shape}, got {tuple(value.shape)}"
                     )
+                if not _storage_holds(value):  # torch itself would read unmapped memory
+                    raise SchemaError(
+                        f"field {name!r}: the tensor's storage no longer holds its elements "
+                        "(freed or resized)"
+                    )
                 plan.append((name, value))
             elif scalar is not None and _is_scalar_for(f.dtype, value):
                 try:
@@ -178,7 +190,14 @@ class Rows:
             off = base + offsets[name]
             if type(value) is bytes:
                 self._mv[off : off + len(value)] = value
-            elif copy_in is not None and value.is_cpu and value.is_contiguous():
+            elif (
+                copy_in is not None
+                and value.is_cpu
+                and value.is_contiguous()
+                and not value.is_neg()
+                and value.data_ptr()
+                and value.nbytes == self._nbytes[name]  # as checked, unless resized since
+            ):
                 copy_in(off, value.data_ptr(), value.nbytes)  # a memcpy, no torch dispatch
             else:
                 self.views(slot).tensors[name].copy_(value)
@@ -256,6 +275,15 @@ def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bo
                 return torch.tensor(value, dtype=dtype)
 
     return f, f.torch_dtype, scalar, f.is_handle
+
+
+def _storage_holds(value: torch.Tensor) -> bool:
+    """Whether every element lies inside the tensor's storage (false once it is freed)."""
+    if value.numel() == 0 or value.is_meta:
+        return True
+    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride(), strict=True))
+    end = (value.storage_offset() + span) * value.element_size()
+    return end <= value.untyped_storage().nbytes()
 
 
 def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from conftest import SMALL, SPAWN, Children, small_row
 
 from shmslots import Field, SlotTable, TableNotFound
 from shmslots.cli import _duration
+from shmslots.layout import VERSION
 from shmslots.segment import unlink
 
 CLI_TIMEOUT = 60
@@ -158,7 +159,7 @@ def test_inspect_text_shows_everything(busy: SlotTable, name: str) -> None:
     r = cli("inspect", name, "--older-than", "1ms")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for word in ("version 1", "worker", "alive", "bfloat16", "(2, 8)", "claims", "(old)"):
+    for word in (f"version {VERSION}", "worker", "alive", "bfloat16", "(2, 8)", "claims", "(old)"):
         assert word in out
     for state in STATE_BY_TAG.values():
         assert re.search(rf"\b{state}\b", out)

@@ -110,6 +110,23 @@ def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
         lease.release()
 
 
+@pytest.mark.parametrize("kept_first", ["blob", "hidden"])
+def test_opening_a_second_handle_keeps_watching_the_first(name: str, kept_first: str) -> None:
+    from shmslots import LeakedViewError
+
+    other = "hidden" if kept_first == "blob" else "blob"
+    with _table(name, strict=True) as t:
+        t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
+        lease = t.take()
+        assert lease is not None
+        kept = lease.tensor(kept_first)
+        lease.tensor(other)  # opened after the first was kept: must not reset its baseline
+        with pytest.raises(LeakedViewError, match=kept_first):
+            lease.release()
+        del kept
+        lease.release()
+
+
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [

@@ -146,3 +146,42 @@ def test_the_codec_refuses_a_slot_outside_its_rows(name: str) -> None:
                 codec.checksum(slot)
             with pytest.raises(IndexError):
                 codec.seal(slot, 1)
+
+
+def test_odd_tensors_take_the_python_path_and_land_right(name: str) -> None:
+    """Tensors the compiled path must not copy raw: a lazily negated view, one without
+    storage, and any write under a torch-function mode."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    negated = torch._neg_view(torch.arange(3, dtype=torch.float32))  # is_neg(): bits say +
+    freed = torch.ones(3)
+    freed.untyped_storage().resize_(0)  # how FSDP frees a parameter: data_ptr() is 0
+    with SlotTable.create(name, FIELDS, slots=1) as table:
+        rows = table._rows
+        ws = table.claim()
+        assert not rows.write_plain(ws.slot, {"vec": negated})
+        ws.write(vec=negated)
+        assert torch.equal(ws.view("vec"), torch.tensor([0.0, -1.0, -2.0]))
+        assert not rows.write_plain(ws.slot, {"vec": freed})
+        with pytest.raises(SchemaError, match="storage"):  # torch's own copy_ would crash
+            ws.write(vec=freed)
+        with Passthrough():
+            assert not rows.write_plain(ws.slot, {"vec": torch.ones(3)})
+            ws.write(vec=torch.full((3,), 7.0))
+        assert torch.equal(ws.view("vec"), torch.full((3,), 7.0))
+        ws.abort()
+
+
+def test_a_codec_cannot_be_initialized_twice(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as table:
+        codec = table._rows._codec
+        assert codec is not None
+        with pytest.raises(RuntimeError, match="already"):
+            codec.__init__(bytearray(64), 0, 64, 1, 16, (), torch.Tensor, bool)  # type: ignore[misc]
+        assert codec.checksum(0) == table._rows.checksum(0)
