@@ -269,7 +269,7 @@ def test_a_server_owns_its_engine_and_refuses_work_once_closed(
 # -- the flow: spawned remote writer, decode worker, owner --------------------------------
 
 
-REQUESTS = 2300  # ~5 % are aborted, expire or are dropped by decode: >= 2,000 verified rows
+REQUESTS = RemoteFlowConfig.requests
 
 
 def _check_flow(result: RemoteFlowResult, requests: int) -> None:
