@@ -190,15 +190,20 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
 
 def _collect(results: mp.Queue[DecodeReport], progress: FlowProgress) -> int:
     """Fold decode reports into `progress`; returns how many were final."""
-    finals = 0
-    try:
-        report = results.get(timeout=0.1)
-    except queue.Empty:
-        return 0
-    while True:
+    reports = drain(results)
+    for report in reports:
         progress.add(report)
-        finals += report.final
+    return sum(report.final for report in reports)
+
+
+def drain(results: mp.Queue[DecodeReport]) -> list[DecodeReport]:
+    """The reports waiting in `results`, after waiting up to 0.1 s for the first."""
+    try:
+        reports = [results.get(timeout=0.1)]
+    except queue.Empty:
+        return []
+    while True:
         try:
-            report = results.get_nowait()
+            reports.append(results.get_nowait())
         except queue.Empty:
-            return finals
+            return reports

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import random
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from shmslots.remote import (
 )
 from workers import eagle
 from workers.decode import DecodeConfig, DecodeReport, decode_worker
-from workers.launcher import SPAWN
+from workers.launcher import SPAWN, drain
 from workers.netns import veth_namespace
 from workers.remote_writer import TOKEN_ENV
 
@@ -203,20 +202,12 @@ def _grant_all(
 
 def _fold(results: mp.Queue[DecodeReport], into: DecodeReport) -> None:
     """Add decode reports to `into` (the final one sets `into.final`)."""
-    try:
-        report = results.get(timeout=0.1)
-    except queue.Empty:
-        return
-    while True:
+    for report in drain(results):
         into.verified += report.verified
         into.corrupted += report.corrupted
         into.consumed += report.consumed
         into.aborted += report.aborted
         into.final = into.final or report.final
-        try:
-            report = results.get_nowait()
-        except queue.Empty:
-            return
 
 
 def _check_deadline(started: float, timeout_s: float) -> None:
