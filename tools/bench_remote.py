@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shmslots import SlotsExhausted, SlotTable
-from shmslots.remote import Engine, Grant, RemoteServer
+from shmslots import SlotTable
+from shmslots.remote import Engine, RemoteServer
 from workers import eagle
 from workers.launcher import SPAWN
-from workers.remote_flow import remote_writer
+from workers.remote_flow import grant_batch, remote_writer
 from workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 SLOTS = 128
@@ -104,13 +104,8 @@ def remote(rows: int, name: str, per_call: int) -> Run:
         first = 0.0
         while len(latencies) < rows:
             _deadline(started)
-            grants: list[Grant] = []
-            while granted < rows and server.pending < WINDOW and len(grants) < per_call:
-                try:
-                    grants.append(server.grant(granted + 1, timeout=0.0))
-                except SlotsExhausted:
-                    break
-                granted += 1
+            grants = grant_batch(server, granted + 1, rows - granted, WINDOW, per_call)
+            granted += len(grants)
             if grants:
                 link.send({"grants": [g.encode() for g in grants]})
             server.poll()

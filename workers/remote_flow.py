@@ -184,13 +184,8 @@ def _grant_all(
     left = config.requests
     while left or server.pending:
         _check_deadline(started, config.timeout_s)
-        grants: list[Grant] = []
-        while left and server.pending < config.window and len(grants) < config.batch:
-            try:
-                grants.append(server.grant(config.requests - left + 1, timeout=0.0))
-            except SlotsExhausted:
-                break  # the decode worker still holds them
-            left -= 1
+        grants = grant_batch(server, config.requests - left + 1, left, config.window, config.batch)
+        left -= len(grants)
         if grants:
             deliver(grants)
         for grant in grants:
@@ -198,6 +193,20 @@ def _grant_all(
                 aborted.append(grant.tag)
         settled.extend(server.poll())
     return settled, aborted
+
+
+def grant_batch(
+    server: RemoteServer, first_tag: int, left: int, window: int, batch: int
+) -> list[Grant]:
+    """Grants for tags first_tag, first_tag + 1, ...: at most `batch` and `left`, while fewer
+    than `window` are pending and a slot is free (the consumer may still hold them all)."""
+    grants: list[Grant] = []
+    while len(grants) < min(batch, left) and server.pending < window:
+        try:
+            grants.append(server.grant(first_tag + len(grants), timeout=0.0))
+        except SlotsExhausted:
+            break
+    return grants
 
 
 def _fold(results: mp.Queue[DecodeReport], into: DecodeReport) -> None:
