@@ -16,5 +16,6 @@ setup(
         Extension("shmslots._atomic", sources=["shmslots/_atomic.c"], extra_compile_args=FLAGS),
         Extension("shmslots._hotpath", sources=["shmslots/_hotpath.c"], extra_compile_args=FLAGS),
         Extension("shmslots._rowcodec", sources=["shmslots/_rowcodec.c"], extra_compile_args=FLAGS),
+        Extension("shmslots._leases", sources=["shmslots/_leases.c"], extra_compile_args=FLAGS),
     ]
 )

@@ -6,6 +6,10 @@
 
 Each handle is single-use: after publish/release/abort every method raises
 `StaleLeaseError`, so a view cannot outlive ownership by accident.
+
+The per-request steps (write, publish, abort; view, release) run compiled in
+_leases.c for the plain case; anything else, every error included, comes to
+the `_..._slow` and `_end` methods here before anything has changed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._leases import HandleBase, HandleCore, LeaseCore, WatchedTensors, WriteSlotCore
 from .errors import (
     LeakedViewError,
     LeakedViewWarning,
@@ -23,12 +28,12 @@ from .errors import (
     SchemaError,
     StaleLeaseError,
 )
-from .handles import Pin
-from .rows import WatchedTensors
 from .states import Event, State
 
 if TYPE_CHECKING:
-    from .table import SlotTable
+    from .handles import Pin
+    from .ownership import Ownership
+    from .rows import Rows
 
 _WRITING = int(State.WRITING)
 _RESERVED = int(State.RESERVED)
@@ -37,16 +42,30 @@ _ABORT = int(Event.ABORT)
 _RELEASE = int(Event.RELEASE)
 
 
-class _Handle:
-    __slots__ = ("_open", "_table", "_viewed", "generation", "slot", "tag")
+def handle_core(own: Ownership, rows: Rows) -> HandleCore:
+    """The compiled side of one table's handles, bound to its hot path and rows."""
+    if rows._codec is None:
+        raise ValueError("handles need writable rows")
+    return HandleCore(
+        own.hot,
+        rows._codec,
+        rows._views,  # the per-slot cache that rows.views fills
+        rows.views,
+        WriteSlot,
+        Lease,
+        claim=(int(Event.CLAIM), own.counter_offset("claims")),
+        abort_writing=(_WRITING, _ABORT, own.counter_offset("aborts")),
+        release_held=(_HELD, _RELEASE, own.counter_offset("releases")),
+        abort_held=(_HELD, _ABORT, own.counter_offset("aborts")),
+        nfields=len(rows.schema.slots),
+        plain_claim=not rows.schema.has_handles,
+    )
 
-    def __init__(self, table: SlotTable, slot: int, generation: int, tag: int) -> None:
-        self._table = table
-        self.slot = slot
-        self.generation = generation
-        self.tag = tag
-        self._open = True
-        self._viewed: set[str] = set()
+
+class _Handle(HandleBase):
+    """What every handle checks; table, slot, generation and tag live in HandleBase."""
+
+    __slots__ = ()
 
     def _still_mine(self, state: int) -> bool:
         """False when the transition already happened but an interrupt hit before we noted it."""
@@ -81,7 +100,7 @@ class _Handle:
         if self._table.strict:
             raise LeakedViewError(message)
         self._table._own.count("leaked_views", len(leaked))
-        warnings.warn(message, LeakedViewWarning, stacklevel=3)
+        warnings.warn(message, LeakedViewWarning, stacklevel=3)  # the caller
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -89,33 +108,27 @@ class _Handle:
         return f"<{kind} slot={self.slot} gen={self.generation} tag={self.tag} {status}>"
 
 
-class WriteSlot(_Handle):
-    """A slot this process is filling; every field must be written before publish."""
+class WriteSlot(_Handle, WriteSlotCore):
+    """A slot this process is filling; every field must be written before publish.
 
-    __slots__ = ("_pins", "_written")
+    `write(**fields)` copies values into the row; all are checked before any
+    byte changes.  A handle field's tensor is pinned (arena copy, or the CUDA
+    tensor kept referenced) until this slot's generation moves on.
+    `publish(timeout=1.0)` seals the row (generation, checksum), queues it and
+    makes it READY.  `abort()` hands the slot back unpublished.
+    """
 
-    def __init__(self, table: SlotTable, slot: int, generation: int, tag: int) -> None:
-        _Handle.__init__(self, table, slot, generation, tag)  # not super(): 0.1 us per row
-        self._written: set[str] = set()
-        self._pins: dict[str, Pin] | None = None  # handle fields pinned; made on first use
+    __slots__ = ()
 
-    def write(self, **fields: Any) -> WriteSlot:
-        """Copy values into the row; all are checked before any byte changes.
-
-        A handle field's tensor is pinned (arena copy, or the CUDA tensor kept
-        referenced) until this slot's generation moves on.
-        """
-        if self._table._closed or not self._open:
-            self._check_open("write")
+    def _write_slow(self, fields: dict[str, Any]) -> WriteSlot:
+        """write() for values that are not the plain case, and every error of it."""
+        self._check_open("write")
         rows = self._table._rows
-        if not rows.write_plain(self.slot, fields):
-            plan = rows.prepare(fields)
-            if rows.schema.has_handles:
-                handles = [
-                    i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle
-                ]
-                plan = self._pin_handles(plan, handles)
-            rows.write(self.slot, plan)
+        plan = rows.prepare(fields)
+        if rows.schema.has_handles:
+            handles = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle]
+            plan = self._pin_handles(plan, handles)
+        rows.write(self.slot, plan)
         self._written.update(fields)
         return self
 
@@ -179,10 +192,9 @@ class WriteSlot(_Handle):
         self._written.update(rows.schema.slots)
         return self
 
-    def publish(self, timeout: float = 1.0) -> None:
-        """Seal the row (generation, checksum), queue it and make it READY."""
-        if self._table._closed or not self._open:
-            self._check_open("publish")
+    def _publish_slow(self, timeout: float) -> None:
+        """publish() with fields unwritten, views alive, or a full ready ring; every error."""
+        self._check_open("publish")
         fields = self._table._rows.schema.slots
         if len(self._written) != len(fields):  # written names were all checked to be fields
             missing = fields.keys() - self._written
@@ -197,9 +209,8 @@ class WriteSlot(_Handle):
         table._own.publish(self.slot, self.generation, timeout)
         self._open = False
 
-    def abort(self) -> None:
-        if self._table._closed or not self._open:
-            self._check_open("abort")
+    def _abort_slow(self) -> None:
+        self._check_open("abort")
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
         self._open = False
 
@@ -241,27 +252,21 @@ class Reservation(_Handle):
         self.end()
 
 
-class Lease(_Handle):
-    """A READY slot taken by this process; views are valid until release or abort."""
+class Lease(_Handle, LeaseCore):
+    """A READY slot taken by this process; views are valid until release or abort.
 
-    __slots__ = ("_opened", "_watched", "deliveries")
+    `view(name)` is a zero-copy tensor over an inline field, valid only while
+    the lease is held.  `release()` ends the lease after consumption and
+    `abort()` without it (request aborted); either way the slot is FREE at once.
+    """
 
-    def __init__(
-        self, table: SlotTable, slot: int, generation: int, tag: int, deliveries: int
-    ) -> None:
-        _Handle.__init__(self, table, slot, generation, tag)  # not super(): 0.1 us per row
-        self.deliveries = deliveries
-        self._opened: WatchedTensors | None = None
-        self._watched = table._rows.views(slot)  # the slot's cached inline views
+    __slots__ = ()
 
-    def view(self, name: str) -> torch.Tensor:
-        """Zero-copy tensor over an inline field; valid only while the lease is held."""
-        if self._table._closed or not self._open:
-            self._check_open("view")
-        try:
-            tensor = self._watched.tensors[name]
-        except KeyError:
-            raise SchemaError(f"no inline field {name!r} (handle fields: tensor())") from None
+    def _view_slow(self, name: str) -> torch.Tensor:
+        self._check_open("view")
+        tensor = self._watched.tensors.get(name)
+        if tensor is None:
+            raise SchemaError(f"no inline field {name!r} (handle fields: tensor())")
         self._viewed.add(name)
         return tensor
 
@@ -276,10 +281,10 @@ class Lease(_Handle):
             return self.view(name)
         self._check_open("open a handle of")
         if self._opened is None:
-            self._opened = WatchedTensors({name: self._open_handle(name)})
-        elif name not in self._opened.tensors:
-            self._opened.add(name, self._open_handle(name))
-        return self._opened.tensors[name]
+            self._opened = {}
+        if name not in self._opened:  # watched on its own, so its counts are taken at rest
+            self._opened[name] = WatchedTensors({name: self._open_handle(name)})
+        return self._opened[name].tensors[name]
 
     def _open_handle(self, name: str) -> torch.Tensor:
         table = self._table
@@ -294,28 +299,21 @@ class Lease(_Handle):
             raise SchemaError(f"no field {name!r}")
         if fs.field.is_handle:
             return self._open_handle(name).clone()
-        return self._table._rows.views(self.slot).tensors[name].clone()
+        return self._watched.tensors[name].clone()
 
     def verify(self) -> bool:
         """True if the row is still exactly what was published under this generation."""
         self._check_open("verify")
         return self._table._row_intact(self.slot, self.generation)
 
-    def release(self) -> None:
-        """End the lease after consumption; the slot is FREE at once."""
-        self._end(_RELEASE, "release")
-
-    def abort(self) -> None:
-        """End the lease without consuming (request aborted); the slot is FREE at once."""
-        self._end(_ABORT, "abort")
-
     def _leaked(self) -> list[str]:
         leaked = self._watched.leaked(self._viewed) if self._viewed else []
-        if self._opened is not None:
-            leaked += self._opened.leaked(set(self._opened.tensors))
+        for opened in (self._opened or {}).values():
+            leaked += opened.leaked(opened.tensors)
         return leaked
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
+        """release() or abort() with views or handles to check, and every error of them."""
         if self._table._closed or not self._open:
             self._check_open(action)
         if check_views and (self._viewed or self._opened is not None):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,54 +17,15 @@ from typing import Any, Protocol
 import torch
 
 from ._atomic import AtomicView
+from ._leases import WatchedTensors
 from ._rowcodec import RowCodec, row_hash
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
-
-_use_count = torch._C._storage_Use_Count
 
 # struct codes for scalar fast paths; bfloat16 has none and goes through torch.
 _SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B"}
 _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
 _ROW_HEADER = struct.Struct("<QI")
-
-
-class WatchedTensors:
-    """Tensors handed out to callers, with the reference counts they have at rest.
-
-    Two counts rise while anything outside still uses a tensor: Python
-    references to the tensor object itself, and the use count of its storage
-    (every view or slice derived from it holds the storage).
-    """
-
-    __slots__ = ("_baseline", "_storages", "tensors")
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-        # The storage outlives nothing but its tensors, which this object keeps alive.
-        self._storages = {n: t.untyped_storage()._cdata for n, t in tensors.items()}
-        # Same expression shape as in leaked(), so temporaries count the same.
-        self._baseline = {n: self._counts(n) for n in tensors}
-
-    def _counts(self, name: str) -> tuple[int, int]:
-        return sys.getrefcount(self.tensors[name]), _use_count(self._storages[name])
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Watch one more tensor; only its own counts are measured (the others' stand)."""
-        self.tensors[name] = tensor
-        self._storages[name] = tensor.untyped_storage()._cdata
-        self._baseline[name] = self._counts(name)
-
-    def leaked(self, names: set[str]) -> list[str]:
-        """Names among `names` whose tensor something outside still references."""
-        leaked = []
-        tensors, storages, baseline = self.tensors, self._storages, self._baseline
-        for n in names:
-            base_refs, base_uses = baseline[n]
-            # _counts inlined (this runs at every release): the same single temporary
-            if sys.getrefcount(tensors[n]) > base_refs or _use_count(storages[n]) > base_uses:
-                leaked.append(n)
-        return sorted(leaked) if leaked else leaked
 
 
 class RowRegion(Protocol):
@@ -236,7 +196,7 @@ class Rows:
         leaked = []
         for slot, views in enumerate(self._views):
             if views is not None:
-                leaked += [f"slot {slot} field {n}" for n in views.leaked(set(views.tensors))]
+                leaked += [f"slot {slot} field {n}" for n in views.leaked(views.tensors)]
         self._views = [None] * self._layout.slots
         if self._codec is not None:
             self._codec.release()

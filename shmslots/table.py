@@ -22,7 +22,7 @@ from .errors import (
     SlotsExhausted,
 )
 from .handles import HandleStore
-from .leases import Lease, Reservation, WriteSlot
+from .leases import Lease, Reservation, WriteSlot, handle_core
 from .ownership import Ownership, hot_path
 from .participants import Participant, Registry
 from .recovery import reap, reclaim_owner
@@ -109,6 +109,7 @@ class SlotTable:
             self.participant = index
             self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
+            self._core = handle_core(self._own, self._rows)  # claim/take and handles, compiled
             arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
             self._arena = arena
             self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
@@ -232,9 +233,14 @@ class SlotTable:
     # -- writer side ------------------------------------------------------------------
     def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
-        self._handles.collect_own()  # drop tensors whose consumers are done
-        slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
-        return WriteSlot(self, slot, generation, tag)
+        ws = self._core.claim(self, tag)  # the plain case: a slot free now, a plain tag
+        if ws is None:
+            if self._closed:
+                self._check_open()
+            self._handles.collect_own()  # drop tensors whose consumers are done
+            slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
+            ws = WriteSlot(self, slot, generation, tag)
+        return ws
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
         """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
@@ -307,7 +313,7 @@ class SlotTable:
         return leases
 
     def _take_once(self) -> Lease | None:
-        got = self._own.take()
+        got = self._core.take(self)
         if got is None:
             self._head_blocked = False
             return None
@@ -315,12 +321,10 @@ class SlotTable:
             self._head_blocked = True
             self._check_blocked_head()  # busy pollers must not wait on a dead publisher
             return None
-        slot, generation, tag, deliveries = got
-        lease = Lease(self, slot, generation, tag, deliveries)
-        if self._strict and not self._row_intact(slot, generation):
-            lease.abort()
-            raise CorruptTable(f"slot {slot} row does not match its published checksum")
-        return lease
+        if self._strict and not self._row_intact(got.slot, got.generation):
+            got.abort()
+            raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
+        return got
 
     def _check_blocked_head(self) -> None:
         """The queue head is a publication not finished yet: reap (throttled) in case its
@@ -423,7 +427,7 @@ class SlotTable:
             return
         reclaim_owner(self._own, self._own.me, self.drop_on_consumer_death)
         self._registry.deregister(self.participant)
-        self._closed = True
+        self._closed = self._core.closed = True
         os.close(self._lock_fd)
         leaked = self._rows.close()
         self._mv.release()
@@ -472,7 +476,7 @@ class SlotTable:
         """
         if not self._closed:
             os.close(self._lock_fd)
-            self._closed = self._forked = True
+            self._closed = self._forked = self._core.closed = True
 
     def __repr__(self) -> str:
         return (

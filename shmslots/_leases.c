@@ -1,0 +1,779 @@
+/* The per-request methods of the type-state handles, compiled.
+ *
+ * leases.py defines WriteSlot, Reservation and Lease with every rule and
+ * error message; this file only makes their common case fast.  Each method
+ * here does the plain case — an open handle of an open table, a known field,
+ * no view left behind, a transition that succeeds — and otherwise calls the
+ * handle's Python method for the step (`_write_slow`, `_publish_slow`,
+ * `_abort_slow`, `_view_slow`, `_end`) before changing anything, which does
+ * the whole step in Python and raises the error.  Slots still move only
+ * through HotPath (the compiled transitions of states.py) and rows only
+ * through RowCodec: nothing here adds to the protocol.
+ *
+ * WatchedTensors, the views handed out with the reference counts they have
+ * at rest, lives here too, because every release checks it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+static PyObject *use_count; /* torch._C._storage_Use_Count */
+static PyObject *s_untyped_storage, *s_cdata, *s_core, *s_write_slow, *s_publish_slow,
+    *s_abort_slow, *s_view_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
+
+/* Call self.<name>(*args): the Python path of a step. */
+static PyObject *
+slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
+{
+    PyObject *stack[3] = {self, arg1, arg2};
+    size_t n = arg1 ? (arg2 ? 3 : 2) : 1;
+    return PyObject_VectorcallMethod(name, stack, n | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* -- WatchedTensors ------------------------------------------------------------------------ */
+
+/* A tensor at rest: references to the tensor object, and uses of its storage (every view or
+ * slice derived from it holds the storage).  Either rising means something outside still
+ * uses it. */
+typedef struct {
+    PyObject *tensor;
+    PyObject *storage; /* its storage's _cdata, for use_count */
+    Py_ssize_t refs, uses;
+} Rest;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tensors; /* dict name -> tensor, this object's own */
+    PyObject *index;   /* dict name -> position in rest */
+    Rest *rest;
+    Py_ssize_t n;
+} Watched;
+
+static PyTypeObject WatchedType;
+
+static Py_ssize_t
+uses_of(PyObject *storage)
+{
+    PyObject *n = PyObject_CallOneArg(use_count, storage);
+    if (!n)
+        return -1;
+    Py_ssize_t uses = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    return uses;
+}
+
+static int
+watched_init(Watched *w, PyObject *args, PyObject *kwds)
+{
+    PyObject *tensors;
+    if (w->tensors) {
+        PyErr_SetString(PyExc_RuntimeError, "WatchedTensors already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!:WatchedTensors", &PyDict_Type, &tensors))
+        return -1;
+    /* The dict becomes this object's own (no copy): its tensors are then referenced by this
+     * object alone, or by whatever holds them for good, when the rest counts are taken. */
+    w->tensors = Py_NewRef(tensors);
+    if (!(w->index = PyDict_New()))
+        return -1;
+    Py_ssize_t n = PyDict_GET_SIZE(tensors);
+    if (!(w->rest = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Rest)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *tensor;
+    while (w->n < n && PyDict_Next(tensors, &pos, &name, &tensor)) {
+        Rest *r = &w->rest[w->n];
+        PyObject *storage = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
+        if (!storage)
+            return -1;
+        r->storage = PyObject_GetAttr(storage, s_cdata); /* the tensor keeps it alive */
+        Py_DECREF(storage);
+        PyObject *at = PyLong_FromSsize_t(w->n);
+        if (!r->storage || !at || PyDict_SetItem(w->index, name, at) < 0) {
+            Py_XDECREF(at);
+            Py_CLEAR(r->storage);
+            return -1;
+        }
+        Py_DECREF(at);
+        r->tensor = Py_NewRef(tensor);
+        w->n++;
+    }
+    for (Py_ssize_t i = 0; i < w->n; i++) {
+        Rest *r = &w->rest[i];
+        r->refs = Py_REFCNT(r->tensor);
+        if ((r->uses = uses_of(r->storage)) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* 1 if the tensor at position i is referenced beyond its rest counts, 0 if not, -1 error. */
+static int
+rest_broken(Rest *r)
+{
+    if (Py_REFCNT(r->tensor) > r->refs)
+        return 1;
+    Py_ssize_t uses = uses_of(r->storage);
+    return uses < 0 ? -1 : uses > r->uses;
+}
+
+/* Whether any name of the set `names` is a tensor still referenced: 1, 0, -1 error. */
+static int
+watched_any_leaked(Watched *w, PyObject *names)
+{
+    PyObject *it = PyObject_GetIter(names), *name;
+    int broken = it ? 0 : -1;
+    while (!broken && (name = PyIter_Next(it))) {
+        PyObject *at = PyDict_GetItemWithError(w->index, name);
+        Py_DECREF(name);
+        if (!at) /* not ours: Python's path says why */
+            broken = PyErr_Occurred() ? -1 : 1;
+        else
+            broken = rest_broken(&w->rest[PyLong_AsSsize_t(at)]);
+    }
+    Py_XDECREF(it);
+    return broken == 0 && PyErr_Occurred() ? -1 : broken;
+}
+
+static PyObject *
+watched_leaked(Watched *w, PyObject *names)
+{
+    PyObject *leaked = PyList_New(0), *it = PyObject_GetIter(names), *name;
+    if (!leaked || !it)
+        goto fail;
+    while ((name = PyIter_Next(it))) {
+        PyObject *at = PyDict_GetItemWithError(w->index, name);
+        int broken = at ? rest_broken(&w->rest[PyLong_AsSsize_t(at)]) : -1;
+        if (!at && !PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "%R is not watched", name);
+        if (broken < 0 || (broken && PyList_Append(leaked, name) < 0)) {
+            Py_DECREF(name);
+            goto fail;
+        }
+        Py_DECREF(name);
+    }
+    if (PyErr_Occurred() || PyList_Sort(leaked) < 0)
+        goto fail;
+    Py_DECREF(it);
+    return leaked;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(leaked);
+    return NULL;
+}
+
+static void
+watched_dealloc(Watched *w)
+{
+    for (Py_ssize_t i = 0; i < w->n; i++) {
+        Py_DECREF(w->rest[i].tensor);
+        Py_DECREF(w->rest[i].storage);
+    }
+    PyMem_Free(w->rest);
+    Py_XDECREF(w->tensors);
+    Py_XDECREF(w->index);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *
+watched_get_tensors(Watched *w, void *unused)
+{
+    if (!w->tensors) {
+        PyErr_SetString(PyExc_ValueError, "WatchedTensors not initialized");
+        return NULL;
+    }
+    return Py_NewRef(w->tensors);
+}
+
+static PyMethodDef watched_methods[] = {
+    {"leaked", (PyCFunction)watched_leaked, METH_O,
+     "leaked(names) -> the names, sorted, whose tensor something outside still references"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef watched_getset[] = {
+    {"tensors", (getter)watched_get_tensors, NULL, "name -> tensor (do not change it)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WatchedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._leases.WatchedTensors",
+    .tp_doc = "Tensors handed out to callers, with the reference counts they have at rest.",
+    .tp_basicsize = sizeof(Watched),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)watched_init,
+    .tp_dealloc = (destructor)watched_dealloc,
+    .tp_methods = watched_methods,
+    .tp_getset = watched_getset,
+};
+
+/* -- HandleCore: what a table's handles share -------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    char closed;
+    char plain_claim; /* no handle fields: a claim has no pins to collect first */
+    Py_ssize_t nfields;
+    PyObject *acquire, *publish, *take, *free; /* HotPath methods */
+    PyObject *write, *seal;                    /* RowCodec methods */
+    PyObject *views, *make_views;              /* Rows' per-slot WatchedTensors list, Rows.views */
+    PyTypeObject *write_slot, *lease;          /* the classes leases.py defines */
+    PyObject *claim_args[2];                   /* acquire(event, tag, counter): event, counter */
+    PyObject *abort_writing[3], *release_held[3], *abort_held[3]; /* free(.., state, event, counter) */
+} Core;
+
+static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
+
+static int
+core_init(Core *c, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"hot", "codec", "views", "make_views", "write_slot", "lease", "claim",
+                         "abort_writing", "release_held", "abort_held", "nfields",
+                         "plain_claim", NULL};
+    PyObject *hot, *codec, *views, *make_views, *write_slot, *lease, *claim[2], *abort_writing[3],
+        *release_held[3], *abort_held[3];
+    Py_ssize_t nfields;
+    int plain_claim;
+    if (c->acquire) {
+        PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOO!OO!O!$(OO)(OOO)(OOO)(OOO)np", kw, &hot, &codec, &PyList_Type, &views,
+            &make_views, &PyType_Type, &write_slot, &PyType_Type, &lease, &claim[0], &claim[1],
+            &abort_writing[0], &abort_writing[1], &abort_writing[2], &release_held[0],
+            &release_held[1], &release_held[2], &abort_held[0], &abort_held[1], &abort_held[2],
+            &nfields, &plain_claim))
+        return -1;
+    if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
+        !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType)) {
+        PyErr_SetString(PyExc_TypeError, "write_slot and lease must derive from the cores");
+        return -1;
+    }
+    c->views = Py_NewRef(views);
+    c->make_views = Py_NewRef(make_views);
+    c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
+    c->lease = (PyTypeObject *)Py_NewRef(lease);
+    for (int i = 0; i < 3; i++) {
+        if (i < 2)
+            c->claim_args[i] = Py_NewRef(claim[i]);
+        c->abort_writing[i] = Py_NewRef(abort_writing[i]);
+        c->release_held[i] = Py_NewRef(release_held[i]);
+        c->abort_held[i] = Py_NewRef(abort_held[i]);
+    }
+    c->nfields = nfields;
+    c->plain_claim = (char)plain_claim;
+    if (!(c->acquire = PyObject_GetAttrString(hot, "acquire")) ||
+        !(c->publish = PyObject_GetAttrString(hot, "publish")) ||
+        !(c->take = PyObject_GetAttrString(hot, "take")) ||
+        !(c->free = PyObject_GetAttrString(hot, "free")) ||
+        !(c->write = PyObject_GetAttrString(codec, "write")) ||
+        !(c->seal = PyObject_GetAttrString(codec, "seal")))
+        return -1;
+    return 0;
+}
+
+static void
+core_dealloc(Core *c)
+{
+    PyObject *owned[] = {c->acquire, c->publish, c->take, c->free, c->write, c->seal, c->views,
+                         c->make_views, (PyObject *)c->write_slot, (PyObject *)c->lease,
+                         c->claim_args[0], c->claim_args[1], c->abort_writing[0],
+                         c->abort_writing[1], c->abort_writing[2], c->release_held[0],
+                         c->release_held[1], c->release_held[2], c->abort_held[0],
+                         c->abort_held[1], c->abort_held[2]};
+    for (size_t i = 0; i < sizeof(owned) / sizeof(*owned); i++)
+        Py_XDECREF(owned[i]);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* -- handles --------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Core *core;
+    PyObject *table;
+    PyObject *slot, *generation, *tag, *deliveries; /* ints */
+    char open;
+    PyObject *viewed, *written; /* sets of field names, made on first use */
+    PyObject *watched;          /* Lease: the slot's WatchedTensors */
+    PyObject *pins, *opened;    /* WriteSlot: pinned handles; Lease: opened handles */
+} Handle;
+
+static Handle *
+new_handle(PyTypeObject *type, Core *core, PyObject *table, PyObject *slot, PyObject *generation,
+           PyObject *tag)
+{
+    Handle *h = (Handle *)type->tp_alloc(type, 0);
+    if (!h)
+        return NULL;
+    h->core = (Core *)Py_NewRef(core);
+    h->table = Py_NewRef(table);
+    h->slot = Py_NewRef(slot);
+    h->generation = Py_NewRef(generation);
+    h->tag = Py_NewRef(tag);
+    h->open = 1;
+    return h;
+}
+
+/* Handle(table, slot, generation, tag): for the rare handles made in Python. */
+static int
+handle_init(Handle *h, PyObject *args, PyObject *kwds)
+{
+    PyObject *table, *slot, *generation, *tag;
+    if (h->core) {
+        PyErr_SetString(PyExc_RuntimeError, "handle already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &table, &PyLong_Type, &slot, &PyLong_Type, &generation,
+                          &PyLong_Type, &tag))
+        return -1;
+    PyObject *core = PyObject_GetAttr(table, s_core);
+    if (!core)
+        return -1;
+    if (!PyObject_TypeCheck(core, &CoreType)) {
+        Py_DECREF(core);
+        PyErr_SetString(PyExc_TypeError, "table._core is not a HandleCore");
+        return -1;
+    }
+    h->core = (Core *)core;
+    h->table = Py_NewRef(table);
+    h->slot = Py_NewRef(slot);
+    h->generation = Py_NewRef(generation);
+    h->tag = Py_NewRef(tag);
+    h->open = 1;
+    return 0;
+}
+
+static void
+handle_dealloc(Handle *h)
+{
+    PyObject *owned[] = {(PyObject *)h->core, h->table, h->slot, h->generation, h->tag,
+                         h->deliveries, h->viewed, h->written, h->watched, h->pins, h->opened};
+    for (size_t i = 0; i < sizeof(owned) / sizeof(*owned); i++)
+        Py_XDECREF(owned[i]);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static int
+usable(Handle *h)
+{
+    return h->open && !h->core->closed;
+}
+
+/* A handle made without __init__ has no table: refuse it before anything else. */
+static int
+made(Handle *h)
+{
+    if (h->core)
+        return 1;
+    PyErr_SetString(PyExc_TypeError, "handle was never initialized");
+    return 0;
+}
+
+static PyObject *
+lazy_set(PyObject **where)
+{
+    if (!*where && !(*where = PySet_New(NULL)))
+        return NULL;
+    return *where;
+}
+
+static PyObject *
+get_viewed(Handle *h, void *unused)
+{
+    return Py_XNewRef(lazy_set(&h->viewed));
+}
+
+static PyObject *
+get_written(Handle *h, void *unused)
+{
+    return Py_XNewRef(lazy_set(&h->written));
+}
+
+/* A free() of the slot with prebuilt (state, event, counter): 1 done, 0 refused, -1 error. */
+static int
+free_slot(Handle *h, PyObject *how[3])
+{
+    PyObject *args[5] = {h->slot, h->generation, how[0], how[1], how[2]};
+    PyObject *r = PyObject_Vectorcall(h->core->free, args, 5, NULL);
+    if (!r)
+        return -1;
+    long code = PyLong_AsLong(r);
+    Py_DECREF(r);
+    return code == -1 && PyErr_Occurred() ? -1 : code == 0;
+}
+
+/* -- WriteSlot ------------------------------------------------------------------------------ */
+
+static PyObject *
+ws_write(Handle *h, PyObject *args, PyObject *kwargs)
+{
+    if (!made(h))
+        return NULL;
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "write() takes fields as keyword arguments only");
+        return NULL;
+    }
+    if (kwargs && usable(h)) {
+        PyObject *call[2] = {h->slot, kwargs};
+        PyObject *plain = PyObject_Vectorcall(h->core->write, call, 2, NULL);
+        if (!plain)
+            return NULL;
+        int written_all = plain == Py_True;
+        Py_DECREF(plain);
+        if (written_all) {
+            PyObject *written = lazy_set(&h->written), *name, *value;
+            Py_ssize_t pos = 0;
+            if (!written)
+                return NULL;
+            while (PyDict_Next(kwargs, &pos, &name, &value))
+                if (PySet_Add(written, name) < 0)
+                    return NULL;
+            return Py_NewRef(h);
+        }
+    }
+    PyObject *fields = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+    if (!fields)
+        return NULL;
+    PyObject *result = slow((PyObject *)h, s_write_slow, fields, NULL);
+    Py_DECREF(fields);
+    return result;
+}
+
+/* publish(timeout=1.0) */
+static PyObject *
+ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!made(h))
+        return NULL;
+    PyObject *timeout = default_timeout;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw > 1 ||
+        (nkw && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_timeout) != 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "publish() takes one argument, timeout");
+        return NULL;
+    }
+    if (nargs + nkw)
+        timeout = args[0];
+    Core *c = h->core;
+    Py_ssize_t written = h->written ? PySet_GET_SIZE(h->written) : 0;
+    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed))) {
+        PyObject *call[2] = {h->slot, h->generation};
+        PyObject *r = PyObject_Vectorcall(c->seal, call, 2, NULL);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+        if (!(r = PyObject_Vectorcall(c->publish, call, 2, NULL)))
+            return NULL;
+        long code = PyLong_AsLong(r);
+        Py_DECREF(r);
+        if (code == -1 && PyErr_Occurred())
+            return NULL;
+        if (code == 0) {
+            h->open = 0;
+            Py_RETURN_NONE;
+        }
+    }
+    return slow((PyObject *)h, s_publish_slow, timeout, NULL);
+}
+
+static PyObject *
+ws_abort(Handle *h, PyObject *unused)
+{
+    if (!made(h))
+        return NULL;
+    if (usable(h)) {
+        int done = free_slot(h, h->core->abort_writing);
+        if (done < 0)
+            return NULL;
+        if (done) {
+            h->open = 0;
+            Py_RETURN_NONE;
+        }
+    }
+    return slow((PyObject *)h, s_abort_slow, NULL, NULL);
+}
+
+/* -- Lease ---------------------------------------------------------------------------------- */
+
+static PyObject *
+lease_view(Handle *h, PyObject *name)
+{
+    if (!made(h))
+        return NULL;
+    if (usable(h) && h->watched && PyUnicode_CheckExact(name)) {
+        PyObject *tensor = PyDict_GetItemWithError(((Watched *)h->watched)->tensors, name);
+        if (tensor) {
+            PyObject *viewed = lazy_set(&h->viewed);
+            if (!viewed || PySet_Add(viewed, name) < 0)
+                return NULL;
+            return Py_NewRef(tensor);
+        }
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return slow((PyObject *)h, s_view_slow, name, NULL);
+}
+
+static PyObject *
+lease_end(Handle *h, int release)
+{
+    if (!made(h))
+        return NULL;
+    PyObject **how = release ? h->core->release_held : h->core->abort_held;
+    if (usable(h) && (!h->opened || h->opened == Py_None) && h->watched) {
+        int leaked = h->viewed && PySet_GET_SIZE(h->viewed)
+                         ? watched_any_leaked((Watched *)h->watched, h->viewed)
+                         : 0;
+        if (leaked < 0)
+            return NULL;
+        if (!leaked) {
+            int done = free_slot(h, how);
+            if (done < 0)
+                return NULL;
+            if (done) {
+                h->open = 0;
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    return slow((PyObject *)h, s_end, how[1], release ? s_release : s_abort);
+}
+
+static PyObject *
+lease_release(Handle *h, PyObject *unused)
+{
+    return lease_end(h, 1);
+}
+
+static PyObject *
+lease_abort(Handle *h, PyObject *unused)
+{
+    return lease_end(h, 0);
+}
+
+/* -- HandleCore methods: the two ways a per-request handle is made --------------------------- */
+
+/* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
+ * closed table, a tag that is not a plain int, handle fields): Python's claim takes over. */
+static PyObject *
+core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "claim(table, tag)");
+        return NULL;
+    }
+    PyObject *tag = args[1];
+    if (!c->acquire || c->closed || !c->plain_claim || !PyLong_CheckExact(tag))
+        Py_RETURN_NONE;
+    PyLong_AsUnsignedLongLong(tag);
+    if (PyErr_Occurred()) { /* negative or over 64 bits: Python's check words the error */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *call[3] = {c->claim_args[0], tag, c->claim_args[1]};
+    PyObject *got = PyObject_Vectorcall(c->acquire, call, 3, NULL);
+    if (!got || got == Py_None)
+        return got;
+    Handle *h = new_handle(c->write_slot, c, args[0], PyTuple_GET_ITEM(got, 0),
+                           PyTuple_GET_ITEM(got, 1), tag);
+    Py_DECREF(got);
+    return (PyObject *)h;
+}
+
+/* take(table) -> Lease | None (nothing queued) | int (owner id of an unfinished publication at
+ * the head), as HotPath.take, with the taken slot wrapped in a Lease. */
+static PyObject *
+core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "take(table)");
+        return NULL;
+    }
+    if (!c->take || c->closed) {
+        PyErr_SetString(PyExc_ValueError, "the table is closed");
+        return NULL;
+    }
+    PyObject *got = PyObject_Vectorcall(c->take, NULL, 0, NULL);
+    if (!got || !PyTuple_Check(got))
+        return got;
+    /* The slot is HELD by this process now; if the Lease cannot be made (out of memory),
+     * it stays so until the table closes and reclaims it like a dead reader's. */
+    PyObject *slot = PyTuple_GET_ITEM(got, 0);
+    Py_ssize_t i = PyLong_AsSsize_t(slot);
+    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
+                                                                 : Py_None;
+    watched = watched != Py_None ? Py_NewRef(watched) : PyObject_CallOneArg(c->make_views, slot);
+    Handle *h = watched ? new_handle(c->lease, c, args[0], slot, PyTuple_GET_ITEM(got, 1),
+                                     PyTuple_GET_ITEM(got, 2))
+                        : NULL;
+    if (h) {
+        h->watched = watched;
+        h->deliveries = Py_NewRef(PyTuple_GET_ITEM(got, 3));
+    } else {
+        Py_XDECREF(watched);
+    }
+    Py_DECREF(got);
+    return (PyObject *)h;
+}
+
+#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+static PyMethodDef core_methods[] = {
+    FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
+    FAST("take", core_take, "take(table) -> Lease | None | owner id blocking the queue"),
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"closed", T_BOOL, offsetof(Core, closed), 0, "set when the table closes; handles go stale"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._leases.HandleCore",
+    .tp_doc = "What one table's handles share: its compiled steps, rows and closed flag.",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
+
+#define MEMBER(name, type, field, flags) {name, type, offsetof(Handle, field), flags, NULL}
+static PyMemberDef handle_members[] = {
+    MEMBER("_table", T_OBJECT, table, READONLY),
+    MEMBER("slot", T_OBJECT, slot, READONLY),
+    MEMBER("generation", T_OBJECT, generation, READONLY),
+    MEMBER("tag", T_OBJECT, tag, READONLY),
+    MEMBER("_open", T_BOOL, open, 0),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef handle_getset[] = {
+    {"_viewed", (getter)get_viewed, NULL, "names of fields viewed", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HandleType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._leases.HandleBase",
+    .tp_doc = "A slot owned through one handle: table, slot, generation, tag, open or not.",
+    .tp_basicsize = sizeof(Handle),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)handle_init,
+    .tp_dealloc = (destructor)handle_dealloc,
+    .tp_members = handle_members,
+    .tp_getset = handle_getset,
+};
+
+static PyMethodDef ws_methods[] = {
+    {"write", (PyCFunction)(void (*)(void))ws_write, METH_VARARGS | METH_KEYWORDS,
+     "write(**fields): copy values into the row (see leases.WriteSlot)"},
+    {"publish", (PyCFunction)(void (*)(void))ws_publish, METH_FASTCALL | METH_KEYWORDS,
+     "publish(timeout=1.0): seal, queue and make READY"},
+    {"abort", (PyCFunction)ws_abort, METH_NOARGS, "abort(): hand the slot back unpublished"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ws_members[] = {
+    MEMBER("_pins", T_OBJECT, pins, 0),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ws_getset[] = {
+    {"_written", (getter)get_written, NULL, "names of fields written", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WriteSlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._leases.WriteSlotCore",
+    .tp_doc = "The compiled steps of a WriteSlot.",
+    .tp_basicsize = sizeof(Handle),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_base = &HandleType,
+    .tp_methods = ws_methods,
+    .tp_members = ws_members,
+    .tp_getset = ws_getset,
+};
+
+static PyMethodDef lease_methods[] = {
+    {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
+    {"release", (PyCFunction)lease_release, METH_NOARGS, "release(): consumed; the slot is FREE"},
+    {"abort", (PyCFunction)lease_abort, METH_NOARGS, "abort(): not consumed; the slot is FREE"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef lease_members[] = {
+    MEMBER("deliveries", T_OBJECT, deliveries, READONLY),
+    MEMBER("_watched", T_OBJECT, watched, READONLY),
+    MEMBER("_opened", T_OBJECT, opened, 0),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject LeaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._leases.LeaseCore",
+    .tp_doc = "The compiled steps of a Lease.",
+    .tp_basicsize = sizeof(Handle),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_base = &HandleType,
+    .tp_methods = lease_methods,
+    .tp_members = lease_members,
+};
+
+/* -- module ------------------------------------------------------------------------------------ */
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "shmslots._leases", "Compiled fast paths of the type-state handles.",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__leases(void)
+{
+    struct { PyObject **at; const char *text; } names[] = {
+        {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_core, "_core"},
+        {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
+        {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_end, "_end"},
+        {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
+        if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))
+            return NULL;
+    if (!(default_timeout = PyFloat_FromDouble(1.0)))
+        return NULL;
+    PyObject *torch_c = PyImport_ImportModule("torch._C");
+    if (!torch_c)
+        return NULL;
+    use_count = PyObject_GetAttrString(torch_c, "_storage_Use_Count");
+    Py_DECREF(torch_c);
+    if (!use_count)
+        return NULL;
+    PyTypeObject *types[] = {&WatchedType, &CoreType, &HandleType, &WriteSlotType, &LeaseType};
+    for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++)
+        if (PyType_Ready(types[i]) < 0)
+            return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m)
+        return NULL;
+    const char *exported[] = {"WatchedTensors", "HandleCore", "HandleBase", "WriteSlotCore",
+                              "LeaseCore"};
+    for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++)
+        if (PyModule_AddObjectRef(m, exported[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}

@@ -1,0 +1,135 @@
+"""The compiled handle steps (_leases.c): they agree with the Python rules and refuse misuse."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import SMALL, small_row
+
+from shmslots import (
+    LeakedViewError,
+    LeakedViewWarning,
+    SchemaError,
+    SlotTable,
+    StaleLeaseError,
+    State,
+)
+from shmslots._leases import HandleCore, WatchedTensors
+from shmslots.leases import Lease, WriteSlot
+
+
+def test_one_plain_reference_to_a_view_is_a_leak(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        for field in ("id", "p", "h"):
+            t.claim().write(**small_row(1)).publish()
+            lease = t.take()
+            assert lease is not None
+            kept = lease.view(field)
+            lease.view(field)  # viewing again hands out the same tensor, nothing new
+            with pytest.raises(LeakedViewError, match=field):
+                lease.release()
+            del kept
+            lease.release()
+        assert t.slot_info(0)[0] is State.FREE
+
+
+def test_leak_warning_points_at_the_callers_line(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        kept = lease.view("p")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lease.release()
+        (warning,) = caught
+        assert warning.category is LeakedViewWarning
+        assert warning.filename == __file__
+        del kept
+
+
+def test_handle_identity_cannot_be_rewritten(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        ws = t.claim(tag=5)
+        for attribute, value in (("slot", 1), ("generation", 9), ("tag", 6), ("_table", None)):
+            with pytest.raises(AttributeError):
+                setattr(ws, attribute, value)
+        ws.write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        with pytest.raises(AttributeError):
+            lease.deliveries = 0  # type: ignore[misc]
+        assert (lease.slot, lease.tag, lease.deliveries) == (ws.slot, 5, 0)
+        lease.release()
+
+
+def test_call_shapes_are_refused_before_anything_changes(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()
+        with pytest.raises(TypeError, match="keyword"):
+            ws.write(small_row(1))  # type: ignore[call-arg]
+        ws.write(**small_row(1))
+        with pytest.raises(TypeError, match="timeout"):
+            ws.publish(timeout=1.0, wait=True)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="timeout"):
+            ws.publish(1.0, 2.0)  # type: ignore[call-arg]
+        assert t.slot_info(0)[0] is State.WRITING
+        ws.publish(timeout=0.5)
+        lease = t.take()
+        assert lease is not None
+        with pytest.raises(SchemaError, match="no inline field"):
+            lease.view(7)  # type: ignore[arg-type]
+        lease.release()
+
+
+def test_uninitialized_handles_and_cores_are_refused(name: str) -> None:
+    for handle in (WriteSlot.__new__(WriteSlot), Lease.__new__(Lease)):
+        with pytest.raises(TypeError, match="never initialized"):
+            handle.abort()
+    with pytest.raises(TypeError, match="never initialized"):
+        Lease.__new__(Lease).view("p")
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        with pytest.raises(RuntimeError, match="already initialized"):
+            HandleCore.__init__(t._core, *[None] * 6)  # type: ignore[arg-type, call-arg]
+        with pytest.raises(RuntimeError, match="already initialized"):
+            t.claim().__init__(t, 0, 0, 0)  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            WriteSlot(t, "0", 0, 0)  # type: ignore[arg-type]
+        assert t.slot_info(0)[0] is State.WRITING  # the claim above is still this process's
+
+
+def test_watched_tensors_count_each_field_alone() -> None:
+    watched = WatchedTensors({"a": torch.zeros(4), "b": torch.ones(4)})
+    assert watched.leaked(["a", "b"]) == []
+    a = watched.tensors["a"]
+    assert watched.leaked(["b", "a"]) == ["a"]
+    del a
+    slice_of_b = watched.tensors["b"][1:]
+    assert watched.leaked(["a", "b"]) == ["b"]
+    del slice_of_b
+    assert watched.leaked({"b"}) == []
+    with pytest.raises(KeyError, match="'c' is not watched"):
+        watched.leaked(["c"])
+    with pytest.raises(RuntimeError, match="already initialized"):
+        watched.__init__({})  # type: ignore[misc]
+
+
+def test_closed_table_handles_fail_in_python_terms(name: str) -> None:
+    t = SlotTable.create(name, SMALL, slots=2)
+    try:
+        ws = t.claim()
+        ws.write(**small_row(1))
+        other = t.claim()
+        other.write(**small_row(2)).publish()
+        lease = t.take()
+        assert lease is not None
+    finally:
+        t.close()
+        t.unlink()
+    for step in (ws.publish, ws.abort, lambda: ws.write(id=1), lease.release, lease.abort):
+        with pytest.raises(StaleLeaseError, match="was closed"):
+            step()
+    with pytest.raises(StaleLeaseError, match="was closed"):
+        lease.view("p")
