@@ -288,10 +288,13 @@ class SlotTable:
         """The oldest READY slot as a Lease, waiting up to `timeout` s (None: forever)."""
         if self._closed:
             self._check_open()
-        got = self._take_once()
-        if got is None and timeout != 0.0:
+        got = self._core.take(self)
+        if type(got) is Lease and not self._strict:  # taken, nothing to verify: most calls
+            return got
+        lease = self._settle(got)
+        if lease is None and timeout != 0.0:
             own = self._own
-            got = wait_for(
+            lease = wait_for(
                 self._atomics,
                 self._take_once,
                 own.publish_seq,
@@ -299,7 +302,7 @@ class SlotTable:
                 timeout,
                 self._check_blocked_head,
             )
-        return got
+        return lease
 
     def poll(self, max_n: int) -> list[Lease]:
         """Up to `max_n` READY slots, without waiting."""
@@ -313,7 +316,10 @@ class SlotTable:
         return leases
 
     def _take_once(self) -> Lease | None:
-        got = self._core.take(self)
+        return self._settle(self._core.take(self))
+
+    def _settle(self, got: Lease | int | None) -> Lease | None:
+        """What a take found: a Lease (verified on a strict table), or None, noting why."""
         if got is None:
             self._head_blocked = False
             return None
