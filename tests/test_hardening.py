@@ -179,11 +179,22 @@ def _expected_for(original: bytes, mutated: bytes) -> tuple[type[Exception] | No
         return IncompatibleTable, "not a shmslots table"
     if "version" in changed:
         return IncompatibleTable, "format version"
-    if changed - _HARMLESS - {"creator_uid"}:
+    structural = changed - _HARMLESS - {"creator_uid"}
+    if structural == {"schema_len"} and _registry_at(before) == _registry_at(after):
+        structural = set()  # the layout stands; the blob's length fails with the schema, later
+        if "creator_uid" not in changed:
+            return CorruptTable, "."
+    if structural:
         return CorruptTable, "."
     if "creator_uid" in changed:
         return TablePermissionError, "belongs to uid"
     return None, ""
+
+
+def _registry_at(header: dict[str, Any]) -> int:
+    """Where the registry starts for this header's schema offset and length (layout.py)."""
+    end: int = header["schema"] + header["schema_len"]
+    return -(-end // L.CACHE_LINE) * L.CACHE_LINE
 
 
 def _value_for(code: str, original: int | bytes) -> st.SearchStrategy[Any]:
