@@ -9,8 +9,9 @@
           │               ring head │ ring tail │ publish seq + waiting   │
           │               │ release seq + waiting                        │
     512   ├──────────────────────────────────────────────────────────────┤
-          │ COUNTERS      64 x u64 (claims, publishes, … see COUNTERS)    │
-    1024  ├──────────────────────────────────────────────────────────────┤
+          │ COUNTERS      16 x 64 B, one u64 per cache line (claims,      │
+          │               publishes, … see COUNTERS)                     │
+    1536  ├──────────────────────────────────────────────────────────────┤
           │ SCHEMA        msgpack field list, padded to 64 B              │
           ├──────────────────────────────────────────────────────────────┤
           │ REGISTRY      capacity x 128 B, one entry per participant     │
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from .errors import CorruptTable, IncompatibleTable, InvalidSlot
 
 MAGIC = b"SHMSLOTS"
-VERSION = 2  # 2: row checksum by _rowcodec.row_hash (1 used zlib.crc32)
+VERSION = 3  # 3: one counter per cache line; 2: row checksum by _rowcodec.row_hash
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -111,8 +112,11 @@ COUNTERS = (
     "redelivered",
     "participants_reaped",
 )
-COUNTERS_SIZE = 64 * 8
-COUNTER_OFFSET = {name: i * 8 for i, name in enumerate(COUNTERS)}
+# A writer bumps claims and publishes and a reader takes and releases on every row:
+# sharing a line, they would bounce it between the two cores at each step.
+COUNTERS_SIZE = 16 * CACHE_LINE
+COUNTER_OFFSET = {name: i * CACHE_LINE for i, name in enumerate(COUNTERS)}
+assert len(COUNTERS) * CACHE_LINE <= COUNTERS_SIZE
 
 # REGISTRY entry (relative to the entry start).
 REGISTRY_ENTRY = 128
