@@ -5,7 +5,7 @@
  * here does the plain case — an open handle of an open table, a known field,
  * no view left behind, a transition that succeeds — and otherwise calls the
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
- * `_abort_slow`, `_view_slow`, `_end`) before changing anything, which does
+ * `_abort_slow`, `_view_slow`, `_item_slow`, `_end`) before changing anything, which does
  * the whole step in Python and raises the error.  Slots still move only
  * through HotPath (the compiled transitions of states.py) and rows only
  * through RowCodec: nothing here adds to the protocol.
@@ -19,7 +19,7 @@
 
 static PyObject *use_count; /* torch._C._storage_Use_Count */
 static PyObject *s_untyped_storage, *s_cdata, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
+    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
 static PyObject *
@@ -220,7 +220,7 @@ typedef struct {
     char plain_claim; /* no handle fields: a claim has no pins to collect first */
     Py_ssize_t nfields;
     PyObject *acquire, *publish, *take, *free; /* HotPath methods */
-    PyObject *write, *seal;                    /* RowCodec methods */
+    PyObject *write, *seal, *read;             /* RowCodec methods */
     PyObject *views, *make_views;              /* Rows' per-slot WatchedTensors list, Rows.views */
     PyTypeObject *write_slot, *lease;          /* the classes leases.py defines */
     PyObject *claim_args[2];                   /* acquire(event, tag, counter): event, counter */
@@ -273,7 +273,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         !(c->take = PyObject_GetAttrString(hot, "take")) ||
         !(c->free = PyObject_GetAttrString(hot, "free")) ||
         !(c->write = PyObject_GetAttrString(codec, "write")) ||
-        !(c->seal = PyObject_GetAttrString(codec, "seal")))
+        !(c->seal = PyObject_GetAttrString(codec, "seal")) ||
+        !(c->read = PyObject_GetAttrString(codec, "read")))
         return -1;
     return 0;
 }
@@ -281,7 +282,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 static void
 core_dealloc(Core *c)
 {
-    PyObject *owned[] = {c->acquire, c->publish, c->take, c->free, c->write, c->seal, c->views,
+    PyObject *owned[] = {c->acquire, c->publish, c->take, c->free, c->write, c->seal, c->read, c->views,
                          c->make_views, (PyObject *)c->write_slot, (PyObject *)c->lease,
                          c->claim_args[0], c->claim_args[1], c->abort_writing[0],
                          c->abort_writing[1], c->abort_writing[2], c->release_held[0],
@@ -523,6 +524,21 @@ lease_view(Handle *h, PyObject *name)
 }
 
 static PyObject *
+lease_item(Handle *h, PyObject *name)
+{
+    if (!made(h))
+        return NULL;
+    if (usable(h)) {
+        PyObject *call[2] = {h->slot, name};
+        PyObject *number = PyObject_Vectorcall(h->core->read, call, 2, NULL);
+        if (number != Py_None)
+            return number; /* the value, or NULL with the error */
+        Py_DECREF(number);
+    }
+    return slow((PyObject *)h, s_item_slow, name, NULL);
+}
+
+static PyObject *
 lease_end(Handle *h, int release)
 {
     if (!made(h))
@@ -710,6 +726,7 @@ static PyTypeObject WriteSlotType = {
 
 static PyMethodDef lease_methods[] = {
     {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
+    {"item", (PyCFunction)lease_item, METH_O, "item(name): a scalar field as a Python number"},
     {"release", (PyCFunction)lease_release, METH_NOARGS, "release(): consumed; the slot is FREE"},
     {"abort", (PyCFunction)lease_abort, METH_NOARGS, "abort(): not consumed; the slot is FREE"},
     {NULL, NULL, 0, NULL},
@@ -746,7 +763,8 @@ PyInit__leases(void)
     struct { PyObject **at; const char *text; } names[] = {
         {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_core, "_core"},
         {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
-        {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_end, "_end"},
+        {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
+        {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)

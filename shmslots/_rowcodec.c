@@ -353,6 +353,33 @@ done:
     return Py_XNewRef(result);
 }
 
+/* -- scalar read ---------------------------------------------------------------------------- */
+
+/* read(slot, name) -> int | float for a scalar int or float32 field, None for any other
+ * field or name (rows.py reads those, or says why not). */
+static PyObject *
+rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *row = row_arg(r, args, nargs, 2, "read(slot, name)");
+    if (!row)
+        return NULL;
+    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
+    if (!i) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    const char *at = row + s->offset;
+    switch (s->scalar) {
+    case S_INT64: { int64_t v; memcpy(&v, at, 8); return PyLong_FromLongLong(v); }
+    case S_INT32: { int32_t v; memcpy(&v, at, 4); return PyLong_FromLong(v); }
+    case S_UINT8: return PyLong_FromLong(*(const uint8_t *)at);
+    case S_FLOAT32: { float v; memcpy(&v, at, 4); return PyFloat_FromDouble(v); }
+    default: Py_RETURN_NONE;
+    }
+}
+
 /* -- checksum and seal ---------------------------------------------------------------------- */
 
 static PyObject *
@@ -417,6 +444,7 @@ rc_dealloc(RowCodec *r)
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
+    FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row payload's 32-bit checksum"),
     FAST("seal", rc_seal, "seal(slot, generation): write the row header"),
     {"release", (PyCFunction)rc_release, METH_NOARGS, "release the buffer export"},

@@ -256,7 +256,8 @@ class Lease(_Handle, LeaseCore):
     """A READY slot taken by this process; views are valid until release or abort.
 
     `view(name)` is a zero-copy tensor over an inline field, valid only while
-    the lease is held.  `release()` ends the lease after consumption and
+    the lease is held; `item(name)` reads a scalar field as a Python number
+    (no tensor, nothing to outlive the lease).  `release()` ends the lease after consumption and
     `abort()` without it (request aborted); either way the slot is FREE at once.
     """
 
@@ -269,6 +270,19 @@ class Lease(_Handle, LeaseCore):
             raise SchemaError(f"no inline field {name!r} (handle fields: tensor())")
         self._viewed.add(name)
         return tensor
+
+    def _item_slow(self, name: str) -> int | float:
+        self._check_open("read")
+        fs = self._table._rows.schema.slots.get(name) if isinstance(name, str) else None
+        if fs is None:
+            raise SchemaError(f"no field {name!r}")
+        f = fs.field
+        if f.is_handle or f.shape != ():
+            raise SchemaError(
+                f"item() reads scalar inline fields; {name!r} is {f.kind} of shape {f.shape}"
+            )
+        value: int | float = self._watched.tensors[name].item()  # float16, bfloat16
+        return value
 
     def tensor(self, name: str) -> torch.Tensor:
         """The field as a tensor, inline or handle; zero copy, valid while the lease is held.

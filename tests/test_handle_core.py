@@ -133,3 +133,31 @@ def test_closed_table_handles_fail_in_python_terms(name: str) -> None:
             step()
     with pytest.raises(StaleLeaseError, match="was closed"):
         lease.view("p")
+
+
+SCALARS = ("int64", "int32", "uint8", "float32", "float16", "bfloat16")
+
+
+def test_item_reads_every_scalar_dtype_as_the_view_does(name: str) -> None:
+    from shmslots import Field
+
+    fields = [Field(dtype, dtype) for dtype in SCALARS] + [Field("vec", "float32", (2,))]
+    values = {"int64": -(2**40), "int32": -7, "uint8": 200, "float32": 0.1, "float16": 1.5}
+    with SlotTable.create(name, fields, slots=1) as t:
+        t.claim().write(
+            **values, bfloat16=torch.tensor(-2.0, dtype=torch.bfloat16), vec=torch.ones(2)
+        ).publish()
+        lease = t.take()
+        assert lease is not None
+        for dtype in SCALARS:
+            got = lease.item(dtype)
+            assert type(got) is type(lease.view(dtype).item())
+            assert got == lease.view(dtype).item()
+        assert lease.item("int64") == -(2**40) and lease.item("float32") == pytest.approx(0.1)
+        refusals = (("vec", "inline of shape \\(2,\\)"), ("nope", "no field"), (3, "no field"))
+        for bad, message in refusals:
+            with pytest.raises(SchemaError, match=message):
+                lease.item(bad)  # type: ignore[arg-type]
+        lease.release()
+        with pytest.raises(StaleLeaseError):
+            lease.item("int64")

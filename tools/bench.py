@@ -252,8 +252,9 @@ def load() -> str:
 def notes() -> list[str]:
     return [
         "Round trip: rows are echoed whole; a tensor request is answered with a small row. "
-        "Readers take the id as an int and every field (zero-copy views where the transport "
-        "has them); tensor payloads are touched, one byte per 4 KiB page.",
+        "Readers take the id as an int (shmslots: lease.item) and every other field (zero-copy "
+        "views where the transport has them); tensor payloads are touched, one byte per 4 KiB "
+        "page.",
         "Throughput: rows sent back to back, at most the record's slot count in flight "
         "(64 rows, 16 x 1 MiB, 4 x 64 MiB: shmslots slots, bounded queues, ring cells).",
         "Targets use shmslots busy polling for the round trip and a blocking consumer "

@@ -48,7 +48,7 @@ def _drain(table: SlotTable, latencies: list[float]) -> int:
     now = time.monotonic_ns()
     for lease in leases:
         with lease:
-            latencies.append((now - int(lease.view("commit_ns"))) / 1e3)
+            latencies.append((now - int(lease.item("commit_ns"))) / 1e3)
     return len(leases)
 
 

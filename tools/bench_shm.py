@@ -138,6 +138,7 @@ class ShmEnd:
         self._in_id = id_field(self._in_kind)
         self._values = record_values(self._out_kind)
         self._names = [f.name for f in fields_for(self._in_kind)]
+        self._other_names = [n for n in self._names if n != self._in_id]
         self._timeout = timeout
         self._echo_rows = not kind.tensor
 
@@ -160,7 +161,7 @@ class ShmEnd:
             self.send(rid)
             return rid
         views = {name: lease.view(name) for name in self._names}
-        rid = int(views[self._in_id])
+        rid = int(lease.item(self._in_id))
         ws = self._out.claim(tag=1, timeout=STALL_S)
         ws.write(**views)  # copies the request row into the reply row
         del views
@@ -179,12 +180,13 @@ class ShmEnd:
         return lease
 
     def _read(self, lease: Lease) -> int:
-        """The id as an int; every field fetched zero copy, a tensor payload touched."""
+        """The id as an int (`item`); every other field fetched zero copy, a tensor touched."""
         if self._in_kind.tensor:
             touch(lease.tensor("x"))
-            return int(lease.view("id"))
-        views = [lease.view(name) for name in self._names]
-        return int(views[0])
+        else:
+            for name in self._other_names:
+                lease.view(name)
+        return int(lease.item(self._in_id))
 
     def close(self) -> None:
         try:
@@ -222,7 +224,7 @@ def time_local_cycle(table: SlotTable, ops: int) -> float:
         ws.publish()
         lease = table.take(0.0)
         assert lease is not None
-        int(lease.view("id"))
+        lease.item("id")
         lease.view("ints")
         lease.view("vec")
         lease.release()

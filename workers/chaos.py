@@ -66,7 +66,7 @@ def chaos_consumer(name: str, log: str, seed: int, stop: Event) -> None:
             if lease is None:
                 continue
             tag = lease.tag
-            ok = int(lease.view("tag")) == tag and torch.equal(
+            ok = lease.item("tag") == tag and torch.equal(
                 lease.view("payload"), expected_payload(tag)
             )
             if rng.random() < ABORT_P:

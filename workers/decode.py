@@ -103,8 +103,8 @@ class DecodeScheduler:
         aborts = self.rng.random() < self.config.abort_fraction
         request = Request(
             tag=lease.tag,
-            output_id=int(lease.view("output_id")),
-            commit_ns=int(lease.view("commit_ns")),
+            output_id=int(lease.item("output_id")),
+            commit_ns=int(lease.item("commit_ns")),
             wait=wait,
             abort_at=self.rng.randint(0, wait) if aborts else None,
         )

@@ -76,7 +76,7 @@ def consume(
                 continue
             n += 1
             tag = lease.tag
-            ok = int(lease.view("tag")) == tag and torch.equal(
+            ok = lease.item("tag") == tag and torch.equal(
                 lease.view("payload"), expected_payload(tag)
             )
             if lease.deliveries:
