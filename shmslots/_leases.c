@@ -17,8 +17,9 @@
 #include <Python.h>
 #include <structmember.h>
 
-static PyObject *use_count; /* torch._C._storage_Use_Count */
-static PyObject *s_untyped_storage, *s_cdata, *s_core, *s_write_slow, *s_publish_slow,
+static PyObject *use_count;                    /* torch._C._storage_Use_Count */
+static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedStorage */
+static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
     *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
@@ -32,18 +33,22 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
 
 /* -- WatchedTensors ------------------------------------------------------------------------ */
 
-/* A tensor at rest: references to the tensor object, and uses of its storage (every view or
- * slice derived from it holds the storage).  Either rising means something outside still
- * uses it. */
+/* A tensor at rest.  Three counts rise while anything outside still uses it: references to
+ * the tensor object, to its storage object (torch keeps one per storage while it lives), and
+ * uses of the storage (every view or slice derived from the tensor holds it).  The data
+ * pointer changes if the storage was moved out of the row (share_memory_, or pickling it
+ * for another process), after which the tensor no longer shows the row at all. */
 typedef struct {
-    PyObject *tensor;
-    PyObject *storage; /* its storage's _cdata, for use_count */
-    Py_ssize_t refs, uses;
+    PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
+    Py_ssize_t refs, storage_refs, uses;
+    void *data;
 } Rest;
+
+enum { AT_REST = 0, REFERENCED = 1, MOVED = 2 };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tensors; /* dict name -> tensor, this object's own */
+    PyObject *tensors; /* dict name -> tensor: this object's own copy, never handed out */
     PyObject *index;   /* dict name -> position in rest */
     Rest *rest;
     Py_ssize_t n;
@@ -52,126 +57,204 @@ typedef struct {
 static PyTypeObject WatchedType;
 
 static Py_ssize_t
-uses_of(PyObject *storage)
+long_result(PyObject *n)
 {
-    PyObject *n = PyObject_CallOneArg(use_count, storage);
     if (!n)
         return -1;
-    Py_ssize_t uses = PyLong_AsSsize_t(n);
+    Py_ssize_t v = PyLong_AsSsize_t(n);
     Py_DECREF(n);
-    return uses;
+    return v;
+}
+
+static void *
+data_of(PyObject *tensor)
+{
+    PyObject *p = PyObject_CallMethodNoArgs(tensor, s_data_ptr);
+    if (!p)
+        return NULL;
+    void *data = PyLong_AsVoidPtr(p);
+    Py_DECREF(p);
+    return data;
+}
+
+/* Fill r for `tensor` (a strong reference is taken); 0 ok, -1 error. */
+static int
+rest_watch(Rest *r, PyObject *tensor)
+{
+    if (Py_TYPE(tensor) != tensor_type) {
+        PyErr_Format(PyExc_TypeError, "WatchedTensors takes torch.Tensor values, got %.100s",
+                     Py_TYPE(tensor)->tp_name);
+        return -1;
+    }
+    r->tensor = Py_NewRef(tensor);
+    r->storage = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
+    if (!r->storage)
+        return -1;
+    if (Py_TYPE(r->storage) != storage_type) { /* _cdata is dereferenced by use_count */
+        PyErr_SetString(PyExc_TypeError, "untyped_storage() is not a torch.UntypedStorage");
+        return -1;
+    }
+    r->cdata = PyObject_GetAttr(r->storage, s_cdata);
+    if (!r->cdata || !PyLong_CheckExact(r->cdata)) {
+        if (r->cdata)
+            PyErr_SetString(PyExc_TypeError, "storage _cdata is not an int");
+        return -1;
+    }
+    r->data = data_of(tensor);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static void
+rest_clear(Rest *r)
+{
+    Py_CLEAR(r->tensor);
+    Py_CLEAR(r->storage);
+    Py_CLEAR(r->cdata);
 }
 
 static int
 watched_init(Watched *w, PyObject *args, PyObject *kwds)
 {
-    PyObject *tensors;
+    PyObject *given;
     if (w->tensors) {
         PyErr_SetString(PyExc_RuntimeError, "WatchedTensors already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!:WatchedTensors", &PyDict_Type, &tensors))
+    if (!PyArg_ParseTuple(args, "O!:WatchedTensors", &PyDict_Type, &given))
         return -1;
-    /* The dict becomes this object's own (no copy): its tensors are then referenced by this
-     * object alone, or by whatever holds them for good, when the rest counts are taken. */
-    w->tensors = Py_NewRef(tensors);
-    if (!(w->index = PyDict_New()))
-        return -1;
-    Py_ssize_t n = PyDict_GET_SIZE(tensors);
-    if (!(w->rest = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Rest)))) {
-        PyErr_NoMemory();
-        return -1;
+    /* A private copy: nothing the calls below run can change it under us. */
+    PyObject *tensors = PyDict_Copy(given), *index = PyDict_New();
+    Py_ssize_t n = tensors ? PyDict_GET_SIZE(tensors) : 0;
+    Rest *rest = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Rest));
+    if (!tensors || !index || !rest) {
+        if (tensors && index)
+            PyErr_NoMemory();
+        goto fail;
     }
+    w->tensors = tensors, w->index = index, w->rest = rest;
     Py_ssize_t pos = 0;
     PyObject *name, *tensor;
     while (w->n < n && PyDict_Next(tensors, &pos, &name, &tensor)) {
-        Rest *r = &w->rest[w->n];
-        PyObject *storage = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
-        if (!storage)
-            return -1;
-        r->storage = PyObject_GetAttr(storage, s_cdata); /* the tensor keeps it alive */
-        Py_DECREF(storage);
         PyObject *at = PyLong_FromSsize_t(w->n);
-        if (!r->storage || !at || PyDict_SetItem(w->index, name, at) < 0) {
-            Py_XDECREF(at);
-            Py_CLEAR(r->storage);
-            return -1;
-        }
-        Py_DECREF(at);
-        r->tensor = Py_NewRef(tensor);
-        w->n++;
+        int bad = !at || PyDict_SetItem(index, name, at) < 0;
+        Py_XDECREF(at);
+        if (bad || rest_watch(&rest[w->n++], tensor) < 0)
+            return -1; /* dealloc clears what was filled */
     }
-    for (Py_ssize_t i = 0; i < w->n; i++) {
-        Rest *r = &w->rest[i];
-        r->refs = Py_REFCNT(r->tensor);
-        if ((r->uses = uses_of(r->storage)) < 0)
+    /* Counts at rest: this object's own references, plus whatever holds the tensors for good.
+     * The caller's dict is about to go: its one reference to each tensor is not counted. */
+    pos = 0;
+    for (Py_ssize_t i = 0; i < w->n && PyDict_Next(tensors, &pos, &name, &tensor); i++) {
+        Rest *r = &rest[i]; /* same order: the copy has not changed since */
+        PyObject *theirs = PyDict_GetItemWithError(given, name);
+        if (!theirs && PyErr_Occurred())
+            return -1;
+        r->refs = Py_REFCNT(r->tensor) - (theirs == r->tensor);
+        r->storage_refs = Py_REFCNT(r->storage);
+        if ((r->uses = long_result(PyObject_CallOneArg(use_count, r->cdata))) < 0)
             return -1;
     }
     return 0;
+fail:
+    Py_XDECREF(tensors);
+    Py_XDECREF(index);
+    PyMem_Free(rest);
+    return -1;
 }
 
-/* 1 if the tensor at position i is referenced beyond its rest counts, 0 if not, -1 error. */
+/* AT_REST, REFERENCED or MOVED; -1 with an error set. */
 static int
-rest_broken(Rest *r)
+rest_state(Rest *r)
 {
-    if (Py_REFCNT(r->tensor) > r->refs)
-        return 1;
-    Py_ssize_t uses = uses_of(r->storage);
-    return uses < 0 ? -1 : uses > r->uses;
+    if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs)
+        return REFERENCED;
+    Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
+    if (uses < 0)
+        return -1;
+    if (uses > r->uses)
+        return REFERENCED;
+    void *data = data_of(r->tensor);
+    if (PyErr_Occurred())
+        return -1;
+    return data == r->data ? AT_REST : MOVED;
 }
 
-/* Whether any name of the set `names` is a tensor still referenced: 1, 0, -1 error. */
+/* The Rest of `name`, or NULL: KeyError if `strict`, else no error when it is not watched. */
+static Rest *
+rest_of(Watched *w, PyObject *name, int strict)
+{
+    if (!w->rest) {
+        PyErr_SetString(PyExc_ValueError, "WatchedTensors not initialized");
+        return NULL;
+    }
+    PyObject *at = PyDict_GetItemWithError(w->index, name);
+    if (!at) {
+        if (strict && !PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "%R is not watched", name);
+        return NULL;
+    }
+    return &w->rest[PyLong_AsSsize_t(at)];
+}
+
+/* Whether any of `names` is not at rest (or not watched): 1, 0, or -1 error. */
 static int
-watched_any_leaked(Watched *w, PyObject *names)
+watched_any_unsettled(Watched *w, PyObject *names)
 {
     PyObject *it = PyObject_GetIter(names), *name;
-    int broken = it ? 0 : -1;
-    while (!broken && (name = PyIter_Next(it))) {
-        PyObject *at = PyDict_GetItemWithError(w->index, name);
+    int found = it ? 0 : -1;
+    while (!found && (name = PyIter_Next(it))) {
+        Rest *r = rest_of(w, name, 0);
         Py_DECREF(name);
-        if (!at) /* not ours: Python's path says why */
-            broken = PyErr_Occurred() ? -1 : 1;
-        else
-            broken = rest_broken(&w->rest[PyLong_AsSsize_t(at)]);
+        found = r ? rest_state(r) != AT_REST : (PyErr_Occurred() ? -1 : 1);
+        if (r && PyErr_Occurred())
+            found = -1;
     }
     Py_XDECREF(it);
-    return broken == 0 && PyErr_Occurred() ? -1 : broken;
+    return found == 0 && PyErr_Occurred() ? -1 : found;
+}
+
+/* The names among `names`, sorted, in state `want`. */
+static PyObject *
+names_in(Watched *w, PyObject *names, int want)
+{
+    PyObject *found = PyList_New(0), *it = PyObject_GetIter(names), *name;
+    if (!found || !it)
+        goto fail;
+    while ((name = PyIter_Next(it))) {
+        Rest *r = rest_of(w, name, 1);
+        int state = r ? rest_state(r) : -1;
+        int bad = state < 0 || (state == want && PyList_Append(found, name) < 0);
+        Py_DECREF(name);
+        if (bad)
+            goto fail;
+    }
+    if (PyErr_Occurred() || PyList_Sort(found) < 0)
+        goto fail;
+    Py_DECREF(it);
+    return found;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(found);
+    return NULL;
 }
 
 static PyObject *
 watched_leaked(Watched *w, PyObject *names)
 {
-    PyObject *leaked = PyList_New(0), *it = PyObject_GetIter(names), *name;
-    if (!leaked || !it)
-        goto fail;
-    while ((name = PyIter_Next(it))) {
-        PyObject *at = PyDict_GetItemWithError(w->index, name);
-        int broken = at ? rest_broken(&w->rest[PyLong_AsSsize_t(at)]) : -1;
-        if (!at && !PyErr_Occurred())
-            PyErr_Format(PyExc_KeyError, "%R is not watched", name);
-        if (broken < 0 || (broken && PyList_Append(leaked, name) < 0)) {
-            Py_DECREF(name);
-            goto fail;
-        }
-        Py_DECREF(name);
-    }
-    if (PyErr_Occurred() || PyList_Sort(leaked) < 0)
-        goto fail;
-    Py_DECREF(it);
-    return leaked;
-fail:
-    Py_XDECREF(it);
-    Py_XDECREF(leaked);
-    return NULL;
+    return names_in(w, names, REFERENCED);
+}
+
+static PyObject *
+watched_moved(Watched *w, PyObject *names)
+{
+    return names_in(w, names, MOVED);
 }
 
 static void
 watched_dealloc(Watched *w)
 {
-    for (Py_ssize_t i = 0; i < w->n; i++) {
-        Py_DECREF(w->rest[i].tensor);
-        Py_DECREF(w->rest[i].storage);
-    }
+    for (Py_ssize_t i = 0; i < w->n; i++)
+        rest_clear(&w->rest[i]);
     PyMem_Free(w->rest);
     Py_XDECREF(w->tensors);
     Py_XDECREF(w->index);
@@ -185,17 +268,19 @@ watched_get_tensors(Watched *w, void *unused)
         PyErr_SetString(PyExc_ValueError, "WatchedTensors not initialized");
         return NULL;
     }
-    return Py_NewRef(w->tensors);
+    return PyDictProxy_New(w->tensors);
 }
 
 static PyMethodDef watched_methods[] = {
     {"leaked", (PyCFunction)watched_leaked, METH_O,
      "leaked(names) -> the names, sorted, whose tensor something outside still references"},
+    {"moved", (PyCFunction)watched_moved, METH_O,
+     "moved(names) -> the names, sorted, whose tensor no longer shows the memory it watched"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef watched_getset[] = {
-    {"tensors", (getter)watched_get_tensors, NULL, "name -> tensor (do not change it)", NULL},
+    {"tensors", (getter)watched_get_tensors, NULL, "name -> tensor, read only", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -216,6 +301,7 @@ static PyTypeObject WatchedType = {
 
 typedef struct {
     PyObject_HEAD
+    char ready;       /* __init__ succeeded: every field below is set */
     char closed;
     char plain_claim; /* no handle fields: a claim has no pins to collect first */
     Py_ssize_t nfields;
@@ -235,11 +321,13 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     static char *kw[] = {"hot", "codec", "views", "make_views", "write_slot", "lease", "claim",
                          "abort_writing", "release_held", "abort_held", "nfields",
                          "plain_claim", NULL};
+    static const char *hot_names[] = {"acquire", "publish", "take", "free"};
+    static const char *codec_names[] = {"write", "seal", "read"};
     PyObject *hot, *codec, *views, *make_views, *write_slot, *lease, *claim[2], *abort_writing[3],
-        *release_held[3], *abort_held[3];
+        *release_held[3], *abort_held[3], *methods[7] = {NULL};
     Py_ssize_t nfields;
     int plain_claim;
-    if (c->acquire) {
+    if (c->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
     }
@@ -255,6 +343,18 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "write_slot and lease must derive from the cores");
         return -1;
     }
+    /* Everything that can fail first, into locals: a failed __init__ leaves nothing set. */
+    for (int i = 0; i < 7; i++) {
+        PyObject *owner = i < 4 ? hot : codec;
+        methods[i] = PyObject_GetAttrString(owner, i < 4 ? hot_names[i] : codec_names[i - 4]);
+        if (!methods[i]) {
+            for (int j = 0; j < i; j++)
+                Py_DECREF(methods[j]);
+            return -1;
+        }
+    }
+    c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
+    c->write = methods[4], c->seal = methods[5], c->read = methods[6];
     c->views = Py_NewRef(views);
     c->make_views = Py_NewRef(make_views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
@@ -268,14 +368,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     }
     c->nfields = nfields;
     c->plain_claim = (char)plain_claim;
-    if (!(c->acquire = PyObject_GetAttrString(hot, "acquire")) ||
-        !(c->publish = PyObject_GetAttrString(hot, "publish")) ||
-        !(c->take = PyObject_GetAttrString(hot, "take")) ||
-        !(c->free = PyObject_GetAttrString(hot, "free")) ||
-        !(c->write = PyObject_GetAttrString(codec, "write")) ||
-        !(c->seal = PyObject_GetAttrString(codec, "seal")) ||
-        !(c->read = PyObject_GetAttrString(codec, "read")))
-        return -1;
+    c->ready = 1;
     return 0;
 }
 
@@ -337,9 +430,9 @@ handle_init(Handle *h, PyObject *args, PyObject *kwds)
     PyObject *core = PyObject_GetAttr(table, s_core);
     if (!core)
         return -1;
-    if (!PyObject_TypeCheck(core, &CoreType)) {
+    if (!PyObject_TypeCheck(core, &CoreType) || !((Core *)core)->ready) {
         Py_DECREF(core);
-        PyErr_SetString(PyExc_TypeError, "table._core is not a HandleCore");
+        PyErr_SetString(PyExc_TypeError, "table._core is not an initialized HandleCore");
         return -1;
     }
     h->core = (Core *)core;
@@ -371,7 +464,7 @@ usable(Handle *h)
 static int
 made(Handle *h)
 {
-    if (h->core)
+    if (h->core && h->core->ready)
         return 1;
     PyErr_SetString(PyExc_TypeError, "handle was never initialized");
     return 0;
@@ -512,10 +605,13 @@ lease_view(Handle *h, PyObject *name)
     if (usable(h) && h->watched && PyUnicode_CheckExact(name)) {
         PyObject *tensor = PyDict_GetItemWithError(((Watched *)h->watched)->tensors, name);
         if (tensor) {
+            Py_INCREF(tensor);
             PyObject *viewed = lazy_set(&h->viewed);
-            if (!viewed || PySet_Add(viewed, name) < 0)
+            if (!viewed || PySet_Add(viewed, name) < 0) {
+                Py_DECREF(tensor);
                 return NULL;
-            return Py_NewRef(tensor);
+            }
+            return tensor;
         }
         if (PyErr_Occurred())
             return NULL;
@@ -546,7 +642,7 @@ lease_end(Handle *h, int release)
     PyObject **how = release ? h->core->release_held : h->core->abort_held;
     if (usable(h) && (!h->opened || h->opened == Py_None) && h->watched) {
         int leaked = h->viewed && PySet_GET_SIZE(h->viewed)
-                         ? watched_any_leaked((Watched *)h->watched, h->viewed)
+                         ? watched_any_unsettled((Watched *)h->watched, h->viewed)
                          : 0;
         if (leaked < 0)
             return NULL;
@@ -587,7 +683,7 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *tag = args[1];
-    if (!c->acquire || c->closed || !c->plain_claim || !PyLong_CheckExact(tag))
+    if (!c->ready || c->closed || !c->plain_claim || !PyLong_CheckExact(tag))
         Py_RETURN_NONE;
     PyLong_AsUnsignedLongLong(tag);
     if (PyErr_Occurred()) { /* negative or over 64 bits: Python's check words the error */
@@ -613,7 +709,7 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "take(table)");
         return NULL;
     }
-    if (!c->take || c->closed) {
+    if (!c->ready || c->closed) {
         PyErr_SetString(PyExc_ValueError, "the table is closed");
         return NULL;
     }
@@ -623,9 +719,13 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
     /* The slot is HELD by this process now; if the Lease cannot be made (out of memory),
      * it stays so until the table closes and reclaims it like a dead reader's. */
     PyObject *slot = PyTuple_GET_ITEM(got, 0);
-    Py_ssize_t i = PyLong_AsSsize_t(slot);
+    Py_ssize_t i = PyLong_AsSsize_t(slot); /* HotPath gives slots in range */
     PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
                                                                  : Py_None;
+    if (PyErr_Occurred()) {
+        Py_DECREF(got);
+        return NULL;
+    }
     watched = watched != Py_None ? Py_NewRef(watched) : PyObject_CallOneArg(c->make_views, slot);
     Handle *h = watched ? new_handle(c->lease, c, args[0], slot, PyTuple_GET_ITEM(got, 1),
                                      PyTuple_GET_ITEM(got, 2))
@@ -739,6 +839,14 @@ static PyMemberDef lease_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
+/* Leases come from take() and poll() only: one made by hand would own no slot. */
+static int
+lease_init(Handle *h, PyObject *args, PyObject *kwds)
+{
+    PyErr_SetString(PyExc_TypeError, "a Lease comes from table.take() or table.poll()");
+    return -1;
+}
+
 static PyTypeObject LeaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmslots._leases.LeaseCore",
@@ -746,6 +854,7 @@ static PyTypeObject LeaseType = {
     .tp_basicsize = sizeof(Handle),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_base = &HandleType,
+    .tp_init = (initproc)lease_init,
     .tp_methods = lease_methods,
     .tp_members = lease_members,
 };
@@ -761,7 +870,8 @@ PyMODINIT_FUNC
 PyInit__leases(void)
 {
     struct { PyObject **at; const char *text; } names[] = {
-        {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_core, "_core"},
+        {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_data_ptr, "data_ptr"},
+        {&s_core, "_core"},
         {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_end, "_end"},
@@ -772,13 +882,21 @@ PyInit__leases(void)
             return NULL;
     if (!(default_timeout = PyFloat_FromDouble(1.0)))
         return NULL;
-    PyObject *torch_c = PyImport_ImportModule("torch._C");
-    if (!torch_c)
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch)
         return NULL;
-    use_count = PyObject_GetAttrString(torch_c, "_storage_Use_Count");
-    Py_DECREF(torch_c);
-    if (!use_count)
+    PyObject *torch_c = PyObject_GetAttrString(torch, "_C");
+    use_count = torch_c ? PyObject_GetAttrString(torch_c, "_storage_Use_Count") : NULL;
+    tensor_type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
+    storage_type = (PyTypeObject *)PyObject_GetAttrString(torch, "UntypedStorage");
+    Py_XDECREF(torch_c);
+    Py_DECREF(torch);
+    if (!use_count || !tensor_type || !storage_type)
         return NULL;
+    if (!PyType_Check(tensor_type) || !PyType_Check(storage_type)) {
+        PyErr_SetString(PyExc_TypeError, "torch.Tensor or torch.UntypedStorage is not a type");
+        return NULL;
+    }
     PyTypeObject *types[] = {&WatchedType, &CoreType, &HandleType, &WriteSlotType, &LeaseType};
     for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++)
         if (PyType_Ready(types[i]) < 0)

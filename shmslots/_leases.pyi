@@ -1,4 +1,4 @@
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Self
 
 import torch
@@ -12,13 +12,15 @@ from .table import SlotTable
 class WatchedTensors:
     """Tensors handed out to callers, with the reference counts they have at rest.
 
-    The dict passed in becomes this object's own; do not keep or change it.
+    Rest counts are taken as the object is made: pass a dict built for the call, whose
+    tensors nothing else refers to but what holds them for good.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], /) -> None: ...
     @property
-    def tensors(self) -> dict[str, torch.Tensor]: ...
+    def tensors(self) -> Mapping[str, torch.Tensor]: ...
     def leaked(self, names: Iterable[str], /) -> list[str]: ...
+    def moved(self, names: Iterable[str], /) -> list[str]: ...
 
 class HandleCore:
     """What one table's handles share: its compiled steps, rows and closed flag."""

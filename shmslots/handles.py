@@ -24,6 +24,7 @@ from . import cuda_ipc
 from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .ownership import Ownership
+from .rows import mapped_tensor
 from .schema import DTYPE_NAMES, DTYPES, Field
 
 _LEN = struct.Struct("<H")
@@ -170,8 +171,7 @@ class HandleStore:
         dtype = DTYPES[d["dtype"]]
         if d["n"] != _numel(d["shape"]) * dtype.itemsize:
             raise CorruptTable(f"handle of {name!r}: {d['n']} bytes for shape {d['shape']}")
-        raw_view = torch.frombuffer(self._mm, dtype=torch.uint8, count=d["n"], offset=start)
-        return raw_view.view(dtype).view(d["shape"])
+        return mapped_tensor(self._mm, start, dtype, tuple(d["shape"]))
 
 
 def decode(raw: bytes) -> dict[str, Any]:

@@ -14,8 +14,9 @@ the `_..._slow` and `_end` methods here before anything has changed.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,15 @@ def handle_core(own: Ownership, rows: Rows) -> HandleCore:
     )
 
 
+def _caller_level() -> int:
+    """The stacklevel that makes a warning name the first frame outside this module."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class _Handle(HandleBase):
     """What every handle checks; table, slot, generation and tag live in HandleBase."""
 
@@ -83,13 +93,28 @@ class _Handle(HandleBase):
                 f"was already handed back by this {type(self).__name__}"
             )
 
+    def _views(self) -> WatchedTensors:
+        """The slot's inline views, as this handle handed them out."""
+        return self._table._rows.views(self.slot)
+
     def _leaked(self) -> list[str]:
-        if not self._viewed:
-            return []
-        return self._table._rows.views(self.slot).leaked(self._viewed)
+        return self._views().leaked(self._viewed) if self._viewed else []
+
+    def _moved(self, names: list[str]) -> None:
+        """Views moved out of the row (share_memory_, or pickled for another process)."""
+        raise NotImplementedError
 
     def _check_views(self, action: str) -> None:
-        """Refuse (strict) or report (default) views still alive past ownership."""
+        """Refuse (strict) or report (default) views still alive past ownership.
+
+        A view moved out of the row no longer shows it, and neither would the slot's
+        cached view for the next owner: the slot gets fresh views.
+        """
+        rows = self._table._rows
+        moved = self._views().moved(self._viewed) if self._viewed else []
+        if moved:
+            rows.forget_views(self.slot)
+            self._moved(moved)
         leaked = self._leaked()
         if not leaked:
             return
@@ -100,7 +125,8 @@ class _Handle(HandleBase):
         if self._table.strict:
             raise LeakedViewError(message)
         self._table._own.count("leaked_views", len(leaked))
-        warnings.warn(message, LeakedViewWarning, stacklevel=3)  # the caller
+        rows.forget_views(self.slot)  # the kept views must not count against the next owner
+        warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -214,6 +240,16 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
         self._open = False
 
+    def _moved(self, names: list[str]) -> None:
+        """Writes through a moved view went to a copy, not the row: they must be redone."""
+        self._written.difference_update(names)
+        self._viewed.difference_update(names)
+        raise SchemaError(
+            f"slot {self.slot}: views of {', '.join(names)} were moved out of the row "
+            "(share_memory_, or pickled for another process), so what was written through "
+            "them is not in the row; write those fields again"
+        )
+
     def __enter__(self) -> WriteSlot:
         return self
 
@@ -320,11 +356,24 @@ class Lease(_Handle, LeaseCore):
         self._check_open("verify")
         return self._table._row_intact(self.slot, self.generation)
 
+    def _views(self) -> WatchedTensors:
+        return self._watched
+
     def _leaked(self) -> list[str]:
         leaked = self._watched.leaked(self._viewed) if self._viewed else []
         for opened in (self._opened or {}).values():
             leaked += opened.leaked(opened.tensors)
         return leaked
+
+    def _moved(self, names: list[str]) -> None:
+        """The reader's moved views hold a copy of what it read: report, nothing is lost."""
+        self._table._own.count("leaked_views", len(names))
+        warnings.warn(
+            f"views of {', '.join(names)} of slot {self.slot} were moved out of the row "
+            "(share_memory_, or pickled for another process); later leases get fresh views",
+            LeakedViewWarning,
+            stacklevel=_caller_level(),
+        )
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
         """release() or abort() with views or handles to check, and every error of them."""

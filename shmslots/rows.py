@@ -8,6 +8,7 @@ derived views (slices, `.view()`) included — when the slot is released.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Callable
@@ -20,12 +21,31 @@ from ._atomic import AtomicView
 from ._leases import WatchedTensors
 from ._rowcodec import RowCodec, row_hash
 from .errors import SchemaError
-from .schema import ROW_HEADER_SIZE, Field, FieldSlot, RowSchema
+from .schema import ROW_HEADER_SIZE, Field, RowSchema
 
 # struct codes for scalar fast paths; bfloat16 has none and goes through torch.
 _SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B"}
 _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
 _ROW_HEADER = struct.Struct("<QI")
+
+
+def mapped_tensor(
+    buffer: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor over bytes of a mapping, with a storage of its own and no base tensor.
+
+    Its own storage, so the storage's use count tells whether a slice of it is alive;
+    no base, because a base tensor would be a second way to the memory that no count sees.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:  # nothing to map (frombuffer refuses an empty span)
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
+    tensor: torch.Tensor = torch.empty(0, dtype=dtype).set_(
+        raw.untyped_storage(), 0, shape, strides
+    )
+    return tensor
 
 
 class RowRegion(Protocol):
@@ -84,18 +104,18 @@ class Rows:
             base = self._layout.row(slot)
             cached = self._views[slot] = WatchedTensors(
                 {
-                    name: self._field_view(base, fs)
+                    name: mapped_tensor(
+                        self._mm, base + fs.offset, fs.field.torch_dtype, fs.field.fixed_shape
+                    )
                     for name, fs in self.schema.slots.items()
                     if not fs.field.is_handle
                 }
             )
         return cached
 
-    def _field_view(self, row: int, fs: FieldSlot) -> torch.Tensor:
-        """A tensor over one field with a storage of its own (no intermediate kept alive)."""
-        f = fs.field
-        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=f.nbytes, offset=row + fs.offset)
-        return raw.view(f.torch_dtype).view(f.fixed_shape)
+    def forget_views(self, slot: int) -> None:
+        """Make the slot's views afresh next time: one was kept past its lease, or moved."""
+        self._views[slot] = None
 
     def prepare(self, values: dict[str, Any]) -> list[tuple[str, Any]]:
         """Check every value against the schema before any byte is written."""

@@ -161,3 +161,91 @@ def test_item_reads_every_scalar_dtype_as_the_view_does(name: str) -> None:
         lease.release()
         with pytest.raises(StaleLeaseError):
             lease.item("int64")
+
+
+def test_views_have_no_base_and_a_held_storage_is_a_leak(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        assert lease.view("p")._base is None  # no second way to the row that counts miss
+        storage = lease.view("p").untyped_storage()
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del storage
+        lease.release()
+
+
+def test_a_view_moved_out_of_the_row_is_replaced_for_the_next_reader(name: str) -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        ForkingPickler.dumps(lease.view("p"))  # what a torch.multiprocessing queue does
+        with pytest.warns(LeakedViewWarning, match="moved out of the row"):
+            lease.release()
+        t.claim().write(**small_row(7)).publish()
+        lease = t.take()
+        assert lease is not None
+        assert torch.equal(lease.view("p"), torch.full((4,), 7.0))
+        lease.release()
+
+
+def test_writes_through_a_moved_view_are_refused_at_publish(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim().write(id=1, h=small_row(1)["h"])
+        view = ws.view("p")
+        view.share_memory_()  # type: ignore[no-untyped-call]  # now a private copy, not the row
+        view.fill_(5.0)
+        del view
+        with pytest.raises(SchemaError, match="write those fields again"):
+            ws.publish()
+        with pytest.raises(SchemaError, match="never written"):
+            ws.publish()
+        ws.view("p").fill_(5.0)  # a fresh view of the row
+        ws.publish()
+        lease = t.take()
+        assert lease is not None
+        assert torch.equal(lease.view("p"), torch.full((4,), 5.0))
+        lease.release()
+
+
+def test_leak_warning_from_a_with_block_points_at_the_block(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with lease:
+                kept = lease.view("p")
+        (warning,) = caught
+        assert warning.filename == __file__
+        del kept
+
+
+def test_handles_need_a_ready_core_and_leases_come_from_take(name: str) -> None:
+    class NotATable:
+        _closed = False
+        _core = HandleCore.__new__(HandleCore)
+
+    with pytest.raises(TypeError, match="initialized HandleCore"):
+        WriteSlot(NotATable(), 0, 0, 0)  # type: ignore[arg-type]
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        with pytest.raises(TypeError, match=r"take\(\) or table\.poll"):
+            Lease(t, 0, 0, 0)
+        assert t.slot_info(0)[0] is State.FREE
+
+
+def test_watched_tensors_take_plain_tensors_and_stay_read_only() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    for value in (object(), torch.zeros(2).as_subclass(Sub)):
+        with pytest.raises(TypeError, match=r"torch\.Tensor"):
+            WatchedTensors({"x": value})  # type: ignore[dict-item]
+    watched = WatchedTensors({"x": torch.zeros(2)})
+    with pytest.raises(TypeError):
+        watched.tensors["y"] = torch.zeros(2)  # type: ignore[index]
