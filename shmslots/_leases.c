@@ -250,14 +250,36 @@ watched_moved(Watched *w, PyObject *names)
     return names_in(w, names, MOVED);
 }
 
-static void
-watched_dealloc(Watched *w)
+static int
+watched_traverse(Watched *w, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < w->n; i++) {
+        Py_VISIT(w->rest[i].tensor);
+        Py_VISIT(w->rest[i].storage);
+    }
+    Py_VISIT(w->tensors);
+    Py_VISIT(w->index);
+    return 0;
+}
+
+static int
+watched_clear(Watched *w)
 {
     for (Py_ssize_t i = 0; i < w->n; i++)
         rest_clear(&w->rest[i]);
+    w->n = 0;
     PyMem_Free(w->rest);
-    Py_XDECREF(w->tensors);
-    Py_XDECREF(w->index);
+    w->rest = NULL; /* methods now say "not initialized" */
+    Py_CLEAR(w->tensors);
+    Py_CLEAR(w->index);
+    return 0;
+}
+
+static void
+watched_dealloc(Watched *w)
+{
+    PyObject_GC_UnTrack(w);
+    watched_clear(w);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
@@ -289,10 +311,13 @@ static PyTypeObject WatchedType = {
     .tp_name = "shmslots._leases.WatchedTensors",
     .tp_doc = "Tensors handed out to callers, with the reference counts they have at rest.",
     .tp_basicsize = sizeof(Watched),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)watched_init,
     .tp_dealloc = (destructor)watched_dealloc,
+    .tp_traverse = (traverseproc)watched_traverse,
+    .tp_clear = (inquiry)watched_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_methods = watched_methods,
     .tp_getset = watched_getset,
 };
@@ -372,17 +397,40 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+/* Every reference a core holds, for traverse, clear and dealloc alike. */
+#define CORE_REFS(c)                                                                          \
+    {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->write, &(c)->seal,           \
+     &(c)->read, &(c)->views, &(c)->make_views, (PyObject **)&(c)->write_slot,                \
+     (PyObject **)&(c)->lease, &(c)->claim_args[0], &(c)->claim_args[1],                      \
+     &(c)->abort_writing[0], &(c)->abort_writing[1], &(c)->abort_writing[2],                  \
+     &(c)->release_held[0], &(c)->release_held[1], &(c)->release_held[2],                     \
+     &(c)->abort_held[0], &(c)->abort_held[1], &(c)->abort_held[2]}
+#define COUNT(a) (sizeof(a) / sizeof(*(a)))
+
+static int
+core_traverse(Core *c, visitproc visit, void *arg)
+{
+    PyObject **refs[] = CORE_REFS(c);
+    for (size_t i = 0; i < COUNT(refs); i++)
+        Py_VISIT(*refs[i]);
+    return 0;
+}
+
+static int
+core_clear(Core *c)
+{
+    PyObject **refs[] = CORE_REFS(c);
+    c->ready = 0; /* handles of it now refuse to act */
+    for (size_t i = 0; i < COUNT(refs); i++)
+        Py_CLEAR(*refs[i]);
+    return 0;
+}
+
 static void
 core_dealloc(Core *c)
 {
-    PyObject *owned[] = {c->acquire, c->publish, c->take, c->free, c->write, c->seal, c->read, c->views,
-                         c->make_views, (PyObject *)c->write_slot, (PyObject *)c->lease,
-                         c->claim_args[0], c->claim_args[1], c->abort_writing[0],
-                         c->abort_writing[1], c->abort_writing[2], c->release_held[0],
-                         c->release_held[1], c->release_held[2], c->abort_held[0],
-                         c->abort_held[1], c->abort_held[2]};
-    for (size_t i = 0; i < sizeof(owned) / sizeof(*owned); i++)
-        Py_XDECREF(owned[i]);
+    PyObject_GC_UnTrack(c);
+    core_clear(c);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -444,13 +492,33 @@ handle_init(Handle *h, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+#define HANDLE_REFS(h)                                                                        \
+    {(PyObject **)&(h)->core, &(h)->table, &(h)->slot, &(h)->generation, &(h)->tag,            \
+     &(h)->deliveries, &(h)->viewed, &(h)->written, &(h)->watched, &(h)->pins, &(h)->opened}
+
+static int
+handle_traverse(Handle *h, visitproc visit, void *arg)
+{
+    PyObject **refs[] = HANDLE_REFS(h);
+    for (size_t i = 0; i < COUNT(refs); i++)
+        Py_VISIT(*refs[i]);
+    return 0;
+}
+
+static int
+handle_clear(Handle *h)
+{
+    PyObject **refs[] = HANDLE_REFS(h);
+    for (size_t i = 0; i < COUNT(refs); i++)
+        Py_CLEAR(*refs[i]);
+    return 0;
+}
+
 static void
 handle_dealloc(Handle *h)
 {
-    PyObject *owned[] = {(PyObject *)h->core, h->table, h->slot, h->generation, h->tag,
-                         h->deliveries, h->viewed, h->written, h->watched, h->pins, h->opened};
-    for (size_t i = 0; i < sizeof(owned) / sizeof(*owned); i++)
-        Py_XDECREF(owned[i]);
+    PyObject_GC_UnTrack(h);
+    handle_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
@@ -602,8 +670,9 @@ lease_view(Handle *h, PyObject *name)
 {
     if (!made(h))
         return NULL;
-    if (usable(h) && h->watched && PyUnicode_CheckExact(name)) {
-        PyObject *tensor = PyDict_GetItemWithError(((Watched *)h->watched)->tensors, name);
+    PyObject *tensors = h->watched ? ((Watched *)h->watched)->tensors : NULL;
+    if (usable(h) && tensors && PyUnicode_CheckExact(name)) {
+        PyObject *tensor = PyDict_GetItemWithError(tensors, name);
         if (tensor) {
             Py_INCREF(tensor);
             PyObject *viewed = lazy_set(&h->viewed);
@@ -757,10 +826,13 @@ static PyTypeObject CoreType = {
     .tp_name = "shmslots._leases.HandleCore",
     .tp_doc = "What one table's handles share: its compiled steps, rows and closed flag.",
     .tp_basicsize = sizeof(Core),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)core_init,
     .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_methods = core_methods,
     .tp_members = core_members,
 };
@@ -785,10 +857,13 @@ static PyTypeObject HandleType = {
     .tp_name = "shmslots._leases.HandleBase",
     .tp_doc = "A slot owned through one handle: table, slot, generation, tag, open or not.",
     .tp_basicsize = sizeof(Handle),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)handle_init,
     .tp_dealloc = (destructor)handle_dealloc,
+    .tp_traverse = (traverseproc)handle_traverse,
+    .tp_clear = (inquiry)handle_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_members = handle_members,
     .tp_getset = handle_getset,
 };
@@ -817,8 +892,10 @@ static PyTypeObject WriteSlotType = {
     .tp_name = "shmslots._leases.WriteSlotCore",
     .tp_doc = "The compiled steps of a WriteSlot.",
     .tp_basicsize = sizeof(Handle),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_base = &HandleType,
+    .tp_traverse = (traverseproc)handle_traverse,
+    .tp_clear = (inquiry)handle_clear,
     .tp_methods = ws_methods,
     .tp_members = ws_members,
     .tp_getset = ws_getset,
@@ -852,8 +929,10 @@ static PyTypeObject LeaseType = {
     .tp_name = "shmslots._leases.LeaseCore",
     .tp_doc = "The compiled steps of a Lease.",
     .tp_basicsize = sizeof(Handle),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_base = &HandleType,
+    .tp_traverse = (traverseproc)handle_traverse,
+    .tp_clear = (inquiry)handle_clear,
     .tp_init = (initproc)lease_init,
     .tp_methods = lease_methods,
     .tp_members = lease_members,
@@ -877,7 +956,7 @@ PyInit__leases(void)
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
     };
-    for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
+    for (size_t i = 0; i < COUNT(names); i++)
         if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))
             return NULL;
     if (!(default_timeout = PyFloat_FromDouble(1.0)))
@@ -898,7 +977,7 @@ PyInit__leases(void)
         return NULL;
     }
     PyTypeObject *types[] = {&WatchedType, &CoreType, &HandleType, &WriteSlotType, &LeaseType};
-    for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++)
+    for (size_t i = 0; i < COUNT(types); i++)
         if (PyType_Ready(types[i]) < 0)
             return NULL;
     PyObject *m = PyModule_Create(&moduledef);
@@ -906,7 +985,7 @@ PyInit__leases(void)
         return NULL;
     const char *exported[] = {"WatchedTensors", "HandleCore", "HandleBase", "WriteSlotCore",
                               "LeaseCore"};
-    for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++)
+    for (size_t i = 0; i < COUNT(types); i++)
         if (PyModule_AddObjectRef(m, exported[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(m);
             return NULL;

@@ -9,6 +9,7 @@ import torch
 from conftest import SMALL, small_row
 
 from shmslots import (
+    Field,
     LeakedViewError,
     LeakedViewWarning,
     SchemaError,
@@ -139,7 +140,6 @@ SCALARS = ("int64", "int32", "uint8", "float32", "float16", "bfloat16")
 
 
 def test_item_reads_every_scalar_dtype_as_the_view_does(name: str) -> None:
-    from shmslots import Field
 
     fields = [Field(dtype, dtype) for dtype in SCALARS] + [Field("vec", "float32", (2,))]
     values = {"int64": -(2**40), "int32": -7, "uint8": 200, "float32": 0.1, "float16": 1.5}
@@ -249,3 +249,22 @@ def test_watched_tensors_take_plain_tensors_and_stay_read_only() -> None:
     watched = WatchedTensors({"x": torch.zeros(2)})
     with pytest.raises(TypeError):
         watched.tensors["y"] = torch.zeros(2)  # type: ignore[index]
+
+
+def test_cycles_through_handles_are_collected(name: str) -> None:
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()
+        marker = Marker()
+        # stands in for a pinned CUDA tensor whose attributes refer back to its handle
+        ws._pins = {"x": [ws, marker]}  # type: ignore[dict-item]
+        gone = weakref.ref(marker)
+        ws.abort()
+        del ws, marker
+        gc.collect()
+        assert gone() is None
