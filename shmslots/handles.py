@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from . import cuda_ipc
 from .arena import Arena
@@ -159,8 +160,8 @@ class HandleStore:
                 for pin in self._pins:
                     if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
                         assert pin.tensor is not None
-                        return pin.tensor
-            return cuda_ipc.open_tensor(d)
+                        return alias(pin.tensor)
+            return alias(cuda_ipc.open_tensor(d))
         arena = self._arena
         if arena is None or d["arena"] != self._table:
             raise CorruptTable(f"handle of {name!r} refers to arena {d['arena']!r}, not ours")
@@ -172,6 +173,16 @@ class HandleStore:
         if d["n"] != _numel(d["shape"]) * dtype.itemsize:
             raise CorruptTable(f"handle of {name!r}: {d['n']} bytes for shape {d['shape']}")
         return mapped_tensor(self._mm, start, dtype, tuple(d["shape"]))
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory under a storage of its own, which keeps `tensor` alive.
+
+    Tensors opened from one producer allocation share one storage in this
+    process (torch caches IPC mappings), and so would their use counts: each
+    opened handle's leak check would count the others' views.
+    """
+    return from_dlpack(tensor)
 
 
 def decode(raw: bytes) -> dict[str, Any]:

@@ -268,3 +268,17 @@ def test_cycles_through_handles_are_collected(name: str) -> None:
         del ws, marker
         gc.collect()
         assert gone() is None
+
+
+def test_aliases_of_one_storage_are_watched_apart() -> None:
+    from shmslots.handles import alias
+
+    shared = torch.arange(8.0)  # one producer allocation, two handle fields
+    first = WatchedTensors({"k": alias(shared[:4])})
+    second = WatchedTensors({"v": alias(shared[4:])})
+    assert first.leaked(["k"]) == [] and second.leaked(["v"]) == []
+    kept = first.tensors["k"][1:]
+    assert first.leaked(["k"]) == ["k"] and second.leaked(["v"]) == []
+    del kept
+    second.tensors["v"][0] = -1.0  # still the same memory
+    assert shared[4] == -1.0

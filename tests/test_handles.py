@@ -11,7 +11,15 @@ import pytest
 import torch
 from conftest import SPAWN, Children
 
-from shmslots import CorruptTable, Field, SchemaError, SlotsExhausted, SlotTable, State
+from shmslots import (
+    CorruptTable,
+    Field,
+    LeakedViewError,
+    SchemaError,
+    SlotsExhausted,
+    SlotTable,
+    State,
+)
 from shmslots.handles import decode
 
 MiB = 1 << 20
@@ -97,8 +105,6 @@ def test_overwriting_a_handle_before_publish_frees_the_old_block(name: str) -> N
 
 
 def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
-    from shmslots import LeakedViewError
-
     with _table(name, strict=True) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
         lease = t.take()
@@ -112,8 +118,6 @@ def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
 
 @pytest.mark.parametrize("kept_first", ["blob", "hidden"])
 def test_opening_a_second_handle_keeps_watching_the_first(name: str, kept_first: str) -> None:
-    from shmslots import LeakedViewError
-
     other = "hidden" if kept_first == "blob" else "blob"
     with _table(name, strict=True) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
@@ -320,4 +324,42 @@ def test_cuda_tensor_between_spawned_processes(name: str, children: Children) ->
         lease.release()
         release_seen.put(1)
         assert ready.get(timeout=60) == 0  # the producer dropped its pin after the release
+        children.join_all(60)
+
+
+PAIR = (
+    Field("k", "float32", (None,), kind="handle"),
+    Field("v", "float32", (None,), kind="handle"),
+)
+
+
+def _cuda_pair_producer(name: str, ready: Queue[int], done: Queue[int]) -> None:
+    with SlotTable.attach(name, "producer") as t:
+        kv = torch.arange(2 * 4096, device="cuda", dtype=torch.float32).view(2, 4096)
+        for _ in range(2):  # two rows, all four handles into one allocation
+            t.claim().write(k=kv[0], v=kv[1]).publish()
+        ready.put(1)
+        done.get(timeout=60)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_handles_into_one_allocation_are_watched_apart(name: str, children: Children) -> None:
+    ready: Queue[int] = SPAWN.Queue()
+    done: Queue[int] = SPAWN.Queue()
+    with SlotTable.create(name, PAIR, slots=2, strict=True) as t:
+        children.start(_cuda_pair_producer, name, ready, done)
+        assert ready.get(timeout=60) == 1
+        first, second = t.take(timeout=10), t.take(timeout=10)
+        assert first is not None and second is not None
+        k, v = first.tensor("k"), first.tensor("v")
+        assert float(v[0]) == 4096.0
+        kept = second.tensor("k")[1:]  # another lease's view of the same allocation
+        del k, v
+        first.release()  # strict: must not count the other lease's view, or its own other field
+        with pytest.raises(LeakedViewError):
+            second.release()
+        del kept
+        second.release()
+        done.put(1)
         children.join_all(60)
