@@ -41,13 +41,14 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
 typedef struct {
     PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
     Py_ssize_t refs, storage_refs, uses;
-    void *data;
+    void *data, *storage_data;
 } Rest;
 
 enum { AT_REST = 0, REFERENCED = 1, MOVED = 2 };
 
 typedef struct {
     PyObject_HEAD
+    char ready;        /* __init__ succeeded: every Rest is filled */
     PyObject *tensors; /* dict name -> tensor: this object's own copy, never handed out */
     PyObject *index;   /* dict name -> position in rest */
     Rest *rest;
@@ -101,6 +102,8 @@ rest_watch(Rest *r, PyObject *tensor)
         return -1;
     }
     r->data = data_of(tensor);
+    if (!PyErr_Occurred())
+        r->storage_data = data_of(r->storage);
     return PyErr_Occurred() ? -1 : 0;
 }
 
@@ -154,6 +157,7 @@ watched_init(Watched *w, PyObject *args, PyObject *kwds)
         if ((r->uses = long_result(PyObject_CallOneArg(use_count, r->cdata))) < 0)
             return -1;
     }
+    w->ready = 1;
     return 0;
 fail:
     Py_XDECREF(tensors);
@@ -162,28 +166,37 @@ fail:
     return -1;
 }
 
-/* AT_REST, REFERENCED or MOVED; -1 with an error set. */
+/* AT_REST, REFERENCED or MOVED; -1 with an error set.
+ *
+ * MOVED comes first: a storage moved out of the row takes every tensor on it along, so
+ * whatever still refers to it refers to a copy, and a writer must hear that its writes
+ * missed the row.  A tensor object that no longer shows the row while its storage still
+ * does (torch.utils.swap_tensors) has handed the row to another object: REFERENCED. */
 static int
 rest_state(Rest *r)
 {
+    void *data = data_of(r->tensor);
+    if (PyErr_Occurred())
+        return -1;
+    if (data != r->data) {
+        void *storage_data = data_of(r->storage);
+        if (PyErr_Occurred())
+            return -1;
+        return storage_data == r->storage_data ? REFERENCED : MOVED;
+    }
     if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs)
         return REFERENCED;
     Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
     if (uses < 0)
         return -1;
-    if (uses > r->uses)
-        return REFERENCED;
-    void *data = data_of(r->tensor);
-    if (PyErr_Occurred())
-        return -1;
-    return data == r->data ? AT_REST : MOVED;
+    return uses > r->uses ? REFERENCED : AT_REST;
 }
 
 /* The Rest of `name`, or NULL: KeyError if `strict`, else no error when it is not watched. */
 static Rest *
 rest_of(Watched *w, PyObject *name, int strict)
 {
-    if (!w->rest) {
+    if (!w->ready) {
         PyErr_SetString(PyExc_ValueError, "WatchedTensors not initialized");
         return NULL;
     }
@@ -268,8 +281,9 @@ watched_clear(Watched *w)
     for (Py_ssize_t i = 0; i < w->n; i++)
         rest_clear(&w->rest[i]);
     w->n = 0;
+    w->ready = 0; /* methods now say "not initialized" */
     PyMem_Free(w->rest);
-    w->rest = NULL; /* methods now say "not initialized" */
+    w->rest = NULL;
     Py_CLEAR(w->tensors);
     Py_CLEAR(w->index);
     return 0;
@@ -286,7 +300,7 @@ watched_dealloc(Watched *w)
 static PyObject *
 watched_get_tensors(Watched *w, void *unused)
 {
-    if (!w->tensors) {
+    if (!w->ready) {
         PyErr_SetString(PyExc_ValueError, "WatchedTensors not initialized");
         return NULL;
     }
@@ -329,6 +343,7 @@ typedef struct {
     char ready;       /* __init__ succeeded: every field below is set */
     char closed;
     char plain_claim; /* no handle fields: a claim has no pins to collect first */
+    char strict;      /* views are also checked for in-place changes, in Python */
     Py_ssize_t nfields;
     PyObject *acquire, *publish, *take, *free; /* HotPath methods */
     PyObject *write, *seal, *read;             /* RowCodec methods */
@@ -345,23 +360,23 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"hot", "codec", "views", "make_views", "write_slot", "lease", "claim",
                          "abort_writing", "release_held", "abort_held", "nfields",
-                         "plain_claim", NULL};
+                         "plain_claim", "strict", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free"};
     static const char *codec_names[] = {"write", "seal", "read"};
     PyObject *hot, *codec, *views, *make_views, *write_slot, *lease, *claim[2], *abort_writing[3],
         *release_held[3], *abort_held[3], *methods[7] = {NULL};
     Py_ssize_t nfields;
-    int plain_claim;
+    int plain_claim, strict;
     if (c->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOO!OO!O!$(OO)(OOO)(OOO)(OOO)np", kw, &hot, &codec, &PyList_Type, &views,
+            args, kwds, "OOO!OO!O!$(OO)(OOO)(OOO)(OOO)npp", kw, &hot, &codec, &PyList_Type, &views,
             &make_views, &PyType_Type, &write_slot, &PyType_Type, &lease, &claim[0], &claim[1],
             &abort_writing[0], &abort_writing[1], &abort_writing[2], &release_held[0],
             &release_held[1], &release_held[2], &abort_held[0], &abort_held[1], &abort_held[2],
-            &nfields, &plain_claim))
+            &nfields, &plain_claim, &strict))
         return -1;
     if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
         !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType)) {
@@ -393,6 +408,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     }
     c->nfields = nfields;
     c->plain_claim = (char)plain_claim;
+    c->strict = (char)strict;
     c->ready = 1;
     return 0;
 }
@@ -468,6 +484,10 @@ static int
 handle_init(Handle *h, PyObject *args, PyObject *kwds)
 {
     PyObject *table, *slot, *generation, *tag;
+    if (PyObject_TypeCheck(h, &LeaseType)) { /* HandleBase.__init__ called on a Lease */
+        PyErr_SetString(PyExc_TypeError, "a Lease comes from table.take() or table.poll()");
+        return -1;
+    }
     if (h->core) {
         PyErr_SetString(PyExc_RuntimeError, "handle already initialized");
         return -1;
@@ -670,7 +690,9 @@ lease_view(Handle *h, PyObject *name)
 {
     if (!made(h))
         return NULL;
-    PyObject *tensors = h->watched ? ((Watched *)h->watched)->tensors : NULL;
+    PyObject *tensors = h->watched && ((Watched *)h->watched)->ready
+                            ? ((Watched *)h->watched)->tensors
+                            : NULL;
     if (usable(h) && tensors && PyUnicode_CheckExact(name)) {
         PyObject *tensor = PyDict_GetItemWithError(tensors, name);
         if (tensor) {
@@ -709,8 +731,10 @@ lease_end(Handle *h, int release)
     if (!made(h))
         return NULL;
     PyObject **how = release ? h->core->release_held : h->core->abort_held;
-    if (usable(h) && (!h->opened || h->opened == Py_None) && h->watched) {
-        int leaked = h->viewed && PySet_GET_SIZE(h->viewed)
+    int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
+    if (usable(h) && (!h->opened || h->opened == Py_None) && h->watched &&
+        ((Watched *)h->watched)->ready && !(viewed && h->core->strict)) {
+        int leaked = viewed
                          ? watched_any_unsettled((Watched *)h->watched, h->viewed)
                          : 0;
         if (leaked < 0)
@@ -796,6 +820,10 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     watched = watched != Py_None ? Py_NewRef(watched) : PyObject_CallOneArg(c->make_views, slot);
+    if (watched && (Py_TYPE(watched) != &WatchedType || !((Watched *)watched)->ready)) {
+        PyErr_SetString(PyExc_TypeError, "a slot's views must be a ready WatchedTensors");
+        Py_CLEAR(watched);
+    }
     Handle *h = watched ? new_handle(c->lease, c, args[0], slot, PyTuple_GET_ITEM(got, 1),
                                      PyTuple_GET_ITEM(got, 2))
                         : NULL;
@@ -879,6 +907,7 @@ static PyMethodDef ws_methods[] = {
 
 static PyMemberDef ws_members[] = {
     MEMBER("_pins", T_OBJECT, pins, 0),
+    MEMBER("_watched", T_OBJECT, watched, 0),
     {NULL, 0, 0, 0, NULL},
 };
 

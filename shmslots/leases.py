@@ -14,6 +14,7 @@ the `_..._slow` and `_end` methods here before anything has changed.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from types import FrameType, TracebackType
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .handles import Pin
     from .ownership import Ownership
     from .rows import Rows
+    from .table import SlotTable
 
 _WRITING = int(State.WRITING)
 _RESERVED = int(State.RESERVED)
@@ -43,7 +45,7 @@ _ABORT = int(Event.ABORT)
 _RELEASE = int(Event.RELEASE)
 
 
-def handle_core(own: Ownership, rows: Rows) -> HandleCore:
+def handle_core(own: Ownership, rows: Rows, strict: bool) -> HandleCore:
     """The compiled side of one table's handles, bound to its hot path and rows."""
     if rows._codec is None:
         raise ValueError("handles need writable rows")
@@ -60,6 +62,7 @@ def handle_core(own: Ownership, rows: Rows) -> HandleCore:
         abort_held=(_HELD, _ABORT, own.counter_offset("aborts")),
         nfields=len(rows.schema.slots),
         plain_claim=not rows.schema.has_handles,
+        strict=strict,
     )
 
 
@@ -70,6 +73,25 @@ def _caller_level() -> int:
     while frame is not None and frame.f_code.co_filename == __file__:
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _changed_in_place(watched: WatchedTensors, names: set[str], table: SlotTable) -> list[str]:
+    """Names whose view no longer has the shape, strides and plain state it was made with."""
+    fields = table._rows.schema.slots
+    changed = []
+    for name in names:
+        view, shape = watched.tensors[name], fields[name].field.fixed_shape
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        if (
+            type(view) is not torch.Tensor
+            or view.shape != shape
+            or view.stride() != strides
+            or view.storage_offset()
+            or view.requires_grad
+            or view.__dict__
+        ):
+            changed.append(name)
+    return sorted(changed)
 
 
 class _Handle(HandleBase):
@@ -95,7 +117,7 @@ class _Handle(HandleBase):
 
     def _views(self) -> WatchedTensors:
         """The slot's inline views, as this handle handed them out."""
-        return self._table._rows.views(self.slot)
+        raise NotImplementedError
 
     def _leaked(self) -> list[str]:
         return self._views().leaked(self._viewed) if self._viewed else []
@@ -108,25 +130,36 @@ class _Handle(HandleBase):
         """Refuse (strict) or report (default) views still alive past ownership.
 
         A view moved out of the row no longer shows it, and neither would the slot's
-        cached view for the next owner: the slot gets fresh views.
+        cached view for the next owner; nor should the next owner inherit a view
+        changed in place (checked in strict mode): the slot gets fresh views.
         """
-        rows = self._table._rows
-        moved = self._views().moved(self._viewed) if self._viewed else []
-        if moved:
-            rows.forget_views(self.slot)
-            self._moved(moved)
+        table = self._table
         leaked = self._leaked()
-        if not leaked:
-            return
-        message = (
-            f"{action} of slot {self.slot} while views of {', '.join(leaked)} are still "
-            "referenced; they will see the next occupant's data (use copy() to keep data)"
-        )
-        if self._table.strict:
-            raise LeakedViewError(message)
-        self._table._own.count("leaked_views", len(leaked))
-        rows.forget_views(self.slot)  # the kept views must not count against the next owner
-        warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
+        if leaked:
+            message = (
+                f"{action} of slot {self.slot} while views of {', '.join(leaked)} are still "
+                "referenced; they will see the next occupant's data (use copy() to keep data)"
+            )
+            if table.strict:
+                raise LeakedViewError(message)
+            table._own.count("leaked_views", len(leaked))
+            table._rows.forget_views(self.slot)  # kept views must not count against the next owner
+            warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
+        watched = self._views()
+        moved = watched.moved(self._viewed) if self._viewed else []
+        if moved:
+            table._rows.forget_views(self.slot)
+            self._moved(moved)
+        changed = _changed_in_place(watched, self._viewed, table) if table.strict else []
+        if changed:
+            table._rows.forget_views(self.slot)
+            table._own.count("leaked_views", len(changed))
+            warnings.warn(
+                f"{action} of slot {self.slot}: views of {', '.join(changed)} were changed in "
+                "place (shape, strides, grad or attributes); later owners get fresh views",
+                LeakedViewWarning,
+                stacklevel=_caller_level(),
+            )
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -186,13 +219,17 @@ class WriteSlot(_Handle, WriteSlotCore):
     def view(self, name: str) -> torch.Tensor:
         """The field's row memory, to fill in place (zero copy); counts as written."""
         self._check_open("view")
-        try:
-            tensor = self._table._rows.views(self.slot).tensors[name]
-        except KeyError:
-            raise SchemaError(f"no field {name!r}") from None
+        if self._watched is None:  # publish checks these views, even if the slot's cache moves on
+            self._watched = self._table._rows.views(self.slot)
+        tensor = self._watched.tensors.get(name)
+        if tensor is None:
+            raise SchemaError(f"no inline field {name!r}")
         self._written.add(name)
         self._viewed.add(name)
         return tensor
+
+    def _views(self) -> WatchedTensors:
+        return self._watched if self._watched is not None else self._table._rows.views(self.slot)
 
     def write_packed(self, row: memoryview) -> WriteSlot:
         """Copy in a whole row packed by another process (a remote writer), header included.
@@ -243,7 +280,8 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _moved(self, names: list[str]) -> None:
         """Writes through a moved view went to a copy, not the row: they must be redone."""
         self._written.difference_update(names)
-        self._viewed.difference_update(names)
+        self._viewed.clear()  # views from now on are the slot's fresh ones
+        self._watched = None
         raise SchemaError(
             f"slot {self.slot}: views of {', '.join(names)} were moved out of the row "
             "(share_memory_, or pickled for another process), so what was written through "
@@ -367,6 +405,7 @@ class Lease(_Handle, LeaseCore):
 
     def _moved(self, names: list[str]) -> None:
         """The reader's moved views hold a copy of what it read: report, nothing is lost."""
+        self._viewed.difference_update(names)  # nothing of them left to check, or report again
         self._table._own.count("leaked_views", len(names))
         warnings.warn(
             f"views of {', '.join(names)} of slot {self.slot} were moved out of the row "

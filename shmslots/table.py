@@ -109,7 +109,7 @@ class SlotTable:
             self.participant = index
             self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
-            self._core = handle_core(self._own, self._rows)  # claim/take and handles, compiled
+            self._core = handle_core(self._own, self._rows, self._strict)  # compiled handle steps
             arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
             self._arena = arena
             self._handles = HandleStore(self._own, arena, segment.mm, segment.name)

@@ -17,7 +17,7 @@ from shmslots import (
     StaleLeaseError,
     State,
 )
-from shmslots._leases import HandleCore, WatchedTensors
+from shmslots._leases import HandleBase, HandleCore, WatchedTensors
 from shmslots.leases import Lease, WriteSlot
 
 
@@ -282,3 +282,103 @@ def test_aliases_of_one_storage_are_watched_apart() -> None:
     del kept
     second.tensors["v"][0] = -1.0  # still the same memory
     assert shared[4] == -1.0
+
+
+def test_a_writer_keeps_checking_its_own_views_after_one_moved(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        ws = t.claim().write(id=1)
+        held = ws.view("h")
+        moved = ws.view("p")
+        moved.share_memory_()  # type: ignore[no-untyped-call]
+        del moved
+        with pytest.raises(LeakedViewError, match="h"):  # the held view is still caught
+            ws.publish()
+        del held
+        with pytest.raises(SchemaError, match="moved out of the row"):
+            ws.publish()
+        ws.write(p=torch.ones(4)).publish()
+        lease = t.take()
+        assert lease is not None and lease.verify()
+        lease.release()
+
+
+def test_a_moved_writer_view_still_held_is_refused_in_default_mode(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim().write(id=1, h=small_row(1)["h"])
+        view = ws.view("p")
+        view.share_memory_()  # type: ignore[no-untyped-call]
+        view.fill_(42.0)
+        with pytest.raises(SchemaError, match="moved out of the row"):
+            ws.publish()
+        assert t.slot_info(0)[0] is State.WRITING
+        del view
+        ws.abort()
+
+
+def test_strict_mode_gives_fresh_views_after_one_was_changed_in_place(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        for change in (
+            lambda v: v.unsqueeze_(0),
+            lambda v: v.resize_(2),
+            lambda v: v.requires_grad_(),
+            lambda v: setattr(v, "note", 1),
+        ):
+            t.claim().write(**small_row(1)).publish()
+            lease = t.take()
+            assert lease is not None
+            change(lease.view("p"))
+            with pytest.warns(LeakedViewWarning, match="changed in place"):
+                lease.release()
+            t.claim().write(**small_row(2)).publish()
+            lease = t.take()
+            assert lease is not None
+            view = lease.view("p")
+            assert view.shape == (4,) and not view.requires_grad and not view.__dict__
+            del view
+            lease.release()
+
+
+def test_a_swapped_view_object_is_a_leak(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        other = torch.zeros(4)  # swapped in below: `other` then shows the row
+        torch.utils.swap_tensors(lease.view("p"), other)  # type: ignore[no-untyped-call]
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        torch.utils.swap_tensors(lease.view("p"), other)  # type: ignore[no-untyped-call]
+        del other
+        lease.release()
+
+
+def test_views_held_only_by_torch_are_leaks(name: str) -> None:
+    from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]
+
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        capsule = to_dlpack(lease.view("p"))  # torch >= 2.13 counts this on the view
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del capsule
+        lease.release()
+
+
+def test_half_made_watched_tensors_and_views_are_refused(name: str) -> None:
+    bare = WatchedTensors.__new__(WatchedTensors)
+    with pytest.raises(TypeError):
+        bare.__init__({"a": 5})  # type: ignore[misc]
+    for use in (lambda: bare.leaked(["a"]), lambda: bare.moved(["a"]), lambda: bare.tensors):
+        with pytest.raises(ValueError, match="not initialized"):
+            use()
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim().write(**small_row(1)).publish()
+        t._rows._views[0] = WatchedTensors.__new__(WatchedTensors)
+        with pytest.raises(TypeError, match="ready WatchedTensors"):
+            t.take()
+        t._rows.forget_views(0)  # the slot taken above is handed back when the table closes
+        lease = Lease.__new__(Lease)
+        with pytest.raises(TypeError, match="take"):
+            HandleBase.__init__(lease, t, 0, 1, 0)
