@@ -34,14 +34,15 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
 /* -- WatchedTensors ------------------------------------------------------------------------ */
 
 /* A tensor at rest.  Three counts rise while anything outside still uses it: references to
- * the tensor object, to its storage object (torch keeps one per storage while it lives), and
- * uses of the storage (every view or slice derived from the tensor holds it).  The data
+ * the tensor object (weak ones too), to its storage object (torch keeps one per storage while
+ * it lives), and uses of the storage (every view or slice derived from the tensor holds it).  The data
  * pointer changes if the storage was moved out of the row (share_memory_, or pickling it
  * for another process), after which the tensor no longer shows the row at all. */
 typedef struct {
     PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
     Py_ssize_t refs, storage_refs, uses;
     void *data, *storage_data;
+    int weak; /* weak references to the tensor at rest */
 } Rest;
 
 enum { AT_REST = 0, REFERENCED = 1, MOVED = 2 };
@@ -56,6 +57,15 @@ typedef struct {
 } Watched;
 
 static PyTypeObject WatchedType;
+
+/* Whether anything holds a weak reference to `o` (its weakref list is not empty); CPython's
+ * own lookup, which also finds 3.12's managed list before the object. */
+static int
+weakly_held(PyObject *o)
+{
+    Py_ssize_t offset = Py_TYPE(o)->tp_weaklistoffset;
+    return offset != 0 && *(PyObject **)((char *)o + offset) != NULL;
+}
 
 static Py_ssize_t
 long_result(PyObject *n)
@@ -154,6 +164,7 @@ watched_init(Watched *w, PyObject *args, PyObject *kwds)
             return -1;
         r->refs = Py_REFCNT(r->tensor) - (theirs == r->tensor);
         r->storage_refs = Py_REFCNT(r->storage);
+        r->weak = weakly_held(r->tensor);
         if ((r->uses = long_result(PyObject_CallOneArg(use_count, r->cdata))) < 0)
             return -1;
     }
@@ -184,7 +195,8 @@ rest_state(Rest *r)
             return -1;
         return storage_data == r->storage_data ? REFERENCED : MOVED;
     }
-    if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs)
+    if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs ||
+        weakly_held(r->tensor) > r->weak)
         return REFERENCED;
     Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
     if (uses < 0)

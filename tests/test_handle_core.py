@@ -382,3 +382,17 @@ def test_half_made_watched_tensors_and_views_are_refused(name: str) -> None:
         lease = Lease.__new__(Lease)
         with pytest.raises(TypeError, match="take"):
             HandleBase.__init__(lease, t, 0, 1, 0)
+
+
+def test_a_weak_reference_to_a_view_is_a_leak(name: str) -> None:
+    import weakref
+
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        ref = weakref.ref(lease.view("p"))  # ref() would give the row after release
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del ref
+        lease.release()
