@@ -42,7 +42,7 @@ typedef struct {
     PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
     Py_ssize_t refs, storage_refs, uses;
     void *data, *storage_data;
-    int weak; /* weak references to the tensor at rest */
+    int weak, storage_weak; /* weak references to the tensor, its storage object at rest */
 } Rest;
 
 enum { AT_REST = 0, REFERENCED = 1, MOVED = 2 };
@@ -165,6 +165,7 @@ watched_init(Watched *w, PyObject *args, PyObject *kwds)
         r->refs = Py_REFCNT(r->tensor) - (theirs == r->tensor);
         r->storage_refs = Py_REFCNT(r->storage);
         r->weak = weakly_held(r->tensor);
+        r->storage_weak = weakly_held(r->storage);
         if ((r->uses = long_result(PyObject_CallOneArg(use_count, r->cdata))) < 0)
             return -1;
     }
@@ -177,31 +178,37 @@ fail:
     return -1;
 }
 
-/* AT_REST, REFERENCED or MOVED; -1 with an error set.
+/* AT_REST, or REFERENCED and/or MOVED (bits); -1 with an error set.
  *
- * MOVED comes first: a storage moved out of the row takes every tensor on it along, so
- * whatever still refers to it refers to a copy, and a writer must hear that its writes
- * missed the row.  A tensor object that no longer shows the row while its storage still
- * does (torch.utils.swap_tensors) has handed the row to another object: REFERENCED. */
+ * MOVED: the tensor no longer shows the row — its storage was moved out (share_memory_,
+ * pickling), or the tensor object was pointed elsewhere (`.data =`, set_, swap_tensors).
+ * A writer must hear that its writes missed the row.  REFERENCED: something outside may
+ * still reach the row through it: a reference (weak ones too) to the tensor or its storage
+ * object, or a use of the storage beyond the watched tensor's own — a slice, or after a
+ * swap the object now holding the row.  Both can hold at once: an alias taken before a
+ * move (numpy(), dlpack) still points at the row. */
 static int
 rest_state(Rest *r)
 {
     void *data = data_of(r->tensor);
     if (PyErr_Occurred())
         return -1;
+    int state = AT_REST, redirected = 0;
     if (data != r->data) {
         void *storage_data = data_of(r->storage);
         if (PyErr_Occurred())
             return -1;
-        return storage_data == r->storage_data ? REFERENCED : MOVED;
+        state |= MOVED;
+        redirected = storage_data == r->storage_data; /* the tensor left; the storage did not */
     }
     if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs ||
-        weakly_held(r->tensor) > r->weak)
-        return REFERENCED;
+        weakly_held(r->tensor) > r->weak || weakly_held(r->storage) > r->storage_weak)
+        return state | REFERENCED;
     Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
     if (uses < 0)
         return -1;
-    return uses > r->uses ? REFERENCED : AT_REST;
+    /* a redirected tensor no longer uses the storage itself */
+    return uses > r->uses - redirected ? state | REFERENCED : state;
 }
 
 /* The Rest of `name`, or NULL: KeyError if `strict`, else no error when it is not watched. */
@@ -238,7 +245,7 @@ watched_any_unsettled(Watched *w, PyObject *names)
     return found == 0 && PyErr_Occurred() ? -1 : found;
 }
 
-/* The names among `names`, sorted, in state `want`. */
+/* The names among `names`, sorted, whose state has the bit `want`. */
 static PyObject *
 names_in(Watched *w, PyObject *names, int want)
 {
@@ -248,7 +255,7 @@ names_in(Watched *w, PyObject *names, int want)
     while ((name = PyIter_Next(it))) {
         Rest *r = rest_of(w, name, 1);
         int state = r ? rest_state(r) : -1;
-        int bad = state < 0 || (state == want && PyList_Append(found, name) < 0);
+        int bad = state < 0 || ((state & want) && PyList_Append(found, name) < 0);
         Py_DECREF(name);
         if (bad)
             goto fail;
@@ -554,6 +561,14 @@ handle_dealloc(Handle *h)
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
+/* The handle's WatchedTensors if it has a ready one (Python may have put anything there). */
+static Watched *
+watched_of(Handle *h)
+{
+    PyObject *w = h->watched;
+    return w && Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready ? (Watched *)w : NULL;
+}
+
 static int
 usable(Handle *h)
 {
@@ -683,7 +698,7 @@ ws_abort(Handle *h, PyObject *unused)
 {
     if (!made(h))
         return NULL;
-    if (usable(h)) {
+    if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed))) {
         int done = free_slot(h, h->core->abort_writing);
         if (done < 0)
             return NULL;
@@ -702,9 +717,7 @@ lease_view(Handle *h, PyObject *name)
 {
     if (!made(h))
         return NULL;
-    PyObject *tensors = h->watched && ((Watched *)h->watched)->ready
-                            ? ((Watched *)h->watched)->tensors
-                            : NULL;
+    PyObject *tensors = watched_of(h) ? watched_of(h)->tensors : NULL;
     if (usable(h) && tensors && PyUnicode_CheckExact(name)) {
         PyObject *tensor = PyDict_GetItemWithError(tensors, name);
         if (tensor) {
@@ -744,11 +757,9 @@ lease_end(Handle *h, int release)
         return NULL;
     PyObject **how = release ? h->core->release_held : h->core->abort_held;
     int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
-    if (usable(h) && (!h->opened || h->opened == Py_None) && h->watched &&
-        ((Watched *)h->watched)->ready && !(viewed && h->core->strict)) {
-        int leaked = viewed
-                         ? watched_any_unsettled((Watched *)h->watched, h->viewed)
-                         : 0;
+    if (usable(h) && (!h->opened || h->opened == Py_None) && watched_of(h) &&
+        !(viewed && h->core->strict)) {
+        int leaked = viewed ? watched_any_unsettled(watched_of(h), h->viewed) : 0;
         if (leaked < 0)
             return NULL;
         if (!leaked) {

@@ -182,7 +182,7 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     process (torch caches IPC mappings), and so would their use counts: each
     opened handle's leak check would count the others' views.
     """
-    return from_dlpack(tensor)
+    return from_dlpack(tensor.detach())  # dlpack refuses tensors that require grad
 
 
 def decode(raw: bytes) -> dict[str, Any]:

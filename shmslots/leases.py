@@ -84,10 +84,14 @@ def _changed_in_place(watched: WatchedTensors, names: set[str], table: SlotTable
         strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         if (
             type(view) is not torch.Tensor
+            or view.dtype != fields[name].field.torch_dtype
             or view.shape != shape
             or view.stride() != strides
             or view.storage_offset()
             or view.requires_grad
+            or view.grad is not None
+            or view.is_neg()
+            or view.is_conj()
             or view.__dict__
         ):
             changed.append(name)
@@ -122,19 +126,21 @@ class _Handle(HandleBase):
     def _leaked(self) -> list[str]:
         return self._views().leaked(self._viewed) if self._viewed else []
 
-    def _moved(self, names: list[str]) -> None:
-        """Views moved out of the row (share_memory_, or pickled for another process)."""
+    def _moved(self, names: list[str], action: str) -> None:
+        """Views that no longer show the row (moved out of it, or pointed elsewhere)."""
         raise NotImplementedError
 
     def _check_views(self, action: str) -> None:
         """Refuse (strict) or report (default) views still alive past ownership.
 
-        A view moved out of the row no longer shows it, and neither would the slot's
-        cached view for the next owner; nor should the next owner inherit a view
-        changed in place (checked in strict mode): the slot gets fresh views.
+        A view that no longer shows the row is no use to the slot's next owner,
+        and neither is one changed in place (checked in strict mode): the slot
+        gets fresh views. What is reported is not reported again on a retry.
         """
         table = self._table
+        watched = self._views()
         leaked = self._leaked()
+        moved = watched.moved(self._viewed) if self._viewed else []
         if leaked:
             message = (
                 f"{action} of slot {self.slot} while views of {', '.join(leaked)} are still "
@@ -142,24 +148,29 @@ class _Handle(HandleBase):
             )
             if table.strict:
                 raise LeakedViewError(message)
-            table._own.count("leaked_views", len(leaked))
-            table._rows.forget_views(self.slot)  # kept views must not count against the next owner
-            warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
-        watched = self._views()
-        moved = watched.moved(self._viewed) if self._viewed else []
+            self._report(leaked, message)
         if moved:
             table._rows.forget_views(self.slot)
-            self._moved(moved)
+            self._moved(moved, action)
         changed = _changed_in_place(watched, self._viewed, table) if table.strict else []
         if changed:
-            table._rows.forget_views(self.slot)
-            table._own.count("leaked_views", len(changed))
-            warnings.warn(
+            self._report(
+                changed,
                 f"{action} of slot {self.slot}: views of {', '.join(changed)} were changed in "
-                "place (shape, strides, grad or attributes); later owners get fresh views",
-                LeakedViewWarning,
-                stacklevel=_caller_level(),
+                "place (dtype, shape, strides, grad or attributes); later owners get fresh views",
             )
+
+    def _report(self, names: list[str], message: str) -> None:
+        """Count and warn once; the slot's next owner gets fresh views."""
+        self._table._own.count("leaked_views", len(names))
+        self._table._rows.forget_views(self.slot)
+        self._viewed.difference_update(names)
+        warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
+
+    def _forget_unchecked(self) -> None:
+        """Ending without a check (an exception is on its way): no view of ours stays cached."""
+        if self._viewed:
+            self._table._rows.forget_views(self.slot)
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -272,20 +283,27 @@ class WriteSlot(_Handle, WriteSlotCore):
         table._own.publish(self.slot, self.generation, timeout)
         self._open = False
 
-    def _abort_slow(self) -> None:
+    def _abort_slow(self, check_views: bool = True) -> None:
+        """abort() with views handed out, and every error of it."""
         self._check_open("abort")
+        if check_views and self._viewed:
+            self._check_views("abort")
+        elif not check_views:
+            self._forget_unchecked()
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
         self._open = False
 
-    def _moved(self, names: list[str]) -> None:
-        """Writes through a moved view went to a copy, not the row: they must be redone."""
+    def _moved(self, names: list[str], action: str) -> None:
+        """Writes through such a view went elsewhere, not into the row: they must be redone."""
         self._written.difference_update(names)
         self._viewed.clear()  # views from now on are the slot's fresh ones
         self._watched = None
+        if action != "publish":
+            return  # an abort delivers nothing: nothing to redo
         raise SchemaError(
-            f"slot {self.slot}: views of {', '.join(names)} were moved out of the row "
-            "(share_memory_, or pickled for another process), so what was written through "
-            "them is not in the row; write those fields again"
+            f"slot {self.slot}: views of {', '.join(names)} no longer show the row (moved "
+            "out by share_memory_ or pickling, or pointed elsewhere), so what was written "
+            "through them is not in the row; write those fields again"
         )
 
     def __enter__(self) -> WriteSlot:
@@ -296,7 +314,10 @@ class WriteSlot(_Handle, WriteSlotCore):
     ) -> None:
         """Leaving the block without publishing aborts: nothing half-written is delivered."""
         if self._open and not self._table._closed and self._still_mine(_WRITING):
-            self.abort()
+            if et is None:
+                self.abort()
+            else:  # the block's locals may still hold views: hand the slot back regardless
+                self._abort_slow(check_views=False)
         self._open = False
 
 
@@ -403,22 +424,22 @@ class Lease(_Handle, LeaseCore):
             leaked += opened.leaked(opened.tensors)
         return leaked
 
-    def _moved(self, names: list[str]) -> None:
-        """The reader's moved views hold a copy of what it read: report, nothing is lost."""
-        self._viewed.difference_update(names)  # nothing of them left to check, or report again
-        self._table._own.count("leaked_views", len(names))
-        warnings.warn(
-            f"views of {', '.join(names)} of slot {self.slot} were moved out of the row "
-            "(share_memory_, or pickled for another process); later leases get fresh views",
-            LeakedViewWarning,
-            stacklevel=_caller_level(),
+    def _moved(self, names: list[str], action: str) -> None:
+        """The reader's own views of it: report; what it read is not lost."""
+        self._report(
+            names,
+            f"{action} of slot {self.slot}: views of {', '.join(names)} no longer show the row "
+            "(moved out by share_memory_ or pickling, or pointed elsewhere); later leases get "
+            "fresh views",
         )
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
         """release() or abort() with views or handles to check, and every error of them."""
         if self._table._closed or not self._open:
             self._check_open(action)
-        if check_views and (self._viewed or self._opened is not None):
+        if not check_views:
+            self._forget_unchecked()
+        elif self._viewed or self._opened is not None:
             self._check_views(action)
         self._table._own.free(self.slot, self.generation, _HELD, event)
         self._open = False

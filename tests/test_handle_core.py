@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_a_view_moved_out_of_the_row_is_replaced_for_the_next_reader(name: str) 
         lease = t.take()
         assert lease is not None
         ForkingPickler.dumps(lease.view("p"))  # what a torch.multiprocessing queue does
-        with pytest.warns(LeakedViewWarning, match="moved out of the row"):
+        with pytest.warns(LeakedViewWarning, match="no longer show the row"):
             lease.release()
         t.claim().write(**small_row(7)).publish()
         lease = t.take()
@@ -294,7 +295,7 @@ def test_a_writer_keeps_checking_its_own_views_after_one_moved(name: str) -> Non
         with pytest.raises(LeakedViewError, match="h"):  # the held view is still caught
             ws.publish()
         del held
-        with pytest.raises(SchemaError, match="moved out of the row"):
+        with pytest.raises(SchemaError, match="no longer show the row"):
             ws.publish()
         ws.write(p=torch.ones(4)).publish()
         lease = t.take()
@@ -308,7 +309,10 @@ def test_a_moved_writer_view_still_held_is_refused_in_default_mode(name: str) ->
         view = ws.view("p")
         view.share_memory_()  # type: ignore[no-untyped-call]
         view.fill_(42.0)
-        with pytest.raises(SchemaError, match="moved out of the row"):
+        with (
+            pytest.warns(LeakedViewWarning, match="still referenced"),  # as an alias could be
+            pytest.raises(SchemaError, match="no longer show the row"),
+        ):
             ws.publish()
         assert t.slot_info(0)[0] is State.WRITING
         del view
@@ -396,3 +400,126 @@ def test_a_weak_reference_to_a_view_is_a_leak(name: str) -> None:
             lease.release()
         del ref
         lease.release()
+
+
+def test_a_view_pointed_elsewhere_misses_the_row(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim().write(id=1, h=small_row(1)["h"])
+        view = ws.view("p")
+        view.data = torch.zeros(4)  # the view object now shows other memory
+        view.fill_(42.0)
+        del view
+        with pytest.raises(SchemaError, match="no longer show the row"):
+            ws.publish()
+        ws.write(p=torch.full((4,), 42.0)).publish()
+        lease = t.take()
+        assert lease is not None
+        lease.release()
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        lease.view("p").data = torch.zeros(4)
+        with pytest.warns(LeakedViewWarning, match="no longer show the row"):
+            lease.release()  # once: nothing the reader could undo
+        t.claim().write(**small_row(3)).publish()
+        lease = t.take()
+        assert lease is not None
+        assert torch.equal(lease.view("p"), torch.full((4,), 3.0))
+        lease.release()
+
+
+def test_an_alias_taken_before_a_move_is_a_leak(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        alias = lease.view("p").numpy()  # a raw pointer into the row
+        lease.view("p").share_memory_()  # type: ignore[no-untyped-call]
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del alias
+        with pytest.warns(LeakedViewWarning, match="no longer show the row"):
+            lease.release()
+
+
+def test_weak_references_to_a_views_storage_are_leaks(name: str) -> None:
+    import weakref
+
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        ref = weakref.ref(lease.view("p").untyped_storage())
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del ref
+        lease.release()
+
+
+def test_strict_in_place_checks_cover_dtype_and_grad_and_report_once(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        changes: tuple[Callable[[torch.Tensor], None], ...] = (
+            lambda v: setattr(v, "data", v.view(torch.int32)),
+            lambda v: setattr(v, "grad", torch.ones(4)),
+        )
+        for change in changes:
+            t.claim().write(**small_row(1)).publish()
+            lease = t.take()
+            assert lease is not None
+            change(lease.view("p"))
+            before = t.stats().counters["leaked_views"]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", LeakedViewWarning)
+                with pytest.raises(LeakedViewWarning, match="changed in place"):
+                    lease.release()
+                lease.release()  # reported once; the retry goes through
+            assert t.stats().counters["leaked_views"] == before + 1
+            t.claim().write(**small_row(2)).publish()
+            lease = t.take()
+            assert lease is not None
+            view = lease.view("p")
+            assert view.dtype == torch.float32 and view.grad is None
+            del view
+            lease.release()
+
+
+def test_ending_without_a_check_leaves_no_bad_view_cached(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()
+        ws.view("p").share_memory_()  # type: ignore[no-untyped-call]
+        ws.abort()  # nothing delivered, nothing to redo; the cache must not keep it
+        with pytest.raises(RuntimeError, match="boom"), t.claim() as ws:
+            ws.view("p").share_memory_()  # type: ignore[no-untyped-call]
+            raise RuntimeError("boom")
+        t.claim().write(**small_row(5)).publish()
+        lease = t.take()
+        assert lease is not None
+        with pytest.raises(RuntimeError, match="boom"), lease:
+            lease.view("p").share_memory_()  # type: ignore[no-untyped-call]
+            raise RuntimeError("boom")
+        t.claim().write(**small_row(6)).publish()
+        lease = t.take()
+        assert lease is not None
+        assert torch.equal(lease.view("p"), torch.full((4,), 6.0))
+        lease.release()
+
+
+def test_a_handle_recast_as_a_lease_cannot_reach_bad_views(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()
+        ws._watched = 12345  # type: ignore[assignment]
+        ws.__class__ = Lease  # type: ignore[assignment]
+        with pytest.raises(AttributeError):
+            ws.view("p")
+        ws.__class__ = WriteSlot
+        ws._watched = None
+        ws.abort()
+
+
+def test_alias_accepts_tensors_that_require_grad() -> None:
+    from shmslots.handles import alias
+
+    x = torch.ones(3, requires_grad=True)
+    a = alias(x)
+    assert a.data_ptr() == x.data_ptr() and not a.requires_grad
