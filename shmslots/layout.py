@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from .errors import CorruptTable, IncompatibleTable, InvalidSlot
 
 MAGIC = b"SHMSLOTS"
-VERSION = 3  # 3: one counter per cache line; 2: row checksum by _rowcodec.row_hash
+VERSION = 4  # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
 CACHE_LINE = 64
 PAGE = 4096
 
