@@ -41,7 +41,7 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
 typedef struct {
     PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
     Py_ssize_t refs, storage_refs, uses;
-    void *data, *storage_data;
+    void *data;
     int weak, storage_weak; /* weak references to the tensor, its storage object at rest */
 } Rest;
 
@@ -112,8 +112,6 @@ rest_watch(Rest *r, PyObject *tensor)
         return -1;
     }
     r->data = data_of(tensor);
-    if (!PyErr_Occurred())
-        r->storage_data = data_of(r->storage);
     return PyErr_Occurred() ? -1 : 0;
 }
 
@@ -178,28 +176,49 @@ fail:
     return -1;
 }
 
+/* Whether `tensor` still stands on the watched storage object: 1, 0, or -1 with an error set.
+ * torch hands out one storage object per storage while it lives, and we hold ours. */
+static int
+on_storage(PyObject *tensor, PyObject *storage)
+{
+    PyObject *now = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
+    if (!now) { /* a tensor with no storage (sparse, after swap_tensors) stands on nothing */
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(now);
+    return now == storage;
+}
+
 /* AT_REST, or REFERENCED and/or MOVED (bits); -1 with an error set.
  *
- * MOVED: the tensor no longer shows the row — its storage was moved out (share_memory_,
- * pickling), or the tensor object was pointed elsewhere (`.data =`, set_, swap_tensors).
- * A writer must hear that its writes missed the row.  REFERENCED: something outside may
- * still reach the row through it: a reference (weak ones too) to the tensor or its storage
- * object, or a use of the storage beyond the watched tensor's own — a slice, or after a
- * swap the object now holding the row.  Both can hold at once: an alias taken before a
- * move (numpy(), dlpack) still points at the row. */
+ * MOVED: the tensor no longer shows its field — its storage was moved out of the row
+ * (share_memory_, pickling), or the tensor was pointed elsewhere (`.data =`, set_,
+ * as_strided_, swap_tensors).  A writer must hear that its writes missed the field.
+ * REFERENCED: something outside may still reach the row through it: a reference (weak ones
+ * too) to the tensor or its storage object, or a use of the storage beyond the watched
+ * tensor's own — a slice, or after a swap the object now holding the row.  Both can hold
+ * at once: an alias taken before a move (numpy(), dlpack) still points at the row. */
 static int
 rest_state(Rest *r)
 {
-    void *data = data_of(r->tensor);
-    if (PyErr_Occurred())
-        return -1;
     int state = AT_REST, redirected = 0;
-    if (data != r->data) {
-        void *storage_data = data_of(r->storage);
-        if (PyErr_Occurred())
+    PyObject *p = PyObject_CallMethodNoArgs(r->tensor, s_data_ptr);
+    if (!p && !PyErr_ExceptionMatches(PyExc_RuntimeError))
+        return -1;
+    void *data = p ? PyLong_AsVoidPtr(p) : NULL;
+    Py_XDECREF(p);
+    if (p && PyErr_Occurred())
+        return -1;
+    PyErr_Clear(); /* no data pointer at all (a sparse tensor swapped in): not the field */
+    if (!p || data != r->data) {
+        int still = on_storage(r->tensor, r->storage);
+        if (still < 0)
             return -1;
         state |= MOVED;
-        redirected = storage_data == r->storage_data; /* the tensor left; the storage did not */
+        redirected = !still; /* the tensor left the storage: it no longer uses it itself */
     }
     if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs ||
         weakly_held(r->tensor) > r->weak || weakly_held(r->storage) > r->storage_weak)
@@ -207,7 +226,6 @@ rest_state(Rest *r)
     Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
     if (uses < 0)
         return -1;
-    /* a redirected tensor no longer uses the storage itself */
     return uses > r->uses - redirected ? state | REFERENCED : state;
 }
 
@@ -759,7 +777,13 @@ lease_end(Handle *h, int release)
     int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
     if (usable(h) && (!h->opened || h->opened == Py_None) && watched_of(h) &&
         !(viewed && h->core->strict)) {
-        int leaked = viewed ? watched_any_unsettled(watched_of(h), h->viewed) : 0;
+        int leaked = 0;
+        if (viewed) { /* the check runs torch, which may run Python: hold what it reads */
+            PyObject *watched = Py_NewRef(h->watched), *names = Py_NewRef(h->viewed);
+            leaked = watched_any_unsettled((Watched *)watched, names);
+            Py_DECREF(watched);
+            Py_DECREF(names);
+        }
         if (leaked < 0)
             return NULL;
         if (!leaked) {

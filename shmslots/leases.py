@@ -126,8 +126,9 @@ class _Handle(HandleBase):
     def _leaked(self) -> list[str]:
         return self._views().leaked(self._viewed) if self._viewed else []
 
-    def _moved(self, names: list[str], action: str) -> None:
-        """Views that no longer show the row (moved out of it, or pointed elsewhere)."""
+    def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
+        """Report views that no longer show the row (moved out of it, or pointed elsewhere);
+        `reported` were just reported as leaks."""
         raise NotImplementedError
 
     def _check_views(self, action: str) -> None:
@@ -141,17 +142,15 @@ class _Handle(HandleBase):
         watched = self._views()
         leaked = self._leaked()
         moved = watched.moved(self._viewed) if self._viewed else []
-        if leaked:
-            message = (
-                f"{action} of slot {self.slot} while views of {', '.join(leaked)} are still "
-                "referenced; they will see the next occupant's data (use copy() to keep data)"
-            )
-            if table.strict:
-                raise LeakedViewError(message)
-            self._report(leaked, message)
-        if moved:
+        if leaked and table.strict:
+            raise LeakedViewError(self._leak_message(action, leaked))
+        if moved:  # before any warning, which may be raised as an error and end this call
             table._rows.forget_views(self.slot)
-            self._moved(moved, action)
+            self._forget_moved(moved)
+        if leaked:
+            self._report(leaked, self._leak_message(action, leaked))
+        if moved:
+            self._moved(moved, action, reported=leaked)
         changed = _changed_in_place(watched, self._viewed, table) if table.strict else []
         if changed:
             self._report(
@@ -159,6 +158,16 @@ class _Handle(HandleBase):
                 f"{action} of slot {self.slot}: views of {', '.join(changed)} were changed in "
                 "place (dtype, shape, strides, grad or attributes); later owners get fresh views",
             )
+
+    def _leak_message(self, action: str, leaked: list[str]) -> str:
+        return (
+            f"{action} of slot {self.slot} while views of {', '.join(leaked)} are still "
+            "referenced; they will see the next occupant's data (use copy() to keep data)"
+        )
+
+    def _forget_moved(self, names: list[str]) -> None:
+        """These views no longer show the row: nothing of them is left to check."""
+        self._viewed.difference_update(names)
 
     def _report(self, names: list[str], message: str) -> None:
         """Count and warn once; the slot's next owner gets fresh views."""
@@ -293,18 +302,19 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
         self._open = False
 
-    def _moved(self, names: list[str], action: str) -> None:
-        """Writes through such a view went elsewhere, not into the row: they must be redone."""
+    def _forget_moved(self, names: list[str]) -> None:
+        """Writes through these views went elsewhere, not into the row: they must be redone."""
         self._written.difference_update(names)
         self._viewed.clear()  # views from now on are the slot's fresh ones
         self._watched = None
-        if action != "publish":
-            return  # an abort delivers nothing: nothing to redo
-        raise SchemaError(
-            f"slot {self.slot}: views of {', '.join(names)} no longer show the row (moved "
-            "out by share_memory_ or pickling, or pointed elsewhere), so what was written "
-            "through them is not in the row; write those fields again"
-        )
+
+    def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
+        if action == "publish":  # an abort delivers nothing: nothing to redo
+            raise SchemaError(
+                f"slot {self.slot}: views of {', '.join(names)} no longer show the "
+                "row (moved out by share_memory_ or pickling, or pointed elsewhere), so what was "
+                "written through them is not in the row; write those fields again"
+            )
 
     def __enter__(self) -> WriteSlot:
         return self
@@ -312,10 +322,18 @@ class WriteSlot(_Handle, WriteSlotCore):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Leaving the block without publishing aborts: nothing half-written is delivered."""
+        """Leaving the block without publishing aborts: nothing half-written is delivered.
+
+        Ownership ends with the block: a view check that fails still hands the slot
+        back (no later call could), and its error is raised after.
+        """
         if self._open and not self._table._closed and self._still_mine(_WRITING):
             if et is None:
-                self.abort()
+                try:
+                    self.abort()
+                except LeakedViewError:
+                    self._abort_slow(check_views=False)
+                    raise
             else:  # the block's locals may still hold views: hand the slot back regardless
                 self._abort_slow(check_views=False)
         self._open = False
@@ -424,8 +442,11 @@ class Lease(_Handle, LeaseCore):
             leaked += opened.leaked(opened.tensors)
         return leaked
 
-    def _moved(self, names: list[str], action: str) -> None:
-        """The reader's own views of it: report; what it read is not lost."""
+    def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
+        """The reader's own views of it: report once; what it read is not lost."""
+        names = [n for n in names if n not in reported]
+        if not names:
+            return
         self._report(
             names,
             f"{action} of slot {self.slot}: views of {', '.join(names)} no longer show the row "
@@ -451,9 +472,15 @@ class Lease(_Handle, LeaseCore):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Ownership ends with the block, as for a WriteSlot: a failed view check still
+        hands the slot back, then raises."""
         if self._open and not self._table._closed and self._still_mine(_HELD):
             if et is None:
-                self.release()
+                try:
+                    self.release()
+                except LeakedViewError:
+                    self._end(_RELEASE, "release", check_views=False)
+                    raise
             else:  # the block's locals may still hold views: hand the slot back regardless
                 self._end(_ABORT, "abort", check_views=False)
         self._open = False

@@ -523,3 +523,62 @@ def test_alias_accepts_tensors_that_require_grad() -> None:
     x = torch.ones(3, requires_grad=True)
     a = alias(x)
     assert a.data_ptr() == x.data_ptr() and not a.requires_grad
+
+
+def test_a_moved_field_stays_unwritten_when_a_warning_is_an_error(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim().write(id=1, h=small_row(1)["h"])
+        view = ws.view("p")
+        view.share_memory_()  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LeakedViewWarning)
+            with pytest.raises(LeakedViewWarning):
+                ws.publish()
+            with pytest.raises(SchemaError, match="never written"):
+                ws.publish()
+        del view
+        ws.abort()
+
+
+def test_views_repointed_inside_their_storage_are_reported_once(name: str) -> None:
+    repoint: tuple[Callable[[torch.Tensor], object], ...] = (
+        lambda v: v.as_strided_((3,), (1,), 1),
+        lambda v: v.set_(v.untyped_storage(), 1, (3,), (1,)),
+        lambda v: torch.utils.swap_tensors(v, torch.zeros(4).to_sparse()),  # type: ignore[no-untyped-call]
+    )
+    for strict in (True, False):
+        with SlotTable.create(name, SMALL, slots=1, strict=strict) as t:
+            for change in repoint:
+                t.claim().write(**small_row(1)).publish()
+                lease = t.take()
+                assert lease is not None
+                change(lease.view("p"))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    lease.release()
+                assert len(caught) == 1 and "no longer show the row" in str(caught[0].message)
+                t.claim().write(**small_row(2)).publish()
+                lease = t.take()
+                assert lease is not None
+                assert torch.equal(lease.view("p"), torch.full((4,), 2.0))
+                lease.release()
+
+
+def test_a_with_block_hands_its_slot_back_even_when_a_view_is_kept(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        kept = []
+        with pytest.raises(LeakedViewError), t.claim() as ws:
+            kept.append(ws.view("p"))
+        assert t.slot_info(0)[0] is State.FREE
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        with pytest.raises(LeakedViewError), lease:
+            kept.append(lease.view("h"))
+        assert t.slot_info(0)[0] is State.FREE
+        del kept
+        t.claim().write(**small_row(2)).publish()  # the slot is usable, with fresh views
+        lease = t.take()
+        assert lease is not None
+        assert torch.equal(lease.view("p"), torch.full((4,), 2.0))
+        lease.release()
