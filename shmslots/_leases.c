@@ -19,6 +19,9 @@
 
 static PyObject *use_count;                    /* torch._C._storage_Use_Count */
 static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedStorage */
+/* torch.Tensor's own data_ptr and untyped_storage, called with the tensor: a method set on
+ * the instance (tensors have a __dict__) must not stand in for them. */
+static PyObject *tensor_data_ptr, *tensor_untyped_storage;
 static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
     *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
 
@@ -80,7 +83,7 @@ long_result(PyObject *n)
 static void *
 data_of(PyObject *tensor)
 {
-    PyObject *p = PyObject_CallMethodNoArgs(tensor, s_data_ptr);
+    PyObject *p = PyObject_CallOneArg(tensor_data_ptr, tensor);
     if (!p)
         return NULL;
     void *data = PyLong_AsVoidPtr(p);
@@ -98,7 +101,7 @@ rest_watch(Rest *r, PyObject *tensor)
         return -1;
     }
     r->tensor = Py_NewRef(tensor);
-    r->storage = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
+    r->storage = PyObject_CallOneArg(tensor_untyped_storage, tensor);
     if (!r->storage)
         return -1;
     if (Py_TYPE(r->storage) != storage_type) { /* _cdata is dereferenced by use_count */
@@ -176,18 +179,27 @@ fail:
     return -1;
 }
 
+/* Clear the error if it is what torch raises for a tensor without storage or data (sparse,
+ * swapped in): exactly RuntimeError or NotImplementedError, not RecursionError or anything
+ * else.  1 cleared, 0 some other error, left set. */
+static int
+clear_no_storage(void)
+{
+    PyObject *type = PyErr_Occurred();
+    if (type != PyExc_RuntimeError && type != PyExc_NotImplementedError)
+        return 0;
+    PyErr_Clear();
+    return 1;
+}
+
 /* Whether `tensor` still stands on the watched storage object: 1, 0, or -1 with an error set.
  * torch hands out one storage object per storage while it lives, and we hold ours. */
 static int
 on_storage(PyObject *tensor, PyObject *storage)
 {
-    PyObject *now = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
-    if (!now) { /* a tensor with no storage (sparse, after swap_tensors) stands on nothing */
-        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
+    PyObject *now = PyObject_CallOneArg(tensor_untyped_storage, tensor);
+    if (!now)
+        return clear_no_storage() ? 0 : -1;
     Py_DECREF(now);
     return now == storage;
 }
@@ -202,21 +214,23 @@ on_storage(PyObject *tensor, PyObject *storage)
  * tensor's own — a slice, or after a swap the object now holding the row.  Both can hold
  * at once: an alias taken before a move (numpy(), dlpack) still points at the row. */
 static int
-rest_state(Rest *r)
+rest_state(Rest *r, int thorough)
 {
-    int state = AT_REST, redirected = 0;
-    PyObject *p = PyObject_CallMethodNoArgs(r->tensor, s_data_ptr);
-    if (!p && !PyErr_ExceptionMatches(PyExc_RuntimeError))
+    int state = AT_REST, redirected = 0, still = 1;
+    PyObject *p = PyObject_CallOneArg(tensor_data_ptr, r->tensor);
+    if (!p && !clear_no_storage()) /* no data pointer at all: not the field */
         return -1;
     void *data = p ? PyLong_AsVoidPtr(p) : NULL;
     Py_XDECREF(p);
     if (p && PyErr_Occurred())
         return -1;
-    PyErr_Clear(); /* no data pointer at all (a sparse tensor swapped in): not the field */
-    if (!p || data != r->data) {
-        int still = on_storage(r->tensor, r->storage);
-        if (still < 0)
+    /* `thorough` also catches a tensor moved onto another storage over the same memory (one
+     * more call): the release fast path skips it, the checks Python asks for do not. */
+    if (!p || data != r->data || thorough) {
+        if ((still = on_storage(r->tensor, r->storage)) < 0)
             return -1;
+    }
+    if (!p || data != r->data || !still) {
         state |= MOVED;
         redirected = !still; /* the tensor left the storage: it no longer uses it itself */
     }
@@ -255,7 +269,7 @@ watched_any_unsettled(Watched *w, PyObject *names)
     while (!found && (name = PyIter_Next(it))) {
         Rest *r = rest_of(w, name, 0);
         Py_DECREF(name);
-        found = r ? rest_state(r) != AT_REST : (PyErr_Occurred() ? -1 : 1);
+        found = r ? rest_state(r, 0) != AT_REST : (PyErr_Occurred() ? -1 : 1);
         if (r && PyErr_Occurred())
             found = -1;
     }
@@ -272,7 +286,7 @@ names_in(Watched *w, PyObject *names, int want)
         goto fail;
     while ((name = PyIter_Next(it))) {
         Rest *r = rest_of(w, name, 1);
-        int state = r ? rest_state(r) : -1;
+        int state = r ? rest_state(r, 1) : -1;
         int bad = state < 0 || ((state & want) && PyList_Append(found, name) < 0);
         Py_DECREF(name);
         if (bad)
@@ -1052,6 +1066,9 @@ PyInit__leases(void)
         PyErr_SetString(PyExc_TypeError, "torch.Tensor or torch.UntypedStorage is not a type");
         return NULL;
     }
+    if (!(tensor_data_ptr = PyObject_GetAttr((PyObject *)tensor_type, s_data_ptr)) ||
+        !(tensor_untyped_storage = PyObject_GetAttr((PyObject *)tensor_type, s_untyped_storage)))
+        return NULL;
     PyTypeObject *types[] = {&WatchedType, &CoreType, &HandleType, &WriteSlotType, &LeaseType};
     for (size_t i = 0; i < COUNT(types); i++)
         if (PyType_Ready(types[i]) < 0)

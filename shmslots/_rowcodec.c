@@ -44,6 +44,9 @@ typedef struct {
     PyObject *index;   /* field name -> index */
     PyObject *tensor_type;
     PyObject *modes_on; /* torch._C._is_torch_function_mode_enabled */
+    /* The class's own methods, called with the tensor: a method set on the instance (a
+     * tensor has a __dict__) would otherwise run Python between the checks and the copy. */
+    PyObject *is_contiguous, *is_neg, *data_ptr;
 } RowCodec;
 
 static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr;
@@ -135,6 +138,16 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     if (header < 12 || row_size < header || rows < 0 || nslots < 0 ||
         (nslots && row_size > (PY_SSIZE_T_MAX - rows) / nslots)) {
         PyErr_SetString(PyExc_ValueError, "bad row geometry");
+        return -1;
+    }
+    Py_CLEAR(r->is_contiguous); /* a retry after a failed __init__ */
+    Py_CLEAR(r->is_neg);
+    Py_CLEAR(r->data_ptr);
+    if (!(r->is_contiguous = PyObject_GetAttr(tensor_type, s_is_contiguous)) ||
+        !(r->is_neg = PyObject_GetAttr(tensor_type, s_is_neg)) ||
+        !(r->data_ptr = PyObject_GetAttr(tensor_type, s_data_ptr))) {
+        Py_CLEAR(r->is_contiguous);
+        Py_CLEAR(r->is_neg);
         return -1;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(specs);
@@ -241,19 +254,19 @@ plain_tensor(RowCodec *r, Spec *s, PyObject *v, const void **src)
     Py_DECREF(x);
     if (!ok)
         return 0;
-    if (!(x = PyObject_CallMethodNoArgs(v, s_is_contiguous)))
+    if (!(x = PyObject_CallOneArg(r->is_contiguous, v)))
         return -1;
     ok = x == Py_True;
     Py_DECREF(x);
     if (!ok)
         return 0;
-    if (!(x = PyObject_CallMethodNoArgs(v, s_is_neg))) /* a lazily negated view */
+    if (!(x = PyObject_CallOneArg(r->is_neg, v))) /* a lazily negated view */
         return -1;
     ok = x == Py_False;
     Py_DECREF(x);
     if (!ok)
         return 0;
-    if (!(x = PyObject_CallMethodNoArgs(v, s_data_ptr)))
+    if (!(x = PyObject_CallOneArg(r->data_ptr, v)))
         return -1;
     *src = PyLong_AsVoidPtr(x);
     Py_DECREF(x);
@@ -466,6 +479,9 @@ rc_dealloc(RowCodec *r)
     Py_XDECREF(r->index);
     Py_XDECREF(r->tensor_type);
     Py_XDECREF(r->modes_on);
+    Py_XDECREF(r->is_contiguous);
+    Py_XDECREF(r->is_neg);
+    Py_XDECREF(r->data_ptr);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 

@@ -331,8 +331,9 @@ class WriteSlot(_Handle, WriteSlotCore):
             if et is None:
                 try:
                     self.abort()
-                except LeakedViewError:
-                    self._abort_slow(check_views=False)
+                except Exception:  # LeakedViewError, or a warning raised as an error
+                    if self._open and self._still_mine(_WRITING):
+                        self._abort_slow(check_views=False)
                     raise
             else:  # the block's locals may still hold views: hand the slot back regardless
                 self._abort_slow(check_views=False)
@@ -436,6 +437,11 @@ class Lease(_Handle, LeaseCore):
     def _views(self) -> WatchedTensors:
         return self._watched
 
+    def _report(self, names: list[str], message: str) -> None:
+        if self._opened:  # opened handles reported once, like views
+            self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
+        super()._report(names, message)
+
     def _leaked(self) -> list[str]:
         leaked = self._watched.leaked(self._viewed) if self._viewed else []
         for opened in (self._opened or {}).values():
@@ -478,8 +484,9 @@ class Lease(_Handle, LeaseCore):
             if et is None:
                 try:
                     self.release()
-                except LeakedViewError:
-                    self._end(_RELEASE, "release", check_views=False)
+                except Exception:  # LeakedViewError, or a warning raised as an error
+                    if self._open and self._still_mine(_HELD):
+                        self._end(_RELEASE, "release", check_views=False)
                     raise
             else:  # the block's locals may still hold views: hand the slot back regardless
                 self._end(_ABORT, "abort", check_views=False)

@@ -23,6 +23,9 @@ from ._rowcodec import RowCodec, row_hash
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, RowSchema
 
+# Tensor methods are called through the class: a tensor has a __dict__, and a method set on
+# one must not vouch for it.
+_Tensor = torch.Tensor
 # struct codes for scalar fast paths; bfloat16 has none and goes through torch.
 _SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B"}
 _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
@@ -173,12 +176,12 @@ class Rows:
             elif (
                 copy_in is not None
                 and value.is_cpu
-                and value.is_contiguous()
-                and not value.is_neg()
-                and value.data_ptr()
+                and _Tensor.is_contiguous(value)  # the class's methods: not ones set on value
+                and not _Tensor.is_neg(value)
+                and _Tensor.data_ptr(value)
                 and value.nbytes == self._nbytes[name]  # as checked, unless resized since
             ):
-                copy_in(off, value.data_ptr(), value.nbytes)  # a memcpy, no torch dispatch
+                copy_in(off, _Tensor.data_ptr(value), value.nbytes)  # a memcpy, no dispatch
             else:
                 self.views(slot).tensors[name].copy_(value)
 
@@ -259,17 +262,18 @@ def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bo
 
 def _storage_holds(value: torch.Tensor) -> bool:
     """Whether every element lies inside the tensor's storage (false once it is freed)."""
-    if value.numel() == 0 or value.is_meta:
+    if _Tensor.numel(value) == 0 or value.is_meta:
         return True
-    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride(), strict=True))
-    end = (value.storage_offset() + span) * value.element_size()
-    return end <= value.untyped_storage().nbytes()
+    strides = _Tensor.stride(value)
+    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, strides, strict=True))
+    end = (_Tensor.storage_offset(value) + span) * _Tensor.element_size(value)
+    return end <= _Tensor.untyped_storage(value).nbytes()
 
 
 def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:
     if not f.accepts_shape(tuple(value.shape)):
         raise SchemaError(f"field {f.name!r} has shape {f.shape}, got {tuple(value.shape)}")
-    if not value.is_contiguous():
+    if not _Tensor.is_contiguous(value):
         raise SchemaError(f"field {f.name!r}: handle tensors must be contiguous")
     if value.device.type not in ("cpu", "cuda"):
         raise SchemaError(f"field {f.name!r}: tensors on {value.device} cannot be shared")

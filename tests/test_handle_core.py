@@ -582,3 +582,75 @@ def test_a_with_block_hands_its_slot_back_even_when_a_view_is_kept(name: str) ->
         assert lease is not None
         assert torch.equal(lease.view("p"), torch.full((4,), 2.0))
         lease.release()
+
+
+def test_methods_set_on_a_tensor_instance_are_not_trusted(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        bad_pointer = torch.full((4,), 3.0)
+        bad_pointer.data_ptr = lambda: 0x10  # type: ignore[method-assign]
+        strided = torch.arange(8.0)[::2]
+        strided.is_contiguous = lambda *a, **k: True  # type: ignore[method-assign]
+        for value, want in ((bad_pointer, [3.0] * 4), (strided, [0.0, 2.0, 4.0, 6.0])):
+            t.claim().write(id=1, p=value, h=small_row(1)["h"]).publish()
+            lease = t.take()
+            assert lease is not None
+            assert lease.view("p").tolist() == want
+            lease.release()
+        ws = t.claim().write(id=1, h=small_row(1)["h"])
+        view = ws.view("p")
+        view.share_memory_()  # type: ignore[no-untyped-call]
+        view.data_ptr = lambda: 0  # type: ignore[method-assign]
+        del view
+        with pytest.raises(SchemaError, match="no longer show the row"):
+            ws.publish()
+        ws.abort()
+
+
+def test_strict_mode_sees_a_view_moved_onto_another_storage_over_the_row(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        view = lease.view("p")
+        part = view[:]
+        alias = torch.from_numpy(part.numpy())  # a second storage over the same row bytes
+        del part
+        view.set_(alias.untyped_storage(), 0, (4,), (1,))
+        del view
+        with pytest.raises(LeakedViewError, match="p"):
+            lease.release()
+        del alias
+        lease.view("p").set_()  # type: ignore[call-overload]  # it held the alias: drop it
+        with pytest.warns(LeakedViewWarning, match="no longer show the row"):
+            lease.release()
+
+
+def test_with_blocks_hand_back_their_slot_when_a_warning_is_an_error(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t, warnings.catch_warnings():
+        warnings.simplefilter("error", LeakedViewWarning)
+        kept = []
+        with pytest.raises(LeakedViewWarning), t.claim() as ws:
+            kept.append(ws.view("p"))
+        assert t.slot_info(0)[0] is State.FREE
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        with pytest.raises(LeakedViewWarning), lease:
+            kept.append(lease.view("p"))
+        assert t.slot_info(0)[0] is State.FREE
+
+
+def test_a_kept_handle_tensor_is_reported_once(name: str) -> None:
+    fields = (Field("id", "int64"), Field("x", "float32", (None,), kind="handle"))
+    with SlotTable.create(name, fields, slots=1, arena_bytes=1 << 16) as t:
+        t.claim().write(id=1, x=torch.ones(4)).publish()
+        lease = t.take()
+        assert lease is not None
+        kept = lease.tensor("x")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LeakedViewWarning)
+            with pytest.raises(LeakedViewWarning, match="x"):
+                lease.release()
+            lease.release()
+        assert t.stats().counters["leaked_views"] == 1
+        del kept
