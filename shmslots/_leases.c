@@ -217,20 +217,16 @@ static int
 rest_state(Rest *r, int thorough)
 {
     int state = AT_REST, redirected = 0, still = 1;
-    PyObject *p = PyObject_CallOneArg(tensor_data_ptr, r->tensor);
-    if (!p && !clear_no_storage()) /* no data pointer at all: not the field */
+    void *data = data_of(r->tensor);
+    int no_data = PyErr_Occurred() != NULL;
+    if (no_data && !clear_no_storage()) /* no data pointer at all: not the field */
         return -1;
-    void *data = p ? PyLong_AsVoidPtr(p) : NULL;
-    Py_XDECREF(p);
-    if (p && PyErr_Occurred())
-        return -1;
+    int elsewhere = no_data || data != r->data;
     /* `thorough` also catches a tensor moved onto another storage over the same memory (one
      * more call): the release fast path skips it, the checks Python asks for do not. */
-    if (!p || data != r->data || thorough) {
-        if ((still = on_storage(r->tensor, r->storage)) < 0)
-            return -1;
-    }
-    if (!p || data != r->data || !still) {
+    if ((elsewhere || thorough) && (still = on_storage(r->tensor, r->storage)) < 0)
+        return -1;
+    if (elsewhere || !still) {
         state |= MOVED;
         redirected = !still; /* the tensor left the storage: it no longer uses it itself */
     }

@@ -229,6 +229,18 @@ typedef struct {
     union { int64_t i64; int32_t i32; uint8_t u8; float f32; } value;
 } Copy;
 
+/* Does method(v) return `want`? 1 yes, 0 no, -1 error. */
+static int
+gives(PyObject *method, PyObject *v, PyObject *want)
+{
+    PyObject *x = PyObject_CallOneArg(method, v);
+    if (!x)
+        return -1;
+    int same = x == want;
+    Py_DECREF(x);
+    return same;
+}
+
 /* Is `v` the plain tensor for `s`? 1 yes (sets *src), 0 no, -1 error. */
 static int
 plain_tensor(RowCodec *r, Spec *s, PyObject *v, const void **src)
@@ -254,18 +266,9 @@ plain_tensor(RowCodec *r, Spec *s, PyObject *v, const void **src)
     Py_DECREF(x);
     if (!ok)
         return 0;
-    if (!(x = PyObject_CallOneArg(r->is_contiguous, v)))
-        return -1;
-    ok = x == Py_True;
-    Py_DECREF(x);
-    if (!ok)
-        return 0;
-    if (!(x = PyObject_CallOneArg(r->is_neg, v))) /* a lazily negated view */
-        return -1;
-    ok = x == Py_False;
-    Py_DECREF(x);
-    if (!ok)
-        return 0;
+    if ((ok = gives(r->is_contiguous, v, Py_True)) != 1 ||
+        (ok = gives(r->is_neg, v, Py_False)) != 1) /* is_neg: a lazily negated view */
+        return ok;
     if (!(x = PyObject_CallOneArg(r->data_ptr, v)))
         return -1;
     *src = PyLong_AsVoidPtr(x);

@@ -14,7 +14,6 @@ the `_..._slow` and `_end` methods here before anything has changed.
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from types import FrameType, TracebackType
@@ -30,6 +29,7 @@ from .errors import (
     SchemaError,
     StaleLeaseError,
 )
+from .rows import contiguous_strides
 from .states import Event, State
 
 if TYPE_CHECKING:
@@ -81,18 +81,17 @@ def _changed_in_place(watched: WatchedTensors, names: set[str], table: SlotTable
     changed = []
     for name in names:
         view, shape = watched.tensors[name], fields[name].field.fixed_shape
-        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         if (
             type(view) is not torch.Tensor
+            or view.__dict__  # first: methods set on the view are not called
             or view.dtype != fields[name].field.torch_dtype
             or view.shape != shape
-            or view.stride() != strides
+            or view.stride() != contiguous_strides(shape)
             or view.storage_offset()
             or view.requires_grad
             or view.grad is not None
             or view.is_neg()
             or view.is_conj()
-            or view.__dict__
         ):
             changed.append(name)
     return sorted(changed)
@@ -443,7 +442,7 @@ class Lease(_Handle, LeaseCore):
         super()._report(names, message)
 
     def _leaked(self) -> list[str]:
-        leaked = self._watched.leaked(self._viewed) if self._viewed else []
+        leaked = super()._leaked()
         for opened in (self._opened or {}).values():
             leaked += opened.leaked(opened.tensors)
         return leaked

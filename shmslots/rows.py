@@ -44,11 +44,15 @@ def mapped_tensor(
     if not nbytes:  # nothing to map (frombuffer refuses an empty span)
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
     tensor: torch.Tensor = torch.empty(0, dtype=dtype).set_(
-        raw.untyped_storage(), 0, shape, strides
+        raw.untyped_storage(), 0, shape, contiguous_strides(shape)
     )
     return tensor
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous tensor of `shape`."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 class RowRegion(Protocol):
@@ -178,10 +182,10 @@ class Rows:
                 and value.is_cpu
                 and _Tensor.is_contiguous(value)  # the class's methods: not ones set on value
                 and not _Tensor.is_neg(value)
-                and _Tensor.data_ptr(value)
+                and (data := _Tensor.data_ptr(value))
                 and value.nbytes == self._nbytes[name]  # as checked, unless resized since
             ):
-                copy_in(off, _Tensor.data_ptr(value), value.nbytes)  # a memcpy, no dispatch
+                copy_in(off, data, value.nbytes)  # a memcpy, no torch dispatch
             else:
                 self.views(slot).tensors[name].copy_(value)
 
