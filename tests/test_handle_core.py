@@ -22,12 +22,18 @@ from shmslots._leases import HandleBase, HandleCore, WatchedTensors
 from shmslots.leases import Lease, WriteSlot
 
 
+def _delivered(t: SlotTable, i: int) -> Lease:
+    """small_row(i) published, and taken back as a Lease."""
+    t.claim().write(**small_row(i)).publish()
+    lease = t.take()
+    assert lease is not None
+    return lease
+
+
 def test_one_plain_reference_to_a_view_is_a_leak(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
         for field in ("id", "p", "h"):
-            t.claim().write(**small_row(1)).publish()
-            lease = t.take()
-            assert lease is not None
+            lease = _delivered(t, 1)
             kept = lease.view(field)
             lease.view(field)  # viewing again hands out the same tensor, nothing new
             with pytest.raises(LeakedViewError, match=field):
@@ -39,9 +45,7 @@ def test_one_plain_reference_to_a_view_is_a_leak(name: str) -> None:
 
 def test_leak_warning_points_at_the_callers_line(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         kept = lease.view("p")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -166,9 +170,7 @@ def test_item_reads_every_scalar_dtype_as_the_view_does(name: str) -> None:
 
 def test_views_have_no_base_and_a_held_storage_is_a_leak(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         assert lease.view("p")._base is None  # no second way to the row that counts miss
         storage = lease.view("p").untyped_storage()
         with pytest.raises(LeakedViewError, match="p"):
@@ -181,15 +183,11 @@ def test_a_view_moved_out_of_the_row_is_replaced_for_the_next_reader(name: str) 
     from multiprocessing.reduction import ForkingPickler
 
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         ForkingPickler.dumps(lease.view("p"))  # what a torch.multiprocessing queue does
         with pytest.warns(LeakedViewWarning, match="no longer show the row"):
             lease.release()
-        t.claim().write(**small_row(7)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 7)
         assert torch.equal(lease.view("p"), torch.full((4,), 7.0))
         lease.release()
 
@@ -215,9 +213,7 @@ def test_writes_through_a_moved_view_are_refused_at_publish(name: str) -> None:
 
 def test_leak_warning_from_a_with_block_points_at_the_block(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with lease:
@@ -327,15 +323,11 @@ def test_strict_mode_gives_fresh_views_after_one_was_changed_in_place(name: str)
             lambda v: v.requires_grad_(),
             lambda v: setattr(v, "note", 1),
         ):
-            t.claim().write(**small_row(1)).publish()
-            lease = t.take()
-            assert lease is not None
+            lease = _delivered(t, 1)
             change(lease.view("p"))
             with pytest.warns(LeakedViewWarning, match="changed in place"):
                 lease.release()
-            t.claim().write(**small_row(2)).publish()
-            lease = t.take()
-            assert lease is not None
+            lease = _delivered(t, 2)
             view = lease.view("p")
             assert view.shape == (4,) and not view.requires_grad and not view.__dict__
             del view
@@ -344,9 +336,7 @@ def test_strict_mode_gives_fresh_views_after_one_was_changed_in_place(name: str)
 
 def test_a_swapped_view_object_is_a_leak(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         other = torch.zeros(4)  # swapped in below: `other` then shows the row
         torch.utils.swap_tensors(lease.view("p"), other)  # type: ignore[no-untyped-call]
         with pytest.raises(LeakedViewError, match="p"):
@@ -360,9 +350,7 @@ def test_views_held_only_by_torch_are_leaks(name: str) -> None:
     from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]
 
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         capsule = to_dlpack(lease.view("p"))  # torch >= 2.13 counts this on the view
         with pytest.raises(LeakedViewError, match="p"):
             lease.release()
@@ -392,9 +380,7 @@ def test_a_weak_reference_to_a_view_is_a_leak(name: str) -> None:
     import weakref
 
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         ref = weakref.ref(lease.view("p"))  # ref() would give the row after release
         with pytest.raises(LeakedViewError, match="p"):
             lease.release()
@@ -416,24 +402,18 @@ def test_a_view_pointed_elsewhere_misses_the_row(name: str) -> None:
         assert lease is not None
         lease.release()
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         lease.view("p").data = torch.zeros(4)
         with pytest.warns(LeakedViewWarning, match="no longer show the row"):
             lease.release()  # once: nothing the reader could undo
-        t.claim().write(**small_row(3)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 3)
         assert torch.equal(lease.view("p"), torch.full((4,), 3.0))
         lease.release()
 
 
 def test_an_alias_taken_before_a_move_is_a_leak(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         alias = lease.view("p").numpy()  # a raw pointer into the row
         lease.view("p").share_memory_()  # type: ignore[no-untyped-call]
         with pytest.raises(LeakedViewError, match="p"):
@@ -447,9 +427,7 @@ def test_weak_references_to_a_views_storage_are_leaks(name: str) -> None:
     import weakref
 
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         ref = weakref.ref(lease.view("p").untyped_storage())
         with pytest.raises(LeakedViewError, match="p"):
             lease.release()
@@ -464,9 +442,7 @@ def test_strict_in_place_checks_cover_dtype_and_grad_and_report_once(name: str) 
             lambda v: setattr(v, "grad", torch.ones(4)),
         )
         for change in changes:
-            t.claim().write(**small_row(1)).publish()
-            lease = t.take()
-            assert lease is not None
+            lease = _delivered(t, 1)
             change(lease.view("p"))
             before = t.stats().counters["leaked_views"]
             with warnings.catch_warnings():
@@ -475,9 +451,7 @@ def test_strict_in_place_checks_cover_dtype_and_grad_and_report_once(name: str) 
                     lease.release()
                 lease.release()  # reported once; the retry goes through
             assert t.stats().counters["leaked_views"] == before + 1
-            t.claim().write(**small_row(2)).publish()
-            lease = t.take()
-            assert lease is not None
+            lease = _delivered(t, 2)
             view = lease.view("p")
             assert view.dtype == torch.float32 and view.grad is None
             del view
@@ -492,15 +466,11 @@ def test_ending_without_a_check_leaves_no_bad_view_cached(name: str) -> None:
         with pytest.raises(RuntimeError, match="boom"), t.claim() as ws:
             ws.view("p").share_memory_()  # type: ignore[no-untyped-call]
             raise RuntimeError("boom")
-        t.claim().write(**small_row(5)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 5)
         with pytest.raises(RuntimeError, match="boom"), lease:
             lease.view("p").share_memory_()  # type: ignore[no-untyped-call]
             raise RuntimeError("boom")
-        t.claim().write(**small_row(6)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 6)
         assert torch.equal(lease.view("p"), torch.full((4,), 6.0))
         lease.release()
 
@@ -549,17 +519,13 @@ def test_views_repointed_inside_their_storage_are_reported_once(name: str) -> No
     for strict in (True, False):
         with SlotTable.create(name, SMALL, slots=1, strict=strict) as t:
             for change in repoint:
-                t.claim().write(**small_row(1)).publish()
-                lease = t.take()
-                assert lease is not None
+                lease = _delivered(t, 1)
                 change(lease.view("p"))
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     lease.release()
                 assert len(caught) == 1 and "no longer show the row" in str(caught[0].message)
-                t.claim().write(**small_row(2)).publish()
-                lease = t.take()
-                assert lease is not None
+                lease = _delivered(t, 2)
                 assert torch.equal(lease.view("p"), torch.full((4,), 2.0))
                 lease.release()
 
@@ -570,16 +536,12 @@ def test_a_with_block_hands_its_slot_back_even_when_a_view_is_kept(name: str) ->
         with pytest.raises(LeakedViewError), t.claim() as ws:
             kept.append(ws.view("p"))
         assert t.slot_info(0)[0] is State.FREE
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         with pytest.raises(LeakedViewError), lease:
             kept.append(lease.view("h"))
         assert t.slot_info(0)[0] is State.FREE
         del kept
-        t.claim().write(**small_row(2)).publish()  # the slot is usable, with fresh views
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 2)  # the slot is usable, with fresh views
         assert torch.equal(lease.view("p"), torch.full((4,), 2.0))
         lease.release()
 
@@ -608,9 +570,7 @@ def test_methods_set_on_a_tensor_instance_are_not_trusted(name: str) -> None:
 
 def test_strict_mode_sees_a_view_moved_onto_another_storage_over_the_row(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1, strict=True) as t:
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         view = lease.view("p")
         part = view[:]
         alias = torch.from_numpy(part.numpy())  # a second storage over the same row bytes
@@ -632,9 +592,7 @@ def test_with_blocks_hand_back_their_slot_when_a_warning_is_an_error(name: str) 
         with pytest.raises(LeakedViewWarning), t.claim() as ws:
             kept.append(ws.view("p"))
         assert t.slot_info(0)[0] is State.FREE
-        t.claim().write(**small_row(1)).publish()
-        lease = t.take()
-        assert lease is not None
+        lease = _delivered(t, 1)
         with pytest.raises(LeakedViewWarning), lease:
             kept.append(lease.view("p"))
         assert t.slot_info(0)[0] is State.FREE
