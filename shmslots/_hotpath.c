@@ -1,15 +1,29 @@
-/* The hot transitions of the slot protocol, compiled.
+/* Every transition of the slot protocol, compiled: one C call each.
  *
- * ownership.py describes the protocol and runs its rare steps (reclaim,
- * cancel, open_reserved); the four steps every request takes — acquire a
- * FREE slot, publish it, take it, hand it back — and the ready ring they use
- * run here, one C call each, because in Python they cost more than a whole
- * cross-process hand-off.
+ * A call here runs with the GIL held and calls no Python code, so a signal,
+ * KeyboardInterrupt or exception can land only before or after it, never
+ * between its steps; only SIGKILL can, and every such window leaves a state
+ * the protocol recovers from (ownership.py says which).  The steps:
+ *
+ *   acquire        FREE -> WRITING (claim), or -> WRITING -> RESERVED (reserve) once
+ *                  the slot is set up, so nobody can open a half-made reservation
+ *   open_reserved  RESERVED(anyone) -> WRITING(me)
+ *   publish        WRITING -> READY, then queue it ("ready first": no reader ever
+ *                  waits on a publisher's progress; see requeue_stranded)
+ *   take           READY -> HELD of the oldest queued slot; counts the delivery
+ *   free           owned -> RECLAIMING -> FREE (release, abort)
+ *   redeliver      HELD -> READY, queued again
+ *   cancel         READY -> RECLAIMING -> FREE for every slot of a tag
+ *   reclaim_owner  every slot of one owner: a closing table's own, or a dead one's
+ *   reap_entry     lock a dead participant's registry entry, reclaim, free, unlock
+ *   requeue_stranded  queue READY slots whose queueing a dead or stopped process
+ *                  never finished
  *
  * Nothing here defines the protocol's data: the transition table comes from
- * states.py and every offset from layout.py, both passed in by ownership.py
- * at construction.  tests/test_hotpath.py checks that the compiled
- * transitions agree with states.next_word for every state, event and actor.
+ * states.py and every offset from layout.py, both passed in by ownership.py at
+ * construction (which also checks that STATES, EVENTS and COUNTERS below match
+ * its own).  tests/test_hotpath.py holds the compiled transitions against
+ * states.next_word for every state, event and actor.
  *
  * Ready ring (a bounded queue of published slots, crash-safe): cells are
  * 64-bit, tagged with the position they hold,
@@ -17,14 +31,17 @@
  * `empty(p)` may receive position p, `full(p, s)` holds slot s queued at p.
  * Each step is one CAS on a cell or on head/tail, and whoever finds head or
  * tail lagging behind a cell moves it on, so a process killed between two
- * steps blocks no one.  The slot's own state word decides delivery: an
- * entry whose slot is no longer READY at that position is stale, dropped.
+ * steps blocks no one.  The slot's own state word decides delivery: an entry
+ * whose slot is not READY with that queue position is stale, dropped.
  *
  * Memory ordering: CAS and read-modify-write are SEQ_CST, loads SEQ_CST,
  * stores RELEASE (as in _atomic.c).
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
@@ -39,6 +56,30 @@
 #define POS_MASK ((UINT64_C(1) << POS_BITS) - 1)
 #define FULL (UINT64_C(1) << 20)
 #define SLOT_MASK (FULL - 1)
+#define NO_POS UINT64_MAX
+#define REG_ACTIVE 1
+#define REG_FREE 0
+
+/* The numbering of states.py, checked by ownership.py against STATES and EVENTS. */
+enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_COUNT };
+enum {
+    E_CLAIM, E_RESERVE, E_OPEN_RESERVED, E_PUBLISH, E_TAKE, E_RELEASE, E_ABORT, E_RECLAIM,
+    E_REDELIVER, E_FINISH, E_CANCEL, E_COUNT
+};
+static const char *state_names[] = {"FREE", "RESERVED", "WRITING", "READY", "HELD", "RECLAIMING"};
+static const char *event_names[] = {"CLAIM", "RESERVE", "OPEN_RESERVED", "PUBLISH", "TAKE",
+                                    "RELEASE", "ABORT", "RECLAIM", "REDELIVER", "FINISH",
+                                    "CANCEL"};
+/* Counters this file bumps, in the order of the `counters` offsets passed in. */
+enum {
+    C_CLAIMS, C_RESERVES, C_PUBLISHES, C_TAKES, C_RELEASES, C_ABORTS, C_CANCELS,
+    C_RECLAIMED_WRITING, C_RECLAIMED_RESERVED, C_RECLAIMED_HELD_DROPPED, C_REDELIVERED,
+    C_PARTICIPANTS_REAPED, C_COUNT
+};
+static const char *counter_names[] = {
+    "claims", "reserves", "publishes", "takes", "releases", "aborts", "cancels",
+    "reclaimed_writing", "reclaimed_reserved", "reclaimed_held_dropped", "redelivered",
+    "participants_reaped"};
 
 typedef struct {
     PyObject_HEAD
@@ -49,17 +90,17 @@ typedef struct {
     Py_ssize_t bitmap, nwords, entries, entry_size, nslots;
     Py_ssize_t tag_off, stamp_off, qpos_off, deliveries_off;
     Py_ssize_t ring, ring_cap, head, tail;
-    Py_ssize_t publish_seq, readers_waiting, release_seq, claimers_waiting;
-    Py_ssize_t publishes_counter, takes_counter;
+    Py_ssize_t publish_seq, readers_waiting, readers_until;
+    Py_ssize_t release_seq, claimers_waiting, claimers_until;
+    Py_ssize_t registry, reg_entry, reg_capacity, reg_state;
+    Py_ssize_t counter[C_COUNT];
     uint64_t tail_mask;
     /* protocol */
     uint64_t me;
     uint8_t next[NSTATES][NEVENTS];
-    uint32_t owner_checked;  /* bit e set: event e requires actor == owner */
-    int ev_claim, ev_publish, ev_take, st_free, st_writing, st_ready, st_held;
-    uint32_t pending_states; /* bit s set: a queued slot in state s is still coming */
+    uint32_t owner_checked; /* bit e set: event e requires actor == owner */
     Py_ssize_t hint;
-    PyObject *corrupt; /* exception class raised for a ring that never settles */
+    PyObject *corrupt; /* exception class for a segment that breaks the protocol's rules */
 } HotPath;
 
 static inline uint64_t *w64(HotPath *h, Py_ssize_t off) { return (uint64_t *)(h->base + off); }
@@ -79,53 +120,49 @@ static inline uint64_t now_ns(void)
 static inline Py_ssize_t entry_of(HotPath *h, Py_ssize_t slot) { return h->entries + slot * h->entry_size; }
 static inline uint64_t empty_cell(uint64_t pos) { return (pos & POS_MASK) << 21; }
 static inline uint64_t full_cell(uint64_t pos, uint64_t slot) { return ((pos & POS_MASK) << 21) | FULL | slot; }
+static inline unsigned state_of(uint64_t word) { return (unsigned)(word & 0xFFFF); }
+static inline uint64_t owner_of(uint64_t word) { return (word >> 16) & 0xFFFF; }
+static inline uint64_t owned_word(uint64_t gen, uint64_t owner, unsigned state)
+{
+    return ((gen & 0xFFFFFFFFu) << 32) | (owner << 16) | state;
+}
 
 /* states.next_word, table driven; returns 0 and sets *out, or -1 if illegal. */
 static int
 transition(HotPath *h, uint64_t word, int event, uint64_t actor, uint64_t *out)
 {
-    unsigned state = (unsigned)(word & 0xFFFF);
-    uint64_t owner = (word >> 16) & 0xFFFF;
+    unsigned state = state_of(word);
     uint64_t gen = word >> 32;
     if (state >= NSTATES || event < 0 || event >= NEVENTS || h->next[state][event] == NONE)
         return -1;
-    if ((h->owner_checked >> event & 1) && owner != actor)
+    if ((h->owner_checked >> event & 1) && owner_of(word) != actor)
         return -1;
     unsigned target = h->next[state][event];
-    if ((int)target == h->st_free)
+    if (target == S_FREE)
         *out = ((gen + 1) & 0xFFFFFFFFu) << 32;
-    else if ((int)target == h->st_ready)
+    else if (target == S_READY)
         *out = (gen << 32) | target;
     else
         *out = (gen << 32) | (actor << 16) | target;
     return 0;
 }
 
+/* Wake sleepers on `seq` if any may be asleep: counted, and inside the deadline the last
+ * one announced.  A sleeper killed in its sleep stays counted, but its deadline passes
+ * within a nap, so it never makes every later wake a syscall. */
 static inline void
-wake(HotPath *h, Py_ssize_t seq, Py_ssize_t waiting)
+wake(HotPath *h, Py_ssize_t seq, Py_ssize_t waiting, Py_ssize_t until, uint64_t now)
 {
     __atomic_fetch_add((uint32_t *)(h->base + seq), 1, __ATOMIC_SEQ_CST);
-    if (ld(h, waiting))
+    if (ld(h, waiting) && ld(h, until) > now)
         syscall(SYS_futex, h->base + seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Bump a counter; a negative offset means "count nothing". */
-static inline void
-count(HotPath *h, Py_ssize_t counter)
-{
-    if (counter >= 0)
-        __atomic_fetch_add(w64(h, counter), 1, __ATOMIC_SEQ_CST);
-}
-
-static int
-counter_ok(HotPath *h, Py_ssize_t counter)
-{
-    if (counter < -1 || counter > h->buf.len - 8 || (counter >= 0 && counter % 8)) {
-        PyErr_SetString(PyExc_IndexError, "bad counter offset");
-        return 0;
-    }
-    return 1;
-}
+static inline void wake_readers(HotPath *h, uint64_t now) { wake(h, h->publish_seq, h->readers_waiting, h->readers_until, now); }
+static inline void wake_claimers(HotPath *h, uint64_t now) { wake(h, h->release_seq, h->claimers_waiting, h->claimers_until, now); }
+static inline void count(HotPath *h, int which) { __atomic_fetch_add(w64(h, h->counter[which]), 1, __ATOMIC_SEQ_CST); }
+static inline void set_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_or(w64(h, h->bitmap + 8 * (slot >> 6)), UINT64_C(1) << (slot & 63), __ATOMIC_SEQ_CST); }
+static inline void clear_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_and(w64(h, h->bitmap + 8 * (slot >> 6)), ~(UINT64_C(1) << (slot & 63)), __ATOMIC_SEQ_CST); }
 
 /* -- ready ring -------------------------------------------------------------------- */
 
@@ -162,7 +199,7 @@ ring_push(HotPath *h, Py_ssize_t slot)
     Py_ssize_t qpos = entry_of(h, slot) + h->qpos_off;
     uint64_t cap = (uint64_t)h->ring_cap;
     for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
-        uint64_t tail = ld(h, h->tail), head = ld(h, h->head);
+        uint64_t head = ld(h, h->head), tail = ld(h, h->tail);
         if (tail - head >= cap) { /* full, unless head lags behind a consumed cell */
             if (!help_head(h, head))
                 return -1;
@@ -203,23 +240,6 @@ ring_peek(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
     return RING_CORRUPT;
 }
 
-static PyObject *
-corrupt_ring(HotPath *h)
-{
-    PyErr_SetString(h->corrupt, "the ready ring never settles: its head, tail or cells are corrupt");
-    return NULL;
-}
-
-/* ring_peek for the methods: 0 found, -1 empty, -2 with the corrupt-ring error set. */
-static int
-peek_or_raise(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
-{
-    int peeked = ring_peek(h, pos, slot);
-    if (peeked == RING_CORRUPT)
-        corrupt_ring(h);
-    return peeked;
-}
-
 static void
 ring_pop(HotPath *h, uint64_t pos, Py_ssize_t slot)
 {
@@ -228,7 +248,180 @@ ring_pop(HotPath *h, uint64_t pos, Py_ssize_t slot)
     cas(h, h->head, pos, pos + 1);
 }
 
-/* -- methods --------------------------------------------------------------------------- */
+/* Whether the ring holds `slot`'s entry at the slot's recorded position. */
+static int
+queued_at_its_position(HotPath *h, Py_ssize_t slot)
+{
+    uint64_t pos = ld(h, entry_of(h, slot) + h->qpos_off);
+    return pos != NO_POS && cell_at(h, pos) == full_cell(pos, (uint64_t)slot);
+}
+
+/* Whether the head entry is one a reader would deliver (a READY slot queued there). */
+static int
+head_is_live(HotPath *h, uint64_t pos, Py_ssize_t slot)
+{
+    if (slot >= h->nslots)
+        return 0;
+    Py_ssize_t entry = entry_of(h, slot);
+    return state_of(ld(h, entry)) == S_READY && ld(h, entry + h->qpos_off) == pos;
+}
+
+static int drop_stale_heads(HotPath *h);
+
+/* Room for one more entry: 1, 0 (full of live entries), or RING_CORRUPT.  Stale entries
+ * at the head are dropped to make room. */
+static int
+ring_room(HotPath *h)
+{
+    for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
+        uint64_t head = ld(h, h->head), tail = ld(h, h->tail);
+        if (tail - head < (uint64_t)h->ring_cap)
+            return 1;
+        if (help_head(h, head))
+            continue;
+        int dropped = drop_stale_heads(h);
+        if (dropped != 1)
+            return dropped; /* 0: every entry up to the first is live, so the ring is full */
+    }
+    return RING_CORRUPT;
+}
+
+/* Pop the stale entries at the head (cancelled, reclaimed or doubled publications), up to the
+ * first live one: 1 if any was popped, 0 if none, RING_CORRUPT. */
+static int
+drop_stale_heads(HotPath *h)
+{
+    int dropped = 0;
+    for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
+        uint64_t pos;
+        Py_ssize_t slot;
+        int peeked = ring_peek(h, &pos, &slot);
+        if (peeked == RING_CORRUPT)
+            return RING_CORRUPT;
+        if (peeked < 0 || head_is_live(h, pos, slot))
+            return dropped;
+        ring_pop(h, pos, slot);
+        dropped = 1;
+    }
+    return RING_CORRUPT;
+}
+
+static PyObject *
+corrupt_ring(HotPath *h)
+{
+    PyErr_SetString(h->corrupt, "the ready ring never settles: its head, tail or cells are corrupt");
+    return NULL;
+}
+
+/* -- the steps, for any caller inside this file ------------------------------------------ */
+
+/* Queue a slot that has just turned READY.  A full ring (only possible with stale entries
+ * piling up in a race) leaves it stranded for requeue_stranded; 0, or RING_CORRUPT. */
+static int
+queue_ready(HotPath *h, Py_ssize_t slot, uint64_t now)
+{
+    int64_t pushed = ring_push(h, slot);
+    if (pushed == RING_CORRUPT)
+        return RING_CORRUPT;
+    wake_readers(h, now);
+    return 0;
+}
+
+/* Hand back a slot the caller may act for (its own, or a dead owner's under the reaper's
+ * lock) that is in `word` now: `event` takes it to RECLAIMING under our id, the bit is
+ * cleared, FINISH makes it FREE.  1 done, 0 the word changed first (nothing done). */
+static int
+to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
+{
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t closing, freed;
+    if (transition(h, word, event, h->me, &closing) != 0 || state_of(closing) != S_RECLAIMING ||
+        transition(h, closing, E_FINISH, h->me, &freed) != 0)
+        return 0;
+    if (!cas(h, entry, word, closing))
+        return 0;
+    clear_bit(h, slot);
+    /* Nobody else may change RECLAIMING(me): this cannot fail. */
+    cas(h, entry, closing, freed);
+    uint64_t now = now_ns();
+    st(h, entry + h->stamp_off, now);
+    wake_claimers(h, now);
+    return 1;
+}
+
+/* HELD(owner) -> READY and queued again: 1, 0 if the word is not `word`, RING_CORRUPT. */
+static int
+redeliver(HotPath *h, Py_ssize_t slot, uint64_t word)
+{
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t ready;
+    if (state_of(word) != S_HELD || transition(h, word, E_REDELIVER, h->me, &ready) != 0)
+        return 0;
+    uint64_t now = now_ns();
+    /* Its old entry (if a reader died before popping it) goes stale first. */
+    st(h, entry + h->qpos_off, NO_POS);
+    st(h, entry + h->stamp_off, now);
+    if (!cas(h, entry, word, ready))
+        return 0;
+    count(h, C_REDELIVERED);
+    return queue_ready(h, slot, now) == RING_CORRUPT ? RING_CORRUPT : 1;
+}
+
+typedef struct {
+    long writing, reserved, held_dropped, redelivered;
+} Reclaimed;
+
+/* Reclaim every slot whose word names `owner`: 0, or -1 with an error set. */
+static int
+reclaim_owner(HotPath *h, uint64_t owner, int drop_held, Reclaimed *done)
+{
+    for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
+        uint64_t word = ld(h, entry_of(h, slot));
+        if (owner_of(word) != owner || state_of(word) == S_FREE || state_of(word) == S_READY)
+            continue;
+        switch (state_of(word)) {
+        case S_WRITING:
+            done->writing += to_free(h, slot, word, E_RECLAIM);
+            break;
+        case S_RESERVED: /* a producer may open it first: then it is the producer's */
+            done->reserved += to_free(h, slot, word, E_RECLAIM);
+            break;
+        case S_RECLAIMING: /* its owner, or a reaper, died half way: finish */
+            to_free(h, slot, word, E_RECLAIM);
+            break;
+        case S_HELD:
+            if (drop_held) {
+                done->held_dropped += to_free(h, slot, word, E_RECLAIM);
+            } else {
+                int r = redeliver(h, slot, word);
+                if (r == RING_CORRUPT) {
+                    corrupt_ring(h);
+                    return -1;
+                }
+                done->redelivered += r;
+            }
+            break;
+        default:
+            PyErr_Format(h->corrupt,
+                         "slot %zd has state word %#llx: no state this version knows", slot,
+                         (unsigned long long)word);
+            return -1;
+        }
+    }
+    if (done->writing) __atomic_fetch_add(w64(h, h->counter[C_RECLAIMED_WRITING]), done->writing, __ATOMIC_SEQ_CST);
+    if (done->reserved) __atomic_fetch_add(w64(h, h->counter[C_RECLAIMED_RESERVED]), done->reserved, __ATOMIC_SEQ_CST);
+    if (done->held_dropped) __atomic_fetch_add(w64(h, h->counter[C_RECLAIMED_HELD_DROPPED]), done->held_dropped, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+static PyObject *
+reclaimed_tuple(Reclaimed *done)
+{
+    return Py_BuildValue("(llll)", done->writing, done->reserved, done->held_dropped,
+                         done->redelivered);
+}
+
+/* -- argument checks -------------------------------------------------------------------- */
 
 static int
 need(HotPath *h, Py_ssize_t nargs, Py_ssize_t want, const char *name)
@@ -257,20 +450,30 @@ slot_arg(HotPath *h, PyObject *o, Py_ssize_t *slot)
     return 1;
 }
 
-/* acquire(event, tag, counter_off) -> (slot, generation) | None
- * Take any FREE slot by `event` (CLAIM or RESERVE): CAS its word, then set its bit. */
-static PyObject *
-hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+static int
+gen_arg(PyObject *o, uint64_t *gen)
 {
-    if (!need(h, nargs, 3, "acquire")) return NULL;
-    int event = (int)PyLong_AsLong(args[0]);
-    unsigned long long tag = PyLong_AsUnsignedLongLong(args[1]);
-    Py_ssize_t counter = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred() || !counter_ok(h, counter)) return NULL;
+    unsigned long long g = PyLong_AsUnsignedLongLong(o);
+    if (PyErr_Occurred())
+        return 0;
+    if (g > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_OverflowError, "generation is 32 bits");
+        return 0;
+    }
+    *gen = g;
+    return 1;
+}
+
+/* -- methods ---------------------------------------------------------------------------- */
+
+/* One scan of the bitmap for a FREE slot to take by `event`: the slot, or -1 if none (then
+ * *skipped says whether a FREE slot was passed over for its entry still in the ring). */
+static Py_ssize_t
+acquire_scan(HotPath *h, int event, uint64_t tag, uint64_t *generation, int *skipped)
+{
     for (Py_ssize_t step = 0; step < h->nwords; step++) {
         Py_ssize_t wi = (h->hint + step) % h->nwords;
-        Py_ssize_t woff = h->bitmap + 8 * wi;
-        uint64_t bits = ld(h, woff);
+        uint64_t bits = ld(h, h->bitmap + 8 * wi);
         if (wi == h->nwords - 1)
             bits |= h->tail_mask;
         uint64_t free_bits = ~bits;
@@ -279,57 +482,116 @@ hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t slot = wi * 64 + __builtin_ctzll(free_bits);
             Py_ssize_t entry = entry_of(h, slot);
             uint64_t word = ld(h, entry), mine;
-            /* A slot whose last queue entry may still be in the ring (a cancelled or
-             * reclaimed publication) waits until head passes it: at most one entry
-             * per slot, so stale entries can never fill the ring. */
-            uint64_t queued_at = ld(h, entry + h->qpos_off);
-            int entry_gone = queued_at == UINT64_MAX || queued_at < ld(h, h->head);
-            if ((int)(word & 0xFFFF) == h->st_free && entry_gone &&
-                transition(h, word, event, h->me, &mine) == 0 && cas(h, entry, word, mine)) {
-                __atomic_fetch_or(w64(h, woff), low, __ATOMIC_SEQ_CST);
-                st(h, entry + h->tag_off, (uint64_t)tag);
-                st(h, entry + h->qpos_off, UINT64_MAX);
-                st(h, entry + h->deliveries_off, 0);
-                st(h, entry + h->stamp_off, now_ns());
-                count(h, counter);
-                h->hint = wi;
-                return Py_BuildValue("(nK)", slot, (unsigned long long)(mine >> 32));
-            }
             free_bits ^= low;
+            if (state_of(word) != S_FREE)
+                continue;
+            /* A slot whose last queue entry is still in the ring (a cancelled or
+             * reclaimed publication) waits until readers pass it: at most one entry
+             * per slot, so stale entries can never fill the ring. */
+            if (queued_at_its_position(h, slot)) {
+                *skipped = 1;
+                continue;
+            }
+            if (transition(h, word, E_CLAIM, h->me, &mine) != 0 || !cas(h, entry, word, mine))
+                continue;
+            set_bit(h, slot);
+            st(h, entry + h->tag_off, tag);
+            st(h, entry + h->qpos_off, NO_POS);
+            st(h, entry + h->deliveries_off, 0);
+            st(h, entry + h->stamp_off, now_ns());
+            if (event == E_RESERVE) {
+                uint64_t booked;
+                /* WRITING(me) is ours alone: neither step can fail. */
+                transition(h, mine, E_RESERVE, h->me, &booked);
+                cas(h, entry, mine, booked);
+            }
+            count(h, event == E_RESERVE ? C_RESERVES : C_CLAIMS);
+            h->hint = wi;
+            *generation = mine >> 32;
+            return slot;
         }
     }
-    Py_RETURN_NONE;
+    return -1;
+}
+
+/* acquire(event, tag) -> (slot, generation) | None
+ * CLAIM: FREE -> WRITING(me).  RESERVE: the same, then -> RESERVED(me) once the bit, tag
+ * and queue position are set, so no producer can open a reservation still being made.
+ * FREE slots held back by stale entries at the ring's head are freed up by popping those. */
+static PyObject *
+hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!need(h, nargs, 2, "acquire")) return NULL;
+    int event = (int)PyLong_AsLong(args[0]);
+    unsigned long long tag = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (event != E_CLAIM && event != E_RESERVE) {
+        PyErr_SetString(PyExc_ValueError, "acquire takes CLAIM or RESERVE");
+        return NULL;
+    }
+    uint64_t gen = 0;
+    int skipped = 0;
+    Py_ssize_t slot = acquire_scan(h, event, tag, &gen, &skipped);
+    if (slot < 0 && skipped) {
+        int dropped = drop_stale_heads(h);
+        if (dropped == RING_CORRUPT)
+            return corrupt_ring(h);
+        if (dropped)
+            slot = acquire_scan(h, event, tag, &gen, &skipped);
+    }
+    if (slot < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(nK)", slot, (unsigned long long)gen);
+}
+
+/* open_reserved(slot, generation) -> tag | None: RESERVED(anyone, generation) -> WRITING(me),
+ * or None if the slot is not reserved at that generation (nothing changed). */
+static PyObject *
+hp_open_reserved(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t gen, mine;
+    if (!need(h, nargs, 2, "open_reserved") || !slot_arg(h, args[0], &slot) ||
+        !gen_arg(args[1], &gen))
+        return NULL;
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t word = ld(h, entry);
+    if (state_of(word) != S_RESERVED || (word >> 32) != gen ||
+        transition(h, word, E_OPEN_RESERVED, h->me, &mine) != 0 || !cas(h, entry, word, mine))
+        Py_RETURN_NONE;
+    st(h, entry + h->stamp_off, now_ns());
+    return PyLong_FromUnsignedLongLong(ld(h, entry + h->tag_off));
 }
 
 /* publish(slot, generation) -> 0 published, -1 not this participant's WRITING slot,
- * -2 ready ring full (nothing changed). Queues the slot, then turns it READY. */
+ * -2 ready ring full of live entries (nothing changed). */
 static PyObject *
 hp_publish(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
-    if (!need(h, nargs, 2, "publish") || !slot_arg(h, args[0], &slot)) return NULL;
-    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    uint64_t gen, ready;
+    if (!need(h, nargs, 2, "publish") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
+        return NULL;
     Py_ssize_t entry = entry_of(h, slot);
-    uint64_t mine = ((uint64_t)(gen & 0xFFFFFFFFu) << 32) | (h->me << 16) | (uint64_t)h->st_writing;
-    uint64_t ready;
-    if (ld(h, entry) != mine || transition(h, mine, h->ev_publish, h->me, &ready) != 0)
+    uint64_t mine = owned_word(gen, h->me, S_WRITING);
+    if (ld(h, entry) != mine || transition(h, mine, E_PUBLISH, h->me, &ready) != 0)
         return PyLong_FromLong(-1);
-    int64_t pushed = ring_push(h, slot);
-    if (pushed == RING_CORRUPT)
+    int room = ring_room(h);
+    if (room == RING_CORRUPT)
         return corrupt_ring(h);
-    if (pushed < 0)
+    if (!room)
         return PyLong_FromLong(-2);
+    uint64_t now = now_ns();
+    st(h, entry + h->stamp_off, now);
     if (!cas(h, entry, mine, ready))
         return PyLong_FromLong(-1);
-    st(h, entry + h->stamp_off, now_ns());
-    count(h, h->publishes_counter);
-    wake(h, h->publish_seq, h->readers_waiting);
+    count(h, C_PUBLISHES);
+    if (queue_ready(h, slot, now) == RING_CORRUPT)
+        return corrupt_ring(h);
     return PyLong_FromLong(0);
 }
 
-/* take() -> (slot, generation, tag, deliveries) | None (empty) | int (owner id of an
- * unfinished publication at the head). */
+/* take() -> (slot, generation, tag, deliveries before this one) | None (nothing ready). */
 static PyObject *
 hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -337,125 +599,191 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     for (;;) {
         uint64_t pos;
         Py_ssize_t slot;
-        int peeked = peek_or_raise(h, &pos, &slot);
+        int peeked = ring_peek(h, &pos, &slot);
         if (peeked == RING_CORRUPT)
-            return NULL;
+            return corrupt_ring(h);
         if (peeked < 0)
             Py_RETURN_NONE;
-        if (slot >= h->nslots) { /* a cell naming no slot: drop it, never follow it */
-            ring_pop(h, pos, slot);
+        if (head_is_live(h, pos, slot)) {
+            Py_ssize_t entry = entry_of(h, slot);
+            uint64_t word = ld(h, entry), held;
+            if (state_of(word) == S_READY && transition(h, word, E_TAKE, h->me, &held) == 0 &&
+                cas(h, entry, word, held)) {
+                ring_pop(h, pos, slot);
+                st(h, entry + h->stamp_off, now_ns());
+                /* Counted in the step that delivers: a second delivery always says so. */
+                uint64_t before = __atomic_fetch_add(w64(h, entry + h->deliveries_off), 1,
+                                                     __ATOMIC_SEQ_CST);
+                count(h, C_TAKES);
+                return Py_BuildValue("(nKKK)", slot, (unsigned long long)(word >> 32),
+                                     (unsigned long long)ld(h, entry + h->tag_off),
+                                     (unsigned long long)before);
+            }
             continue;
         }
-        Py_ssize_t entry = entry_of(h, slot);
-        uint64_t word = ld(h, entry);
-        unsigned state = (unsigned)(word & 0xFFFF);
-        if (ld(h, entry + h->qpos_off) == pos) {
-            uint64_t held;
-            if ((int)state == h->st_ready && transition(h, word, h->ev_take, h->me, &held) == 0) {
-                if (cas(h, entry, word, held)) {
-                    ring_pop(h, pos, slot);
-                    st(h, entry + h->stamp_off, now_ns());
-                    count(h, h->takes_counter);
-                    return Py_BuildValue("(nKKK)", slot, (unsigned long long)(word >> 32),
-                                         (unsigned long long)ld(h, entry + h->tag_off),
-                                         (unsigned long long)ld(h, entry + h->deliveries_off));
-                }
-                continue;
-            }
-            if (state < 32 && (h->pending_states >> state & 1))
-                return PyLong_FromUnsignedLongLong((word >> 16) & 0xFFFF);
-        }
         ring_pop(h, pos, slot); /* stale: taken, cancelled or queued again elsewhere */
-        if ((int)state == h->st_free)
-            wake(h, h->release_seq, h->claimers_waiting); /* claimable again (see acquire) */
+        if (slot < h->nslots && state_of(ld(h, entry_of(h, slot))) == S_FREE)
+            wake_claimers(h, now_ns()); /* claimable again (see acquire) */
     }
 }
 
-/* free(slot, generation, state, event, counter_off) -> 0, or -1 if the slot is not
- * this participant's in `state` at `generation` (nothing changed).
- * Clears the bit first, then CASes the word to FREE (generation + 1). */
+/* free(slot, generation, state, event) -> 0, or -1 if the slot is not this participant's in
+ * `state` at `generation` (nothing changed).  RELEASE or ABORT, through RECLAIMING. */
 static PyObject *
 hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
-    if (!need(h, nargs, 5, "free") || !slot_arg(h, args[0], &slot)) return NULL;
-    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t gen;
+    if (!need(h, nargs, 4, "free") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
+        return NULL;
     long state = PyLong_AsLong(args[2]);
-    int event = (int)PyLong_AsLong(args[3]);
-    Py_ssize_t counter = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred() || !counter_ok(h, counter)) return NULL;
-    if (state < 0 || state >= NSTATES) {
-        PyErr_SetString(PyExc_ValueError, "bad state");
+    long event = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (state < 0 || state >= S_COUNT || (event != E_RELEASE && event != E_ABORT)) {
+        PyErr_SetString(PyExc_ValueError, "free takes an owned state and RELEASE or ABORT");
         return NULL;
     }
-    Py_ssize_t entry = entry_of(h, slot);
-    uint64_t mine = ((uint64_t)(gen & 0xFFFFFFFFu) << 32) | (h->me << 16) | (uint64_t)state;
-    uint64_t freed;
-    if (ld(h, entry) != mine || transition(h, mine, event, h->me, &freed) != 0 ||
-        (int)(freed & 0xFFFF) != h->st_free)
+    uint64_t mine = owned_word(gen, h->me, (unsigned)state);
+    if (ld(h, entry_of(h, slot)) != mine || !to_free(h, slot, mine, (int)event))
         return PyLong_FromLong(-1);
-    Py_ssize_t woff = h->bitmap + 8 * (slot >> 6);
-    uint64_t bit = UINT64_C(1) << (slot & 63);
-    __atomic_fetch_and(w64(h, woff), ~bit, __ATOMIC_SEQ_CST);
-    if (!cas(h, entry, mine, freed)) {
-        if ((int)(ld(h, entry) & 0xFFFF) != h->st_free) /* never set the bit of a FREE slot */
-            __atomic_fetch_or(w64(h, woff), bit, __ATOMIC_SEQ_CST);
-        return PyLong_FromLong(-1);
-    }
-    st(h, entry + h->stamp_off, now_ns());
-    count(h, counter);
-    wake(h, h->release_seq, h->claimers_waiting);
+    count(h, event == E_RELEASE ? C_RELEASES : C_ABORTS);
     return PyLong_FromLong(0);
 }
 
-/* push(slot) -> position | -1 (ring full): queue a slot (redelivery uses this). */
+/* redeliver(slot, generation) -> 0, or -1 if the slot is not HELD by this participant at
+ * `generation`: a lease handed back unread goes to READY and is queued again. */
 static PyObject *
-hp_push(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+hp_redeliver(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
-    if (!need(h, nargs, 1, "push") || !slot_arg(h, args[0], &slot)) return NULL;
-    int64_t pushed = ring_push(h, slot);
-    if (pushed == RING_CORRUPT)
-        return corrupt_ring(h);
-    return PyLong_FromLongLong(pushed < 0 ? -1 : pushed);
-}
-
-/* drop_stale_head() -> bool: remove the head entry if its slot no longer waits there. */
-static PyObject *
-hp_drop_stale_head(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!need(h, nargs, 0, "drop_stale_head")) return NULL;
-    uint64_t pos;
-    Py_ssize_t slot;
-    int peeked = peek_or_raise(h, &pos, &slot);
-    if (peeked == RING_CORRUPT)
+    uint64_t gen;
+    if (!need(h, nargs, 2, "redeliver") || !slot_arg(h, args[0], &slot) ||
+        !gen_arg(args[1], &gen))
         return NULL;
-    if (peeked < 0)
-        Py_RETURN_FALSE;
-    if (slot < h->nslots) {
-        Py_ssize_t entry = entry_of(h, slot);
-        unsigned state = (unsigned)(ld(h, entry) & 0xFFFF);
-        int waiting = (int)state == h->st_ready || (state < 32 && (h->pending_states >> state & 1));
-        if (ld(h, entry + h->qpos_off) == pos && waiting)
-            Py_RETURN_FALSE;
-    }
-    ring_pop(h, pos, slot);
-    Py_RETURN_TRUE;
+    uint64_t mine = owned_word(gen, h->me, S_HELD);
+    if (ld(h, entry_of(h, slot)) != mine)
+        return PyLong_FromLong(-1);
+    int r = redeliver(h, slot, mine);
+    if (r == RING_CORRUPT)
+        return corrupt_ring(h);
+    return PyLong_FromLong(r ? 0 : -1);
 }
 
-/* forget_position(slot): clear the slot's queue position if no entry of it sits
- * there (a publisher died between recording the position and filling the cell).
- * Only the slot's owner (a reaper finishing it) may call this. */
+/* cancel(tag) -> slots cancelled: every READY slot carrying `tag` goes to FREE. */
 static PyObject *
-hp_forget_position(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+hp_cancel(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t slot;
-    if (!need(h, nargs, 1, "forget_position") || !slot_arg(h, args[0], &slot)) return NULL;
-    Py_ssize_t qpos = entry_of(h, slot) + h->qpos_off;
-    uint64_t pos = ld(h, qpos);
-    if (pos != UINT64_MAX && cell_at(h, pos) != full_cell(pos, (uint64_t)slot))
-        st(h, qpos, UINT64_MAX);
-    Py_RETURN_NONE;
+    if (!need(h, nargs, 1, "cancel")) return NULL;
+    unsigned long long tag = PyLong_AsUnsignedLongLong(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    long cancelled = 0;
+    for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
+        Py_ssize_t entry = entry_of(h, slot);
+        uint64_t word = ld(h, entry);
+        /* The generation in the word guards the tag: a slot reused since fails the CAS. */
+        if (state_of(word) == S_READY && ld(h, entry + h->tag_off) == tag &&
+            to_free(h, slot, word, E_CANCEL)) {
+            count(h, C_CANCELS);
+            count(h, C_ABORTS);
+            cancelled++;
+        }
+    }
+    return PyLong_FromLong(cancelled);
+}
+
+/* reclaim_owner(owner, drop_held) -> (writing, reserved, held dropped, redelivered):
+ * hand back every slot of `owner`.  Only for this participant's own id (a table closing, or
+ * one that took over a dead participant's registry entry); reap_entry does it for others. */
+static PyObject *
+hp_reclaim_owner(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!need(h, nargs, 2, "reclaim_owner")) return NULL;
+    unsigned long owner = PyLong_AsUnsignedLong(args[0]);
+    int drop_held = PyObject_IsTrue(args[1]);
+    if (PyErr_Occurred() || drop_held < 0) return NULL;
+    if (owner != h->me) {
+        PyErr_SetString(PyExc_ValueError, "reclaim_owner is for this participant's own slots");
+        return NULL;
+    }
+    Reclaimed done = {0};
+    if (reclaim_owner(h, owner, drop_held, &done) < 0)
+        return NULL;
+    return reclaimed_tuple(&done);
+}
+
+static int
+entry_lock(int fd, Py_ssize_t index, short kind)
+{
+    struct flock fl = {.l_type = kind, .l_whence = SEEK_SET, .l_start = index, .l_len = 1};
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* reap_entry(fd, index, drop_held) -> (writing, reserved, held dropped, redelivered) | None:
+ * take registry entry `index`'s liveness lock (on `fd`, an open file description of this
+ * participant's), and if the entry is still ACTIVE, its holder is dead: reclaim its slots,
+ * free the entry, drop the lock.  None if the lock is held (alive, or another reaper) or
+ * the entry is no longer active.  One call, so no interrupt can leave the lock held. */
+static PyObject *
+hp_reap_entry(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!need(h, nargs, 3, "reap_entry")) return NULL;
+    int fd = (int)PyLong_AsLong(args[0]);
+    Py_ssize_t index = PyLong_AsSsize_t(args[1]);
+    int drop_held = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || drop_held < 0) return NULL;
+    if (index < 0 || index >= h->reg_capacity || (uint64_t)index + 1 == h->me) {
+        PyErr_Format(PyExc_IndexError, "registry entry %zd cannot be reaped here", index);
+        return NULL;
+    }
+    if (entry_lock(fd, index, F_WRLCK) < 0) {
+        if (errno == EAGAIN || errno == EACCES)
+            Py_RETURN_NONE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_ssize_t state = h->registry + index * h->reg_entry + h->reg_state;
+    PyObject *result = Py_None;
+    Reclaimed done = {0};
+    if (ld(h, state) == REG_ACTIVE) {
+        if (reclaim_owner(h, (uint64_t)index + 1, drop_held, &done) < 0) {
+            result = NULL;
+        } else {
+            st(h, state, REG_FREE);
+            count(h, C_PARTICIPANTS_REAPED);
+            result = reclaimed_tuple(&done);
+        }
+    } else {
+        Py_INCREF(result);
+    }
+    int saved = errno;
+    entry_lock(fd, index, F_UNLCK);
+    errno = saved;
+    return result;
+}
+
+/* requeue_stranded(min_age_ns) -> slots queued: READY slots that are in no ring entry and
+ * have been READY at least `min_age_ns` (a publisher or reaper died, or is stopped, between
+ * turning a slot READY and queueing it).  A queueing still in flight may be doubled; the
+ * slot's queue position names the one entry that can deliver it. */
+static PyObject *
+hp_requeue_stranded(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!need(h, nargs, 1, "requeue_stranded")) return NULL;
+    unsigned long long min_age = PyLong_AsUnsignedLongLong(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    uint64_t now = now_ns();
+    long queued = 0;
+    for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
+        Py_ssize_t entry = entry_of(h, slot);
+        if (state_of(ld(h, entry)) != S_READY || queued_at_its_position(h, slot))
+            continue;
+        uint64_t stamp = ld(h, entry + h->stamp_off);
+        if (now > stamp && now - stamp < min_age)
+            continue;
+        if (queue_ready(h, slot, now) == RING_CORRUPT)
+            return corrupt_ring(h);
+        queued++;
+    }
+    return PyLong_FromLong(queued);
 }
 
 /* init_ring(): every cell empty for its first position, and no slot queued anywhere
@@ -467,7 +795,7 @@ hp_init_ring(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t pos = 0; pos < h->ring_cap; pos++)
         st(h, h->ring + 8 * pos, empty_cell((uint64_t)pos));
     for (Py_ssize_t slot = 0; slot < h->nslots; slot++)
-        st(h, entry_of(h, slot) + h->qpos_off, UINT64_MAX);
+        st(h, entry_of(h, slot) + h->qpos_off, NO_POS);
     Py_RETURN_NONE;
 }
 
@@ -515,31 +843,23 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     static char *kw[] = {
         "buffer", "bitmap", "nwords", "tail_mask", "entries", "entry_size", "nslots",
         "tag_off", "stamp_off", "qpos_off", "deliveries_off", "ring", "ring_cap", "head",
-        "tail", "publish_seq", "readers_waiting", "release_seq", "claimers_waiting",
-        "publishes_counter", "takes_counter", "me", "transitions", "owner_checked",
-        "events", "states", "pending_states", "corrupt", NULL,
+        "tail", "publish_seq", "readers_waiting", "readers_until", "release_seq",
+        "claimers_waiting", "claimers_until", "registry", "reg_entry", "reg_capacity",
+        "reg_state", "counters", "me", "transitions", "owner_checked", "corrupt", NULL,
     };
-    PyObject *obj;
+    PyObject *obj, *counters, *corrupt;
     unsigned long long tail_mask, me;
     Py_buffer table;
-    unsigned int owner_checked, pending;
-    PyObject *corrupt;
+    unsigned int owner_checked;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnKy*I(iii)(iiii)IO", kw, &obj, &h->bitmap, &h->nwords,
+            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
             &tail_mask, &h->entries, &h->entry_size, &h->nslots, &h->tag_off, &h->stamp_off,
             &h->qpos_off, &h->deliveries_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
-            &h->publish_seq, &h->readers_waiting, &h->release_seq, &h->claimers_waiting,
-            &h->publishes_counter, &h->takes_counter, &me, &table, &owner_checked, &h->ev_claim,
-            &h->ev_publish, &h->ev_take, &h->st_free, &h->st_writing, &h->st_ready, &h->st_held,
-            &pending, &corrupt))
+            &h->publish_seq, &h->readers_waiting, &h->readers_until, &h->release_seq,
+            &h->claimers_waiting, &h->claimers_until, &h->registry, &h->reg_entry,
+            &h->reg_capacity, &h->reg_state, &PyTuple_Type, &counters, &me, &table,
+            &owner_checked, &corrupt))
         return -1;
-    if (!PyExceptionClass_Check(corrupt)) {
-        PyBuffer_Release(&table);
-        PyErr_SetString(PyExc_TypeError, "corrupt must be an exception class");
-        return -1;
-    }
-    Py_INCREF(corrupt);
-    Py_XSETREF(h->corrupt, corrupt);
     int bad = table.len != NSTATES * NEVENTS;
     if (!bad) memcpy(h->next, table.buf, sizeof(h->next));
     PyBuffer_Release(&table);
@@ -547,10 +867,23 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "transitions must be 16 x 16 bytes");
         return -1;
     }
+    if (!PyExceptionClass_Check(corrupt)) {
+        PyErr_SetString(PyExc_TypeError, "corrupt must be an exception class");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(counters) != C_COUNT) {
+        PyErr_Format(PyExc_ValueError, "counters must be %d offsets", C_COUNT);
+        return -1;
+    }
+    Py_ssize_t counter[C_COUNT];
+    for (int i = 0; i < C_COUNT; i++)
+        if ((counter[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(counters, i))) == -1 && PyErr_Occurred())
+            return -1;
+    Py_INCREF(corrupt);
+    Py_XSETREF(h->corrupt, corrupt);
     h->tail_mask = tail_mask;
     h->me = me & 0xFFFF;
     h->owner_checked = owner_checked;
-    h->pending_states = pending;
     if (h->held) {
         PyBuffer_Release(&h->buf);
         h->held = 0;
@@ -566,13 +899,18 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     ok = ok && h->entries >= 0 && h->entries % 8 == 0 && h->entry_size % 8 == 0 &&
          h->entries + h->nslots * h->entry_size <= len;
     ok = ok && h->ring >= 0 && h->ring % 8 == 0 && h->ring + 8 * h->ring_cap <= len;
+    ok = ok && h->reg_capacity > 0 && h->registry >= 0 && h->reg_entry % 8 == 0 &&
+         h->reg_state >= 0 && h->reg_state % 8 == 0 && h->reg_state + 8 <= h->reg_entry &&
+         h->registry + h->reg_capacity * h->reg_entry <= len;
     Py_ssize_t words[] = {h->tag_off, h->stamp_off, h->qpos_off, h->deliveries_off};
     for (int i = 0; i < 4; i++)
         ok = ok && words[i] >= 8 && words[i] % 8 == 0 && words[i] + 8 <= h->entry_size;
-    Py_ssize_t singles[] = {h->head, h->tail, h->publish_seq, h->readers_waiting,
-                            h->release_seq, h->claimers_waiting, h->publishes_counter,
-                            h->takes_counter};
-    for (int i = 0; i < 8; i++)
+    Py_ssize_t singles[6 + 3 + C_COUNT] = {h->head, h->tail, h->publish_seq, h->readers_waiting,
+                                          h->readers_until, h->release_seq, h->claimers_waiting,
+                                          h->claimers_until, h->registry};
+    for (int i = 0; i < C_COUNT; i++)
+        singles[9 + i] = h->counter[i] = counter[i];
+    for (size_t i = 0; i < sizeof(singles) / sizeof(*singles); i++)
         ok = ok && singles[i] >= 0 && singles[i] % 8 == 0 && singles[i] + 8 <= len;
     if (!ok) {
         PyBuffer_Release(&h->buf);
@@ -595,15 +933,18 @@ hp_dealloc(HotPath *h)
 
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef hp_methods[] = {
-    FAST("acquire", hp_acquire, "acquire(event, tag, counter_off) -> (slot, gen) | None"),
+    FAST("acquire", hp_acquire, "acquire(event, tag) -> (slot, gen) | None"),
+    FAST("open_reserved", hp_open_reserved, "open_reserved(slot, gen) -> tag | None"),
     FAST("publish", hp_publish, "publish(slot, gen) -> 0 | -1 not owner | -2 ring full"),
-    FAST("take", hp_take, "take() -> (slot, gen, tag, deliveries) | None | blocking owner id"),
-    FAST("free", hp_free, "free(slot, gen, state, event, counter_off) -> 0 | -1"),
-    FAST("push", hp_push, "push(slot) -> position | -1 when the ring is full"),
-    FAST("drop_stale_head", hp_drop_stale_head, "drop_stale_head() -> bool"),
+    FAST("take", hp_take, "take() -> (slot, gen, tag, deliveries) | None"),
+    FAST("free", hp_free, "free(slot, gen, state, event) -> 0 | -1"),
+    FAST("redeliver", hp_redeliver, "redeliver(slot, gen) -> 0 | -1"),
+    FAST("cancel", hp_cancel, "cancel(tag) -> slots cancelled"),
+    FAST("reclaim_owner", hp_reclaim_owner, "reclaim_owner(me, drop_held) -> counts"),
+    FAST("reap_entry", hp_reap_entry, "reap_entry(fd, index, drop_held) -> counts | None"),
+    FAST("requeue_stranded", hp_requeue_stranded, "requeue_stranded(min_age_ns) -> count"),
     FAST("transition", hp_transition, "transition(word, event, actor) -> word | None"),
     FAST("init_ring", hp_init_ring, "init_ring(): mark every ring cell empty"),
-    FAST("forget_position", hp_forget_position, "forget_position(slot): drop a dangling position"),
     FAST("queued", hp_queued, "queued() -> entries in the ready ring"),
     {"release", (PyCFunction)hp_release, METH_NOARGS, "release the buffer export"},
     {NULL, NULL, 0, NULL},
@@ -612,7 +953,7 @@ static PyMethodDef hp_methods[] = {
 static PyTypeObject HotPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmslots._hotpath.HotPath",
-    .tp_doc = "The per-request slot transitions of one participant, compiled.",
+    .tp_doc = "Every slot transition of one participant, compiled.",
     .tp_basicsize = sizeof(HotPath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -622,9 +963,38 @@ static PyTypeObject HotPathType = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._hotpath", "Compiled hot path of the slot protocol.", -1,
+    PyModuleDef_HEAD_INIT, "shmslots._hotpath", "Compiled transitions of the slot protocol.", -1,
     NULL,
 };
+
+/* name -> number, for ownership.py to hold against states.py. */
+static PyObject *
+numbering(const char **names, int n, int as_tuple)
+{
+    PyObject *out = as_tuple ? PyTuple_New(n) : PyDict_New();
+    for (int i = 0; out && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]), *value = PyLong_FromLong(i);
+        int bad = !name || !value;
+        if (!bad && as_tuple)
+            PyTuple_SET_ITEM(out, i, Py_NewRef(name));
+        else if (!bad)
+            bad = PyDict_SetItem(out, name, value) < 0;
+        Py_XDECREF(name);
+        Py_XDECREF(value);
+        if (bad)
+            Py_CLEAR(out);
+    }
+    return out;
+}
+
+/* PyModule_AddObjectRef, taking `value`'s reference whatever happens (3.13's PyModule_Add). */
+static int
+add_owned(PyObject *m, const char *name, PyObject *value)
+{
+    int rc = value ? PyModule_AddObjectRef(m, name, value) : -1;
+    Py_XDECREF(value);
+    return rc;
+}
 
 PyMODINIT_FUNC
 PyInit__hotpath(void)
@@ -634,9 +1004,10 @@ PyInit__hotpath(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
         return NULL;
-    Py_INCREF(&HotPathType);
-    if (PyModule_AddObject(m, "HotPath", (PyObject *)&HotPathType) < 0) {
-        Py_DECREF(&HotPathType);
+    if (PyModule_AddObjectRef(m, "HotPath", (PyObject *)&HotPathType) < 0 ||
+        add_owned(m, "STATES", numbering(state_names, S_COUNT, 0)) < 0 ||
+        add_owned(m, "EVENTS", numbering(event_names, E_COUNT, 0)) < 0 ||
+        add_owned(m, "COUNTERS", numbering(counter_names, C_COUNT, 1)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

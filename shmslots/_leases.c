@@ -6,9 +6,15 @@
  * no view left behind, a transition that succeeds — and otherwise calls the
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
  * `_abort_slow`, `_view_slow`, `_item_slow`, `_end`) before changing anything, which does
- * the whole step in Python and raises the error.  Slots still move only
- * through HotPath (the compiled transitions of states.py) and rows only
- * through RowCodec: nothing here adds to the protocol.
+ * the checks in Python and raises the error.  Slots still move only through
+ * HotPath (the compiled transitions of states.py) and rows only through
+ * RowCodec: nothing here adds to the protocol.
+ *
+ * Nothing is owned by nobody: a handle is made in the same C call as the
+ * transition that gives it its slot (and the transition is undone if it cannot
+ * be made), a handle's last transition and the end of its ownership are one
+ * call (`_hand_back`), and a handle that is garbage-collected while it still
+ * owns its slot hands it back (its `_dropped` method, with a ResourceWarning).
  *
  * WatchedTensors, the views handed out with the reference counts they have
  * at rest, lives here too, because every release checks it.
@@ -23,7 +29,8 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
  * the instance (tensors have a __dict__) must not stand in for them. */
 static PyObject *tensor_data_ptr, *tensor_untyped_storage;
 static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *default_timeout;
+    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *s_dropped,
+    *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
 static PyObject *
@@ -391,13 +398,17 @@ typedef struct {
     char closed;
     char plain_claim; /* no handle fields: a claim has no pins to collect first */
     char strict;      /* views are also checked for in-place changes, in Python */
+    char redeliver_dropped; /* a lease collected unreleased goes back to READY (else FREE) */
     Py_ssize_t nfields;
-    PyObject *acquire, *publish, *take, *free; /* HotPath methods */
-    PyObject *write, *seal, *read;             /* RowCodec methods */
-    PyObject *views, *make_views;              /* Rows' per-slot WatchedTensors list, Rows.views */
-    PyTypeObject *write_slot, *lease;          /* the classes leases.py defines */
-    PyObject *claim_args[2];                   /* acquire(event, tag, counter): event, counter */
-    PyObject *abort_writing[3], *release_held[3], *abort_held[3]; /* free(.., state, event, counter) */
+    /* HotPath methods */
+    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved;
+    PyObject *write, *seal, *read;           /* RowCodec methods */
+    PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
+    PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
+    /* states.py's numbers, as ints: events CLAIM, RESERVE, RELEASE, ABORT, REDELIVER,
+     * PUBLISH; states WRITING, RESERVED, HELD */
+    PyObject *ev_claim, *ev_reserve, *ev_release, *ev_abort, *ev_redeliver, *ev_publish;
+    PyObject *st_writing, *st_reserved, *st_held;
 } Core;
 
 static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
@@ -405,35 +416,38 @@ static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
 static int
 core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kw[] = {"hot", "codec", "views", "make_views", "write_slot", "lease", "claim",
-                         "abort_writing", "release_held", "abort_held", "nfields",
-                         "plain_claim", "strict", NULL};
-    static const char *hot_names[] = {"acquire", "publish", "take", "free"};
+    static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation", "events",
+                         "states", "nfields", "plain_claim", "strict", "redeliver_dropped", NULL};
+    static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
+                                      "open_reserved"};
     static const char *codec_names[] = {"write", "seal", "read"};
-    PyObject *hot, *codec, *views, *make_views, *write_slot, *lease, *claim[2], *abort_writing[3],
-        *release_held[3], *abort_held[3], *methods[7] = {NULL};
+    enum { NHOT = 6, NMETHODS = 9 };
+    PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
+        *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
-    int plain_claim, strict;
+    int plain_claim, strict, redeliver_dropped;
     if (c->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOO!OO!O!$(OO)(OOO)(OOO)(OOO)npp", kw, &hot, &codec, &PyList_Type, &views,
-            &make_views, &PyType_Type, &write_slot, &PyType_Type, &lease, &claim[0], &claim[1],
-            &abort_writing[0], &abort_writing[1], &abort_writing[2], &release_held[0],
-            &release_held[1], &release_held[2], &abort_held[0], &abort_held[1], &abort_held[2],
-            &nfields, &plain_claim, &strict))
+            args, kwds, "OOO!O!O!O!$(O!O!O!O!O!O!)(O!O!O!)nppp", kw, &hot, &codec, &PyList_Type,
+            &views, &PyType_Type, &write_slot, &PyType_Type, &lease, &PyType_Type, &reservation,
+            &PyLong_Type, &ev[0], &PyLong_Type, &ev[1], &PyLong_Type, &ev[2], &PyLong_Type, &ev[3],
+            &PyLong_Type, &ev[4], &PyLong_Type, &ev[5], &PyLong_Type, &states[0], &PyLong_Type,
+            &states[1], &PyLong_Type, &states[2], &nfields, &plain_claim, &strict,
+            &redeliver_dropped))
         return -1;
     if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
-        !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType)) {
-        PyErr_SetString(PyExc_TypeError, "write_slot and lease must derive from the cores");
+        !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType) ||
+        !PyType_IsSubtype((PyTypeObject *)reservation, &HandleType)) {
+        PyErr_SetString(PyExc_TypeError, "handle classes must derive from the cores");
         return -1;
     }
     /* Everything that can fail first, into locals: a failed __init__ leaves nothing set. */
-    for (int i = 0; i < 7; i++) {
-        PyObject *owner = i < 4 ? hot : codec;
-        methods[i] = PyObject_GetAttrString(owner, i < 4 ? hot_names[i] : codec_names[i - 4]);
+    for (int i = 0; i < NMETHODS; i++) {
+        PyObject *owner = i < NHOT ? hot : codec;
+        methods[i] = PyObject_GetAttrString(owner, i < NHOT ? hot_names[i] : codec_names[i - NHOT]);
         if (!methods[i]) {
             for (int j = 0; j < i; j++)
                 Py_DECREF(methods[j]);
@@ -441,33 +455,35 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         }
     }
     c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
-    c->write = methods[4], c->seal = methods[5], c->read = methods[6];
+    c->redeliver = methods[4], c->open_reserved = methods[5];
+    c->write = methods[6], c->seal = methods[7], c->read = methods[8];
     c->views = Py_NewRef(views);
-    c->make_views = Py_NewRef(make_views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
-    for (int i = 0; i < 3; i++) {
-        if (i < 2)
-            c->claim_args[i] = Py_NewRef(claim[i]);
-        c->abort_writing[i] = Py_NewRef(abort_writing[i]);
-        c->release_held[i] = Py_NewRef(release_held[i]);
-        c->abort_held[i] = Py_NewRef(abort_held[i]);
-    }
+    c->reservation = (PyTypeObject *)Py_NewRef(reservation);
+    PyObject **ev_at[] = {&c->ev_claim, &c->ev_reserve, &c->ev_release, &c->ev_abort,
+                          &c->ev_redeliver, &c->ev_publish};
+    for (int i = 0; i < 6; i++)
+        *ev_at[i] = Py_NewRef(ev[i]);
+    c->st_writing = Py_NewRef(states[0]);
+    c->st_reserved = Py_NewRef(states[1]);
+    c->st_held = Py_NewRef(states[2]);
     c->nfields = nfields;
     c->plain_claim = (char)plain_claim;
     c->strict = (char)strict;
+    c->redeliver_dropped = (char)redeliver_dropped;
     c->ready = 1;
     return 0;
 }
 
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
-    {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->write, &(c)->seal,           \
-     &(c)->read, &(c)->views, &(c)->make_views, (PyObject **)&(c)->write_slot,                \
-     (PyObject **)&(c)->lease, &(c)->claim_args[0], &(c)->claim_args[1],                      \
-     &(c)->abort_writing[0], &(c)->abort_writing[1], &(c)->abort_writing[2],                  \
-     &(c)->release_held[0], &(c)->release_held[1], &(c)->release_held[2],                     \
-     &(c)->abort_held[0], &(c)->abort_held[1], &(c)->abort_held[2]}
+    {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
+     &(c)->open_reserved, &(c)->write, &(c)->seal, &(c)->read, &(c)->views,                   \
+     (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
+     (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
+     &(c)->ev_abort, &(c)->ev_redeliver, &(c)->ev_publish, &(c)->st_writing,                  \
+     &(c)->st_reserved, &(c)->st_held}
 #define COUNT(a) (sizeof(a) / sizeof(*(a)))
 
 static int
@@ -581,9 +597,13 @@ handle_clear(Handle *h)
     return 0;
 }
 
+static void handle_finalize(Handle *h);
+
 static void
 handle_dealloc(Handle *h)
 {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)h) < 0)
+        return; /* resurrected by its finalizer */
     PyObject_GC_UnTrack(h);
     handle_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
@@ -633,17 +653,91 @@ get_written(Handle *h, void *unused)
     return Py_XNewRef(lazy_set(&h->written));
 }
 
-/* A free() of the slot with prebuilt (state, event, counter): 1 done, 0 refused, -1 error. */
-static int
-free_slot(Handle *h, PyObject *how[3])
+/* The slot's state while this handle owns it, by the handle's kind. */
+static PyObject *
+held_state(Handle *h)
 {
-    PyObject *args[5] = {h->slot, h->generation, how[0], how[1], how[2]};
-    PyObject *r = PyObject_Vectorcall(h->core->free, args, 5, NULL);
+    Core *c = h->core;
+    if (PyObject_TypeCheck(h, &WriteSlotType))
+        return c->st_writing;
+    return PyObject_TypeCheck(h, &LeaseType) ? c->st_held : c->st_reserved;
+}
+
+enum { STEP_DONE = 0, STEP_REFUSED = -1, STEP_QUEUE_FULL = -2, STEP_ERROR = -3 };
+
+/* The handle's last transition and the end of its ownership, in one step that runs no Python
+ * code: `event` is PUBLISH (a WriteSlot), REDELIVER (a Lease handed back unread), or RELEASE or
+ * ABORT.  STEP_DONE (the handle is closed), STEP_REFUSED (not this handle's slot any more:
+ * nothing changed), STEP_QUEUE_FULL (publish: nothing changed), STEP_ERROR (error set). */
+static int
+step(Handle *h, PyObject *event)
+{
+    Core *c = h->core;
+    PyObject *call[4] = {h->slot, h->generation, held_state(h), event}, *r;
+    int publish = PyObject_RichCompareBool(event, c->ev_publish, Py_EQ);
+    int redeliver = publish ? 0 : PyObject_RichCompareBool(event, c->ev_redeliver, Py_EQ);
+    if (publish < 0 || redeliver < 0)
+        return STEP_ERROR;
+    if (publish)
+        r = PyObject_Vectorcall(c->publish, call, 2, NULL);
+    else if (redeliver)
+        r = PyObject_Vectorcall(c->redeliver, call, 2, NULL);
+    else
+        r = PyObject_Vectorcall(c->free, call, 4, NULL);
     if (!r)
-        return -1;
+        return STEP_ERROR;
     long code = PyLong_AsLong(r);
     Py_DECREF(r);
-    return code == -1 && PyErr_Occurred() ? -1 : code == 0;
+    if (code == -1 && PyErr_Occurred())
+        return STEP_ERROR;
+    if (code == STEP_DONE)
+        h->open = 0;
+    return code == STEP_DONE || code == STEP_QUEUE_FULL ? (int)code : STEP_REFUSED;
+}
+
+/* _hand_back(event) -> 0 done | -1 refused | -2 ready queue full: `step` for the Python side. */
+static PyObject *
+handle_hand_back(Handle *h, PyObject *event)
+{
+    if (!made(h))
+        return NULL;
+    if (!PyLong_Check(event)) {
+        PyErr_SetString(PyExc_TypeError, "_hand_back takes an event number");
+        return NULL;
+    }
+    if (!usable(h))
+        return PyLong_FromLong(STEP_REFUSED);
+    int code = step(h, event);
+    return code == STEP_ERROR ? NULL : PyLong_FromLong(code);
+}
+
+/* A handle collected while it still owns its slot hands the slot back first, here, where no
+ * interrupt can land: a write slot or reservation is aborted, a lease is redelivered (or
+ * dropped, as the table's policy for a dead reader says); views it handed out are not
+ * given to the slot's next owner.  Only then does Python's `_dropped` warn. */
+static void
+handle_finalize(Handle *h)
+{
+    if (!h->core || !h->core->ready || !usable(h))
+        return;
+    Core *c = h->core;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_ssize_t slot = PyLong_AsSsize_t(h->slot);
+    if (h->viewed && PySet_GET_SIZE(h->viewed) && slot >= 0 && slot < PyList_GET_SIZE(c->views))
+        PyList_SetItem(c->views, slot, Py_NewRef(Py_None));
+    PyErr_Clear();
+    int lease = PyObject_TypeCheck(h, &LeaseType);
+    int done = step(h, lease && c->redeliver_dropped ? c->ev_redeliver : c->ev_abort);
+    if (done == STEP_ERROR)
+        PyErr_WriteUnraisable((PyObject *)h);
+    else if (done == STEP_DONE) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)h, s_dropped);
+        if (!r)
+            PyErr_WriteUnraisable((PyObject *)h);
+        Py_XDECREF(r);
+    }
+    PyErr_Restore(type, value, tb);
 }
 
 /* -- WriteSlot ------------------------------------------------------------------------------ */
@@ -707,16 +801,11 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         if (!r)
             return NULL;
         Py_DECREF(r);
-        if (!(r = PyObject_Vectorcall(c->publish, call, 2, NULL)))
+        int code = step(h, c->ev_publish);
+        if (code == STEP_ERROR)
             return NULL;
-        long code = PyLong_AsLong(r);
-        Py_DECREF(r);
-        if (code == -1 && PyErr_Occurred())
-            return NULL;
-        if (code == 0) {
-            h->open = 0;
+        if (code == STEP_DONE)
             Py_RETURN_NONE;
-        }
     }
     return slow((PyObject *)h, s_publish_slow, timeout, NULL);
 }
@@ -727,13 +816,11 @@ ws_abort(Handle *h, PyObject *unused)
     if (!made(h))
         return NULL;
     if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed))) {
-        int done = free_slot(h, h->core->abort_writing);
-        if (done < 0)
+        int code = step(h, h->core->ev_abort);
+        if (code == STEP_ERROR)
             return NULL;
-        if (done) {
-            h->open = 0;
+        if (code == STEP_DONE)
             Py_RETURN_NONE;
-        }
     }
     return slow((PyObject *)h, s_abort_slow, NULL, NULL);
 }
@@ -783,9 +870,9 @@ lease_end(Handle *h, int release)
 {
     if (!made(h))
         return NULL;
-    PyObject **how = release ? h->core->release_held : h->core->abort_held;
+    PyObject *event = release ? h->core->ev_release : h->core->ev_abort;
     int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
-    if (usable(h) && (!h->opened || h->opened == Py_None) && watched_of(h) &&
+    if (usable(h) && (!h->opened || h->opened == Py_None) && (!viewed || watched_of(h)) &&
         !(viewed && h->core->strict)) {
         int leaked = 0;
         if (viewed) { /* the check runs torch, which may run Python: hold what it reads */
@@ -797,16 +884,14 @@ lease_end(Handle *h, int release)
         if (leaked < 0)
             return NULL;
         if (!leaked) {
-            int done = free_slot(h, how);
-            if (done < 0)
+            int code = step(h, event);
+            if (code == STEP_ERROR)
                 return NULL;
-            if (done) {
-                h->open = 0;
+            if (code == STEP_DONE)
                 Py_RETURN_NONE;
-            }
         }
     }
-    return slow((PyObject *)h, s_end, how[1], release ? s_release : s_abort);
+    return slow((PyObject *)h, s_end, event, release ? s_release : s_abort);
 }
 
 static PyObject *
@@ -821,7 +906,62 @@ lease_abort(Handle *h, PyObject *unused)
     return lease_end(h, 0);
 }
 
-/* -- HandleCore methods: the two ways a per-request handle is made --------------------------- */
+/* -- HandleCore methods: how a handle is made, in the call that gives it its slot ------------ */
+
+/* Undo a transition whose handle could not be made (out of memory): hand the slot back
+ * through a handle-less free, keeping the error that got us here. */
+static void
+undo(Core *c, PyObject *slot, PyObject *generation, PyObject *state)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int held = state == c->st_held;
+    PyObject *call[4] = {slot, generation, state, c->ev_abort};
+    PyObject *r = held ? PyObject_Vectorcall(c->redeliver, call, 2, NULL)
+                       : PyObject_Vectorcall(c->free, call, 4, NULL);
+    if (!r)
+        PyErr_WriteUnraisable(held ? c->redeliver : c->free);
+    Py_XDECREF(r);
+    PyErr_Restore(type, value, tb);
+}
+
+/* A handle of `type` for a slot just acquired, or NULL with the slot handed back. */
+static PyObject *
+own(Core *c, PyTypeObject *type, PyObject *table, PyObject *slot, PyObject *generation,
+    PyObject *tag, PyObject *state)
+{
+    Handle *h = new_handle(type, c, table, slot, generation, tag);
+    if (!h)
+        undo(c, slot, generation, state);
+    return (PyObject *)h;
+}
+
+/* acquire(table, event, tag) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None (none FREE).
+ * The tag must already be checked (Python words its errors). */
+static PyObject *
+core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "acquire(table, event, tag)");
+        return NULL;
+    }
+    if (!c->ready || c->closed) {
+        PyErr_SetString(PyExc_ValueError, "the table is closed");
+        return NULL;
+    }
+    int reserve = PyObject_RichCompareBool(args[1], c->ev_reserve, Py_EQ);
+    if (reserve < 0)
+        return NULL;
+    PyObject *call[2] = {reserve ? c->ev_reserve : c->ev_claim, args[2]};
+    PyObject *got = PyObject_Vectorcall(c->acquire, call, 2, NULL);
+    if (!got || got == Py_None)
+        return got;
+    PyObject *h = own(c, reserve ? c->reservation : c->write_slot, args[0],
+                      PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), args[2],
+                      reserve ? c->st_reserved : c->st_writing);
+    Py_DECREF(got);
+    return h;
+}
 
 /* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
  * closed table, a tag that is not a plain int, handle fields): Python's claim takes over. */
@@ -840,18 +980,64 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    PyObject *call[3] = {c->claim_args[0], tag, c->claim_args[1]};
-    PyObject *got = PyObject_Vectorcall(c->acquire, call, 3, NULL);
-    if (!got || got == Py_None)
+    PyObject *call[3] = {args[0], c->ev_claim, tag};
+    return core_acquire(c, call, 3);
+}
+
+/* open_reserved(table, slot, generation) -> WriteSlot | None (not reserved at generation). */
+static PyObject *
+core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "open_reserved(table, slot, generation)");
+        return NULL;
+    }
+    if (!c->ready || c->closed) {
+        PyErr_SetString(PyExc_ValueError, "the table is closed");
+        return NULL;
+    }
+    PyObject *tag = PyObject_Vectorcall(c->open_reserved, args + 1, 2, NULL);
+    if (!tag || tag == Py_None)
+        return tag;
+    PyObject *h = own(c, c->write_slot, args[0], args[1], args[2], tag, c->st_writing);
+    Py_DECREF(tag);
+    return h;
+}
+
+/* One READY slot as a Lease (new reference), Py_None (new reference) if nothing is ready, or
+ * NULL with an error.  The Lease is made in the same call that takes the slot; the slot's
+ * views join it if they exist already (Python makes them on first use, never here). */
+static PyObject *
+take_one(Core *c, PyObject *table)
+{
+    PyObject *got = PyObject_Vectorcall(c->take, NULL, 0, NULL);
+    if (!got || !PyTuple_Check(got))
         return got;
-    Handle *h = new_handle(c->write_slot, c, args[0], PyTuple_GET_ITEM(got, 0),
-                           PyTuple_GET_ITEM(got, 1), tag);
+    PyObject *slot = PyTuple_GET_ITEM(got, 0);
+    Py_ssize_t i = PyLong_AsSsize_t(slot); /* HotPath gives slots in range */
+    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
+                                                                 : NULL;
+    Handle *h = (Handle *)own(c, c->lease, table, slot, PyTuple_GET_ITEM(got, 1),
+                              PyTuple_GET_ITEM(got, 2), c->st_held);
+    if (h) {
+        if (watched && Py_TYPE(watched) == &WatchedType && ((Watched *)watched)->ready)
+            h->watched = Py_NewRef(watched);
+        h->deliveries = Py_NewRef(PyTuple_GET_ITEM(got, 3));
+    }
     Py_DECREF(got);
     return (PyObject *)h;
 }
 
-/* take(table) -> Lease | None (nothing queued) | int (owner id of an unfinished publication at
- * the head), as HotPath.take, with the taken slot wrapped in a Lease. */
+static int
+open_core(Core *c)
+{
+    if (c->ready && !c->closed)
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "the table is closed");
+    return 0;
+}
+
+/* take(table) -> Lease | None (nothing queued). */
 static PyObject *
 core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -859,45 +1045,53 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "take(table)");
         return NULL;
     }
-    if (!c->ready || c->closed) {
-        PyErr_SetString(PyExc_ValueError, "the table is closed");
+    return open_core(c) ? take_one(c, args[0]) : NULL;
+}
+
+/* poll(table, max_n) -> [Lease, ...]: up to max_n READY slots in one call.  If the list cannot
+ * be grown, every lease taken is handed back unread before the error is raised. */
+static PyObject *
+core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "poll(table, max_n)");
         return NULL;
     }
-    PyObject *got = PyObject_Vectorcall(c->take, NULL, 0, NULL);
-    if (!got || !PyTuple_Check(got))
-        return got;
-    /* The slot is HELD by this process now; if the Lease cannot be made (out of memory),
-     * it stays so until the table closes and reclaims it like a dead reader's. */
-    PyObject *slot = PyTuple_GET_ITEM(got, 0);
-    Py_ssize_t i = PyLong_AsSsize_t(slot); /* HotPath gives slots in range */
-    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
-                                                                 : Py_None;
-    if (PyErr_Occurred()) {
-        Py_DECREF(got);
+    Py_ssize_t max_n = PyLong_AsSsize_t(args[1]);
+    if ((max_n == -1 && PyErr_Occurred()) || !open_core(c))
         return NULL;
+    PyObject *leases = PyList_New(0);
+    for (Py_ssize_t k = 0; leases && k < max_n; k++) {
+        PyObject *lease = take_one(c, args[0]);
+        if (lease == Py_None) {
+            Py_DECREF(lease);
+            break;
+        }
+        if (!lease || PyList_Append(leases, lease) < 0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (lease && step((Handle *)lease, c->ev_redeliver) == STEP_ERROR)
+                PyErr_WriteUnraisable(lease);
+            Py_XDECREF(lease);
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leases); j++)
+                if (step((Handle *)PyList_GET_ITEM(leases, j), c->ev_redeliver) == STEP_ERROR)
+                    PyErr_WriteUnraisable(PyList_GET_ITEM(leases, j));
+            PyErr_Restore(type, value, tb);
+            Py_CLEAR(leases);
+        } else {
+            Py_DECREF(lease); /* the list holds it */
+        }
     }
-    watched = watched != Py_None ? Py_NewRef(watched) : PyObject_CallOneArg(c->make_views, slot);
-    if (watched && (Py_TYPE(watched) != &WatchedType || !((Watched *)watched)->ready)) {
-        PyErr_SetString(PyExc_TypeError, "a slot's views must be a ready WatchedTensors");
-        Py_CLEAR(watched);
-    }
-    Handle *h = watched ? new_handle(c->lease, c, args[0], slot, PyTuple_GET_ITEM(got, 1),
-                                     PyTuple_GET_ITEM(got, 2))
-                        : NULL;
-    if (h) {
-        h->watched = watched;
-        h->deliveries = Py_NewRef(PyTuple_GET_ITEM(got, 3));
-    } else {
-        Py_XDECREF(watched);
-    }
-    Py_DECREF(got);
-    return (PyObject *)h;
+    return leases;
 }
 
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef core_methods[] = {
     FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
-    FAST("take", core_take, "take(table) -> Lease | None | owner id blocking the queue"),
+    FAST("acquire", core_acquire, "acquire(table, event, tag) -> WriteSlot | Reservation | None"),
+    FAST("open_reserved", core_open_reserved, "open_reserved(table, slot, gen) -> WriteSlot | None"),
+    FAST("take", core_take, "take(table) -> Lease | None"),
+    FAST("poll", core_poll, "poll(table, max_n) -> [Lease, ...]"),
     {NULL, NULL, 0, NULL},
 };
 
@@ -937,6 +1131,12 @@ static PyGetSetDef handle_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyMethodDef handle_methods[] = {
+    {"_hand_back", (PyCFunction)handle_hand_back, METH_O,
+     "_hand_back(event) -> 0 done | -1 not this handle's slot | -2 ready queue full"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject HandleType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmslots._leases.HandleBase",
@@ -951,6 +1151,8 @@ static PyTypeObject HandleType = {
     .tp_free = PyObject_GC_Del,
     .tp_members = handle_members,
     .tp_getset = handle_getset,
+    .tp_methods = handle_methods,
+    .tp_finalize = (destructor)handle_finalize,
 };
 
 static PyMethodDef ws_methods[] = {
@@ -997,7 +1199,7 @@ static PyMethodDef lease_methods[] = {
 
 static PyMemberDef lease_members[] = {
     MEMBER("deliveries", T_OBJECT, deliveries, READONLY),
-    MEMBER("_watched", T_OBJECT, watched, READONLY),
+    MEMBER("_watched", T_OBJECT, watched, 0),
     MEMBER("_opened", T_OBJECT, opened, 0),
     {NULL, 0, 0, 0, NULL},
 };
@@ -1041,6 +1243,7 @@ PyInit__leases(void)
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
+        {&s_dropped, "_dropped"},
     };
     for (size_t i = 0; i < COUNT(names); i++)
         if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))

@@ -1,4 +1,4 @@
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
 import torch
@@ -31,20 +31,24 @@ class HandleCore:
         hot: HotPath,
         codec: RowCodec,
         views: list[WatchedTensors | None],
-        make_views: Callable[[int], WatchedTensors],
         write_slot: type[WriteSlotCore],
         lease: type[LeaseCore],
+        reservation: type[HandleBase],
         *,
-        claim: tuple[int, int],
-        abort_writing: tuple[int, int, int],
-        release_held: tuple[int, int, int],
-        abort_held: tuple[int, int, int],
+        events: tuple[int, int, int, int, int, int],
+        states: tuple[int, int, int],
         nfields: int,
         plain_claim: bool,
         strict: bool,
+        redeliver_dropped: bool,
     ) -> None: ...
     def claim(self, table: SlotTable, tag: int, /) -> WriteSlot | None: ...
-    def take(self, table: SlotTable, /) -> Lease | int | None: ...
+    def acquire(self, table: SlotTable, event: int, tag: int, /) -> HandleBase | None: ...
+    def open_reserved(
+        self, table: SlotTable, slot: int, generation: int, /
+    ) -> WriteSlot | None: ...
+    def take(self, table: SlotTable, /) -> Lease | None: ...
+    def poll(self, table: SlotTable, max_n: int, /) -> list[Lease]: ...
 
 class HandleBase:
     @property
@@ -59,6 +63,7 @@ class HandleBase:
     @property
     def _viewed(self) -> set[str]: ...
     def __init__(self, table: SlotTable, slot: int, generation: int, tag: int, /) -> None: ...
+    def _hand_back(self, event: int, /) -> int: ...
 
 class WriteSlotCore(HandleBase):
     _pins: dict[str, Pin] | None
@@ -73,8 +78,7 @@ class LeaseCore(HandleBase):
     @property
     def deliveries(self) -> int: ...
     _opened: dict[str, WatchedTensors] | None
-    @property
-    def _watched(self) -> WatchedTensors: ...
+    _watched: WatchedTensors | None
     def view(self, name: str, /) -> torch.Tensor: ...
     def item(self, name: str, /) -> int | float: ...
     def release(self) -> None: ...

@@ -6,8 +6,8 @@
           │ HEADER        256 B   magic, version, sizes, region offsets   │
     256   ├──────────────────────────────────────────────────────────────┤
           │ SYNC          4 x 64 B, one word family per cache line:       │
-          │               ring head │ ring tail │ publish seq + waiting   │
-          │               │ release seq + waiting                        │
+          │               ring head │ ring tail │ publish seq + sleepers  │
+          │               + sleep deadline │ release seq + sleepers + dl  │
     512   ├──────────────────────────────────────────────────────────────┤
           │ COUNTERS      16 x 64 B, one u64 per cache line (claims,      │
           │               publishes, … see COUNTERS)                     │
@@ -48,7 +48,9 @@ from dataclasses import dataclass
 from .errors import CorruptTable, IncompatibleTable, InvalidSlot
 
 MAGIC = b"SHMSLOTS"
-VERSION = 4  # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
+# 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
+# 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
+VERSION = 5
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -93,9 +95,11 @@ SYNC_SIZE = 4 * CACHE_LINE
 RING_HEAD = 0
 RING_TAIL = CACHE_LINE
 PUBLISH_SEQ = 2 * CACHE_LINE  # u32 futex word, bumped when a slot becomes READY
-READERS_WAITING = 2 * CACHE_LINE + 8
+READERS_WAITING = 2 * CACHE_LINE + 8  # u64 sleepers on PUBLISH_SEQ
+READERS_UNTIL = 2 * CACHE_LINE + 16  # u64 CLOCK_MONOTONIC ns the last sleeper may sleep to
 RELEASE_SEQ = 3 * CACHE_LINE  # u32 futex word, bumped when a slot becomes FREE
 CLAIMERS_WAITING = 3 * CACHE_LINE + 8
+CLAIMERS_UNTIL = 3 * CACHE_LINE + 16
 
 COUNTERS = (
     "claims",
@@ -137,7 +141,7 @@ SLOT_WORD = 0  # u64 state word, see states.py
 SLOT_TAG = 8  # u64 request tag
 SLOT_STAMP = 16  # u64 CLOCK_MONOTONIC ns of the last transition
 SLOT_QUEUE_POS = 24  # u64 ready-ring position of the current publication
-SLOT_DELIVERIES = 32  # u64 times handed to a consumer after a consumer died
+SLOT_DELIVERIES = 32  # u64 times this publication was taken (counted by take itself)
 NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 
 # ROW header (relative to the row start); fields follow (schema.py).

@@ -9,12 +9,16 @@ Each handle is single-use: after publish/release/abort every method raises
 
 The per-request steps (write, publish, abort; view, release) run compiled in
 _leases.c for the plain case; anything else, every error included, comes to
-the `_..._slow` and `_end` methods here before anything has changed.
+the `_..._slow` and `_end` methods here before anything has changed.  Those
+end with `_hand_back`, one compiled call that makes the transition and closes
+the handle together.  A handle collected while it still owns its slot hands
+it back (`_dropped`, with a ResourceWarning, as Python does for a file).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -27,6 +31,7 @@ from .errors import (
     LeakedViewWarning,
     RowRejected,
     SchemaError,
+    SlotsExhausted,
     StaleLeaseError,
 )
 from .rows import contiguous_strides
@@ -43,9 +48,13 @@ _RESERVED = int(State.RESERVED)
 _HELD = int(State.HELD)
 _ABORT = int(Event.ABORT)
 _RELEASE = int(Event.RELEASE)
+_PUBLISH = int(Event.PUBLISH)
+_REDELIVER = int(Event.REDELIVER)
+_STEP_REFUSED = -1
+_STEP_QUEUE_FULL = -2
 
 
-def handle_core(own: Ownership, rows: Rows, strict: bool) -> HandleCore:
+def handle_core(own: Ownership, rows: Rows, strict: bool, redeliver_dropped: bool) -> HandleCore:
     """The compiled side of one table's handles, bound to its hot path and rows."""
     if rows._codec is None:
         raise ValueError("handles need writable rows")
@@ -53,16 +62,15 @@ def handle_core(own: Ownership, rows: Rows, strict: bool) -> HandleCore:
         own.hot,
         rows._codec,
         rows._views,  # the per-slot cache that rows.views fills
-        rows.views,
         WriteSlot,
         Lease,
-        claim=(int(Event.CLAIM), own.counter_offset("claims")),
-        abort_writing=(_WRITING, _ABORT, own.counter_offset("aborts")),
-        release_held=(_HELD, _RELEASE, own.counter_offset("releases")),
-        abort_held=(_HELD, _ABORT, own.counter_offset("aborts")),
+        Reservation,
+        events=(int(Event.CLAIM), int(Event.RESERVE), _RELEASE, _ABORT, _REDELIVER, _PUBLISH),
+        states=(_WRITING, _RESERVED, _HELD),
         nfields=len(rows.schema.slots),
         plain_claim=not rows.schema.has_handles,
         strict=strict,
+        redeliver_dropped=redeliver_dropped,
     )
 
 
@@ -180,6 +188,21 @@ class _Handle(HandleBase):
         if self._viewed:
             self._table._rows.forget_views(self.slot)
 
+    def _end_with(self, event: int, state: int) -> None:
+        """The handle's last transition, and its end, in one compiled step."""
+        if self._hand_back(event) == _STEP_REFUSED:
+            raise self._table._own.not_mine(self.slot, self.generation, state)
+
+    def _dropped(self) -> None:
+        """Collected while still owning its slot, which the compiled finalizer has just
+        handed back (aborted; a lease redelivered, or dropped as a dead reader's): say so."""
+        warnings.warn(
+            f"{type(self).__name__} of slot {self.slot} (tag {self.tag}) was garbage-collected "
+            "while it still owned its slot; it was handed back",
+            ResourceWarning,
+            stacklevel=2,
+        )
+
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
         kind = type(self).__name__
@@ -288,8 +311,13 @@ class WriteSlot(_Handle, WriteSlotCore):
             self._check_views("publish")
         table = self._table
         table._rows.seal(self.slot, self.generation)
-        table._own.publish(self.slot, self.generation, timeout)
-        self._open = False
+        deadline = time.monotonic() + timeout
+        while (result := self._hand_back(_PUBLISH)) == _STEP_QUEUE_FULL:
+            if time.monotonic() >= deadline:
+                raise SlotsExhausted("ready queue full", table._own.occupancy())
+            time.sleep(0.0005)
+        if result == _STEP_REFUSED:
+            raise table._own.not_mine(self.slot, self.generation, _WRITING)
 
     def _abort_slow(self, check_views: bool = True) -> None:
         """abort() with views handed out, and every error of it."""
@@ -298,8 +326,7 @@ class WriteSlot(_Handle, WriteSlotCore):
             self._check_views("abort")
         elif not check_views:
             self._forget_unchecked()
-        self._table._own.free(self.slot, self.generation, _WRITING, _ABORT)
-        self._open = False
+        self._end_with(_ABORT, _WRITING)
 
     def _forget_moved(self, names: list[str]) -> None:
         """Writes through these views went elsewhere, not into the row: they must be redone."""
@@ -346,8 +373,7 @@ class Reservation(_Handle):
 
     def abort(self) -> None:
         self._check_open("abort")
-        self._table._own.free(self.slot, self.generation, _RESERVED, _ABORT)
-        self._open = False
+        self._end_with(_ABORT, _RESERVED)
 
     def end(self) -> None:
         """Abort unless a producer opened it or it already ended; safe to call again."""
@@ -378,7 +404,7 @@ class Lease(_Handle, LeaseCore):
 
     def _view_slow(self, name: str) -> torch.Tensor:
         self._check_open("view")
-        tensor = self._watched.tensors.get(name)
+        tensor = self._views().tensors.get(name)
         if tensor is None:
             raise SchemaError(f"no inline field {name!r} (handle fields: tensor())")
         self._viewed.add(name)
@@ -394,7 +420,7 @@ class Lease(_Handle, LeaseCore):
             raise SchemaError(
                 f"item() reads scalar inline fields; {name!r} is {f.kind} of shape {f.shape}"
             )
-        value: int | float = self._watched.tensors[name].item()  # float16, bfloat16
+        value: int | float = self._views().tensors[name].item()  # float16, bfloat16
         return value
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -426,7 +452,7 @@ class Lease(_Handle, LeaseCore):
             raise SchemaError(f"no field {name!r}")
         if fs.field.is_handle:
             return self._open_handle(name).clone()
-        return self._watched.tensors[name].clone()
+        return self._views().tensors[name].clone()
 
     def verify(self) -> bool:
         """True if the row is still exactly what was published under this generation."""
@@ -434,6 +460,9 @@ class Lease(_Handle, LeaseCore):
         return self._table._row_intact(self.slot, self.generation)
 
     def _views(self) -> WatchedTensors:
+        """The slot's views, made on first use (the compiled take never runs Python)."""
+        if self._watched is None:
+            self._watched = self._table._rows.views(self.slot)
         return self._watched
 
     def _report(self, names: list[str], message: str) -> None:
@@ -467,8 +496,7 @@ class Lease(_Handle, LeaseCore):
             self._forget_unchecked()
         elif self._viewed or self._opened is not None:
             self._check_views(action)
-        self._table._own.free(self.slot, self.generation, _HELD, event)
-        self._open = False
+        self._end_with(event, _HELD)
         self._opened = None
 
     def __enter__(self) -> Lease:

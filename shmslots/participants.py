@@ -60,6 +60,11 @@ class RegistryReader:
         self._layout = lay
         self._fd = fd
 
+    @property
+    def fd(self) -> int:
+        """The open file description this participant's liveness locks live on."""
+        return self._fd
+
     def lock_is_held(self, index: int) -> bool:
         """Whether another open file description holds entry `index`'s lock."""
         reply = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, index))

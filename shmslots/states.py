@@ -7,10 +7,11 @@ A slot's state lives in one 64-bit word, changed only by compare-and-swap::
     bits 15..0   state
 
 The owner of a word is the only process allowed to move it on, except a
-reaper acting for a dead owner.  Ownership-bitmap rule (see table.py): a
-slot's bit is set by its owner *after* leaving FREE and cleared by its owner
-*before* returning to FREE, so the bit only ever changes under ownership and
-a FREE slot never has its bit set.
+producer opening a reservation and a reaper acting for a dead owner.
+Ownership-bitmap rule (see ownership.py): a slot's bit is set by its owner
+*after* leaving FREE and cleared by its owner *before* returning to FREE, and
+never while another process could take the slot over, so the bit follows the
+word and a FREE slot never has its bit set.
 """
 
 from __future__ import annotations
@@ -24,54 +25,56 @@ class State(IntEnum):
     FREE = 0
     RESERVED = 1  # a consumer booked the slot; a producer may open it for writing
     WRITING = 2  # a producer is filling the row
-    READY = 3  # published, queued, ownerless
+    READY = 3  # published, ownerless; queued in the ready ring (or about to be)
     HELD = 4  # a consumer holds a lease
-    RECLAIMING = 5  # a reaper is returning a dead owner's slot to FREE
-    REDELIVERING = 6  # a reaper is re-queueing a dead consumer's slot
+    RECLAIMING = 5  # on its way to FREE from a state another process could take it from
 
 
 class Event(IntEnum):
     CLAIM = 0
-    RESERVE = 1
+    RESERVE = 1  # a slot just claimed, fully set up, becomes a reservation
     OPEN_RESERVED = 2
     PUBLISH = 3
     TAKE = 4
     RELEASE = 5
     ABORT = 6
-    RECLAIM = 7
-    REDELIVER = 8
-    FINISH = 9  # a reaper completes RECLAIMING -> FREE or REDELIVERING -> READY
+    RECLAIM = 7  # a reaper takes a dead owner's slot (or a dead reaper's RECLAIMING) over
+    REDELIVER = 8  # a HELD slot goes back to READY (its consumer died or dropped it)
+    FINISH = 9  # RECLAIMING -> FREE, by the one who began it
     CANCEL = 10  # a READY slot's request was cancelled before pickup
 
 
-# (state, event) -> next state.  Absent pairs are illegal.
+# (state, event) -> next state.  Absent pairs are illegal.  Every way back to FREE passes
+# through RECLAIMING, which no other live process can take: the owner leaves the slot's
+# previous state by one CAS, clears the bitmap bit, then FINISHes with a second CAS, so the
+# bit is never touched while anyone else could own the slot.
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.FREE, Event.CLAIM): State.WRITING,
-    (State.FREE, Event.RESERVE): State.RESERVED,
+    (State.WRITING, Event.RESERVE): State.RESERVED,
     (State.RESERVED, Event.OPEN_RESERVED): State.WRITING,
-    (State.RESERVED, Event.ABORT): State.FREE,
     (State.WRITING, Event.PUBLISH): State.READY,
-    (State.WRITING, Event.ABORT): State.FREE,
     (State.READY, Event.TAKE): State.HELD,
-    (State.HELD, Event.RELEASE): State.FREE,
-    (State.HELD, Event.ABORT): State.FREE,
+    (State.HELD, Event.REDELIVER): State.READY,
+    (State.RESERVED, Event.ABORT): State.RECLAIMING,
+    (State.WRITING, Event.ABORT): State.RECLAIMING,
+    (State.HELD, Event.RELEASE): State.RECLAIMING,
+    (State.HELD, Event.ABORT): State.RECLAIMING,
+    (State.READY, Event.CANCEL): State.RECLAIMING,
     (State.RESERVED, Event.RECLAIM): State.RECLAIMING,
     (State.WRITING, Event.RECLAIM): State.RECLAIMING,
     (State.HELD, Event.RECLAIM): State.RECLAIMING,
     (State.RECLAIMING, Event.RECLAIM): State.RECLAIMING,
-    (State.HELD, Event.REDELIVER): State.REDELIVERING,
-    (State.REDELIVERING, Event.REDELIVER): State.REDELIVERING,
-    (State.READY, Event.CANCEL): State.RECLAIMING,
     (State.RECLAIMING, Event.FINISH): State.FREE,
-    (State.REDELIVERING, Event.FINISH): State.READY,
 }
 
 KNOWN_STATES = frozenset(int(s) for s in State)
 # States in which the slot belongs to a participant (named in the word).
-OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING, State.REDELIVERING})
+OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING})
 # Events by which a participant takes a slot that nobody owns (FREE or READY).
-_ACQUIRING = frozenset({Event.CLAIM, Event.RESERVE, Event.TAKE, Event.CANCEL})
-# Events by which one participant takes over a slot owned by another one.
+_ACQUIRING = frozenset({Event.CLAIM, Event.TAKE, Event.CANCEL})
+# Events by which one participant acts on a slot another one owns: a producer opening a
+# reservation, or a reaper acting for a dead owner (reapers of one owner are serialized by
+# its registry lock, recovery.py).  A table closing applies them to its own slots too.
 _TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER})
 
 _STATE_MASK = 0xFFFF

@@ -16,16 +16,18 @@ from typing import Literal
 
 from . import layout as L
 from ._atomic import AtomicView
+from ._leases import HandleBase
 from .arena import Arena
 from .errors import (
     CorruptTable,
+    OwnershipError,
     SlotsExhausted,
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core
-from .ownership import Ownership, hot_path
+from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
 from .participants import Participant, Registry
-from .recovery import reap, reclaim_owner
+from .recovery import reap
 from .rows import Rows
 from .schema import Field, RowSchema
 from .segment import Segment
@@ -36,8 +38,6 @@ from .waiting import wait_for
 _CLAIM = int(Event.CLAIM)
 _RESERVE = int(Event.RESERVE)
 _M64 = (1 << 64) - 1
-# How often a waiting reader checks whether the owner blocking the queue died.
-BLOCKED_CHECK_S = 0.1
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
 
@@ -96,28 +96,31 @@ class SlotTable:
         self.schema = schema
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
-        self._closed = False
         self._forked = False
-        self._last_blocked_check = 0.0
-        self._head_blocked = False
+        self._last_idle_check = 0.0
         # Liveness locks live on an open file description of their own, not the one
         # the mapping holds: a forked child can then drop its copy (see _disown).
         self._lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
+        self._closed = False
         try:
             self._registry = Registry(self._atomics, self._mv, self.layout, self._lock_fd)
             index, died_here = self._registry.register(role, name)
             self.participant = index
             self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
-            self._core = handle_core(self._own, self._rows, self._strict)  # compiled handle steps
+            # the compiled handle steps
+            self._core = handle_core(
+                self._own, self._rows, self._strict, not self.drop_on_consumer_death
+            )
             arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
             self._arena = arena
             self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
             if died_here:  # the entry we took was a dead participant's: settle its slots first
-                reclaim_owner(self._own, index + 1, self.drop_on_consumer_death)
+                self._own.reclaim_own(self.drop_on_consumer_death)
                 self._own.count("participants_reaped")
             self.reap()
         except BaseException:
+            self._closed = True
             os.close(self._lock_fd)  # drops our lock: a half-made entry reads as dead
             raise
         _LIVE_TABLES.add(self)
@@ -238,41 +241,53 @@ class SlotTable:
             if self._closed:
                 self._check_open()
             self._handles.collect_own()  # drop tensors whose consumers are done
-            slot, generation = self._acquire(_CLAIM, tag, timeout, "claim")
-            ws = WriteSlot(self, slot, generation, tag)
+            got = self._acquire(_CLAIM, tag, timeout, "claim")
+            assert isinstance(got, WriteSlot)
+            ws = got
         return ws
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
         """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
-        slot, generation = self._acquire(_RESERVE, tag, timeout, "reserve")
-        return Reservation(self, slot, generation, tag)
+        got = self._acquire(_RESERVE, tag, timeout, "reserve")
+        assert isinstance(got, Reservation)
+        return got
 
     def open_reserved(self, slot: int, generation: int) -> WriteSlot:
         """Take over a reservation to write it; a stale generation is refused."""
         self._check_open()
-        self._own.open_reserved(slot, generation)
-        tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
-        return WriteSlot(self, slot, generation, tag)
+        self.layout.check_slot(slot)
+        if type(generation) is not int or not 0 <= generation <= 0xFFFF_FFFF:
+            raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
+        ws = self._core.open_reserved(self, slot, generation)
+        if ws is None:
+            raise OwnershipError(
+                f"slot {slot} generation {generation} is not reserved "
+                f"(it is {describe_word(self._own.word(slot))})"
+            )
+        return ws
 
-    def _acquire(self, event: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
+    def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
+        """A handle for a FREE slot, made in the same compiled call that takes the slot."""
         if self._closed:
             self._check_open()
         if type(tag) is not int or not 0 <= tag <= _M64:  # the common case in one test
             _check_tag(tag)
-        got = self._own.acquire_free(event, tag)
+        core = self._core
+        got = core.acquire(self, event, tag)
         if got is not None:
             return got
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
-        got = wait_for(
+        waited = wait_for(
             self._atomics,
-            lambda: own.acquire_free(event, tag),
+            lambda: core.acquire(self, event, tag),
             own.release_seq,
             own.claimers_waiting,
+            own.claimers_until,
             timeout,
             self.reap,  # between naps: an owner may have died since the first reap
         )
-        if got is None:
+        if waited is None:
             occupancy = own.occupancy()
             why = f"no free slot to {what} within {timeout} s"
             if occupancy["FREE"]:
@@ -281,7 +296,7 @@ class SlotTable:
                     "in the ready queue, behind a head that readers are not taking)"
                 )
             raise SlotsExhausted(why, occupancy)
-        return got
+        return waited
 
     # -- reader side ------------------------------------------------------------------
     def take(self, timeout: float | None = 0.0) -> Lease | None:
@@ -289,7 +304,7 @@ class SlotTable:
         if self._closed:
             self._check_open()
         got = self._core.take(self)
-        if type(got) is Lease and not self._strict:  # taken, nothing to verify: most calls
+        if got is not None and not self._strict:  # taken, nothing to verify: most calls
             return got
         lease = self._settle(got)
         if lease is None and timeout != 0.0:
@@ -299,55 +314,76 @@ class SlotTable:
                 self._take_once,
                 own.publish_seq,
                 own.readers_waiting,
+                own.readers_until,
                 timeout,
-                self._check_blocked_head,
+                self._idle_check,
             )
         return lease
 
     def poll(self, max_n: int) -> list[Lease]:
-        """Up to `max_n` READY slots, without waiting."""
+        """Up to `max_n` READY slots, without waiting, taken in one compiled call.
+
+        On a strict table each row is verified; if one fails, it is aborted, the others
+        are handed back unread (queued again), and CorruptTable is raised.
+        """
         self._check_open()
-        leases: list[Lease] = []
-        while len(leases) < max_n:
-            lease = self._take_once()
-            if lease is None:
-                break
-            leases.append(lease)
+        leases = self._core.poll(self, max_n)
+        if not leases:
+            self._idle_check()
+        elif self._strict:
+            self._verify_all(leases)
         return leases
+
+    def _verify_all(self, leases: list[Lease]) -> None:
+        """Verify every lease of a strict poll; on any failure none stays owned here."""
+        try:
+            bad = next((x for x in leases if not self._row_intact(x.slot, x.generation)), None)
+            if bad is not None:
+                raise CorruptTable(f"slot {bad.slot} row does not match its published checksum")
+        except BaseException:
+            for lease in leases:
+                if lease is bad:
+                    lease._end_with(int(Event.ABORT), int(State.HELD))
+                else:
+                    lease._hand_back(int(Event.REDELIVER))
+            raise
 
     def _take_once(self) -> Lease | None:
         return self._settle(self._core.take(self))
 
-    def _settle(self, got: Lease | int | None) -> Lease | None:
-        """What a take found: a Lease (verified on a strict table), or None, noting why."""
+    def _settle(self, got: Lease | None) -> Lease | None:
+        """What a take found: a Lease (verified on a strict table), or None (idle)."""
         if got is None:
-            self._head_blocked = False
-            return None
-        if isinstance(got, int):  # the head is a publication its owner has not finished
-            self._head_blocked = True
-            self._check_blocked_head()  # busy pollers must not wait on a dead publisher
+            self._idle_check()
             return None
         if self._strict and not self._row_intact(got.slot, got.generation):
             got.abort()
             raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
         return got
 
-    def _check_blocked_head(self) -> None:
-        """The queue head is a publication not finished yet: reap (throttled) in case its
-        owner died mid-publish, so no reader, sleeping or polling, waits on it forever."""
+    def _idle_check(self) -> None:
+        """Nothing to take: now and then (throttled) reap dead participants, whose held rows
+        come back, and queue READY rows that a dead or stopped process never queued, so no
+        reader, sleeping or polling, waits on another process's progress for long."""
         now = time.monotonic()
-        if self._head_blocked and now - self._last_blocked_check >= BLOCKED_CHECK_S:
-            self._last_blocked_check = now
+        if now - self._last_idle_check >= STRANDED_CHECK_S:
+            self._last_idle_check = now
             self.reap()
+            self._own.hot.requeue_stranded(STRANDED_AGE_NS)
 
     def _row_intact(self, slot: int, generation: int) -> bool:
         sealed_gen, sealed_crc = self._rows.sealed(slot)
         return sealed_gen == generation and sealed_crc == self._rows.checksum(slot)
 
     def cancel(self, tag: int) -> int:
-        """Abort READY slots with this tag (request cancelled before pickup); returns count."""
+        """Abort READY slots with this tag (request cancelled before pickup); returns count.
+
+        Each slot goes READY -> RECLAIMING -> FREE in one compiled call; its queue entry
+        goes stale, and the slot is claimable again once readers have passed it.
+        """
         self._check_open()
-        return self._own.cancel(tag)
+        _check_tag(tag)
+        return self._own.hot.cancel(tag)
 
     # -- recovery and observation -------------------------------------------------------
     def reap(self) -> dict[str, int]:
@@ -431,7 +467,7 @@ class SlotTable:
         """Detach.  Slots still owned here are handed back as if this process had died."""
         if self._closed:
             return
-        reclaim_owner(self._own, self._own.me, self.drop_on_consumer_death)
+        self._own.reclaim_own(self.drop_on_consumer_death)
         self._registry.deregister(self.participant)
         self._closed = self._core.closed = True
         os.close(self._lock_fd)
@@ -455,6 +491,18 @@ class SlotTable:
 
     def __enter__(self) -> SlotTable:
         return self
+
+    def __del__(self) -> None:
+        """A table nobody closed: close it (its slots are handed back), and say so."""
+        if getattr(self, "_closed", True):  # closed, or __init__ never finished
+            return
+        warnings.warn(
+            f"table {self.name!r} was garbage-collected without close(); closing it",
+            ResourceWarning,
+            stacklevel=2,
+            source=self,
+        )
+        self.close()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None

@@ -1,8 +1,11 @@
 """Spin briefly, then sleep on a futex: waiting that burns no core and holds no lock.
 
-Waiters announce themselves in a counter so that the hot path only pays for
-a wake-up syscall when someone is actually asleep.  A waiter that dies while
-counted only costs wakers an unneeded syscall; nothing can be left locked.
+Sleepers announce themselves so that the hot path only pays for a wake-up
+syscall when someone may be asleep: a count of sleepers, and the latest time
+any of them may still sleep to (every nap is bounded).  Wakers make the call
+only while both say so, so a sleeper killed (or interrupted) while counted
+costs them syscalls for one nap at most, never for good; nothing can be left
+locked.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ T = TypeVar("T")
 SPIN_S = 20e-6
 # Sleep at most this long at a time, so `on_idle` (dead-owner checks) runs.
 NAP_S = 0.25
+# Added to a sleeper's announced deadline: a sleeper delayed this much between announcing
+# and sleeping may miss a wake-up, and then waits out its nap.
+DEADLINE_SLACK_NS = 1_000_000_000
 
 
 def wait_for(
@@ -25,13 +31,15 @@ def wait_for(
     attempt: Callable[[], T | None],
     seq: int,
     waiting: int,
+    until: int,
     timeout: float | None,
     on_idle: Callable[[], object] | None = None,
 ) -> T | None:
     """Call `attempt` until it returns non-None or `timeout` seconds pass.
 
     `seq` is a 32-bit futex word that is bumped whenever `attempt` may have
-    become able to succeed; `waiting` counts sleepers on it.
+    become able to succeed; `waiting` counts sleepers on it and `until` holds
+    the latest CLOCK_MONOTONIC ns one of them may sleep to.
     """
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
@@ -43,6 +51,7 @@ def wait_for(
         if deadline is not None and now >= deadline:
             return None
         nap = NAP_S if deadline is None else min(NAP_S, deadline - now)
+        _announce(a, until, time.monotonic_ns() + int(nap * 1e9) + DEADLINE_SLACK_NS)
         a.add(waiting, 1)
         try:
             observed = a.load32(seq)
@@ -56,7 +65,7 @@ def wait_for(
     return result
 
 
-def wake_all(a: AtomicView, seq: int, waiting: int) -> None:
-    a.add32(seq, 1)
-    if a.load(waiting):
-        a.futex_wake(seq, -1)
+def _announce(a: AtomicView, until: int, deadline_ns: int) -> None:
+    """Raise the sleepers' deadline to `deadline_ns` unless it is later already."""
+    while (current := a.load(until)) < deadline_ns and not a.cas(until, current, deadline_ns):
+        pass

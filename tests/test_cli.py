@@ -69,10 +69,12 @@ def victim(name: str, ready: Event) -> None:
     """Hold one slot and write another, then wait to be SIGKILLed."""
     t = SlotTable.attach(name, "victim")
     t.claim(tag=1).write(**small_row(1)).publish()
-    assert t.take(timeout=5.0) is not None
-    t.claim(tag=2).write(**small_row(2))
+    held = t.take(timeout=5.0)
+    assert held is not None
+    writing = t.claim(tag=2).write(**small_row(2))
     ready.set()
     time.sleep(60)
+    del held, writing  # owned until the SIGKILL lands
 
 
 @pytest.fixture

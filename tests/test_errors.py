@@ -207,8 +207,9 @@ def test_non_owner_cannot_move_a_slot(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=1) as t, SlotTable.attach(name, "intruder") as other:
         ws = t.claim()
         before = t._own.word(0)
-        with pytest.raises(OwnershipError, match="expected WRITING"):
-            other._own.free(ws.slot, ws.generation, int(State.WRITING), int(Event.ABORT))
+        assert (
+            other._own.hot.free(ws.slot, ws.generation, int(State.WRITING), int(Event.ABORT)) == -1
+        )
         with pytest.raises(OwnershipError, match="owned by participant"):
             next_word(before, int(Event.PUBLISH), other._own.me)
         assert t._own.word(0) == before and t._own.bit(0)
@@ -221,7 +222,11 @@ def test_state_machine_refuses_illegal_transitions() -> None:
         next_word(free, int(Event.PUBLISH), 1)
     with pytest.raises(OwnershipError, match="cannot release a slot that is READY"):
         next_word(pack(3, 0, State.READY), int(Event.RELEASE), 1)
-    assert next_word(pack(3, 1, State.HELD), int(Event.RELEASE), 1) == pack(4, 0, State.FREE)
+    closing = next_word(pack(3, 1, State.HELD), int(Event.RELEASE), 1)
+    assert closing == pack(3, 1, State.RECLAIMING)  # shut to everyone else while the bit clears
+    assert next_word(closing, int(Event.FINISH), 1) == pack(4, 0, State.FREE)
+    with pytest.raises(OwnershipError, match="owned by participant 0"):
+        next_word(closing, int(Event.FINISH), 2)
 
 
 def test_no_resource_tracker_warnings_in_spawned_users(name: str, tmp_path: Path) -> None:

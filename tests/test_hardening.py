@@ -905,6 +905,9 @@ def test_signal_in_read_loop_leaves_the_table_usable(
             assert missing + twice <= 1 and aborts_before >= missing
 
 
+_RELEASE = int(Event.RELEASE)
+
+
 class _Interrupt(BaseException):
     """Stands in for KeyboardInterrupt without risking pytest's own handling of it."""
 
@@ -924,13 +927,14 @@ def test_interrupt_just_after_a_transition_is_not_masked(name: str, step: str) -
             if step == "publish":
                 with t.claim() as ws:
                     ws.write(**small_row(1))
-                    t._own.publish(ws.slot, ws.generation, 1.0)
+                    assert t._own.hot.publish(ws.slot, ws.generation) == 0
                     raise _Interrupt
             else:
                 lease = t.take()
                 assert lease is not None
                 with lease:
-                    t._own.free(lease.slot, lease.generation, int(State.HELD), int(Event.RELEASE))
+                    hot = t._own.hot
+                    assert hot.free(lease.slot, lease.generation, int(State.HELD), _RELEASE) == 0
                     raise _Interrupt
         assert t.check_consistency() == []
         expected = State.READY if step == "publish" else State.FREE

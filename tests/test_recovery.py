@@ -28,32 +28,36 @@ def _die() -> None:
 def die_owning(name: str, what: str) -> None:
     """Attach, leave one slot in the state `what`, and die without any cleanup."""
     t = SlotTable.attach(name, "victim")
+    handles: list[object] = []  # kept, so they own their slots when the process dies
     if what == "writing":
-        t.claim(tag=1).write(**small_row(1))
+        handles.append(t.claim(tag=1).write(**small_row(1)))
     elif what == "reserved":
-        t.reserve(tag=2)
+        handles.append(t.reserve(tag=2))
     elif what == "held":
-        assert t.take(timeout=5.0) is not None
-    elif what == "queued-unfinished":  # died between queueing and turning READY
+        handles.append(t.take(timeout=5.0))
+        assert handles[0] is not None
+    elif what == "ready-unqueued":  # died between turning READY and queueing it
         ws = t.claim(tag=3)
         ws.write(**small_row(3))
-        assert t._own.hot.push(ws.slot) >= 0
+        t._rows.seal(ws.slot, ws.generation)
+        own = t._own
+        word = own.word(ws.slot)
+        assert own.a.cas(own.entry(ws.slot), word, next_word(word, int(Transition.PUBLISH), own.me))
     _die()
 
 
 def hold_until_killed(name: str, what: str, ready: Event) -> None:
     """Take a slot into state `what` and wait to be killed."""
     t = SlotTable.attach(name, "victim")
-    if what == "held":
-        assert t.take(timeout=5.0) is not None
-    else:
-        t.claim(tag=5).write(**small_row(5))
+    handle = t.take(timeout=5.0) if what == "held" else t.claim(tag=5).write(**small_row(5))
+    assert handle is not None
     ready.set()
     time.sleep(60)
 
 
 def die_mid_reclaim(name: str, victim_slot: int, redeliver: bool, ready: Event, go: Event) -> None:
-    """A reaper that takes a dead owner's slot over and is killed before finishing.
+    """A reaper that takes a dead owner's slot over and is killed before finishing:
+    a redelivery turned READY but not queued, or a reclaim RECLAIMING with its bit cleared.
 
     It attaches while the owner is still alive (attach itself reaps), then acts.
     """
@@ -63,6 +67,7 @@ def die_mid_reclaim(name: str, victim_slot: int, redeliver: bool, ready: Event, 
     own = t._own
     word = own.word(victim_slot)
     event = Transition.REDELIVER if redeliver else Transition.RECLAIM
+    own.a.store(own.entry(victim_slot) + L.SLOT_QUEUE_POS, L.NO_QUEUE_POS)
     assert own.a.cas(own.entry(victim_slot), word, next_word(word, int(event), own.me))
     if not redeliver:
         own.a.fetch_and(own.layout.bitmap, ~(1 << victim_slot) & (2**64 - 1))
@@ -164,14 +169,16 @@ def test_reaper_killed_mid_reclaim_is_finished_by_the_next(
         go.set()
         reaper.join(60)
         assert reaper.exitcode == -signal.SIGKILL
-        expected = State.REDELIVERING if redeliver else State.RECLAIMING
+        expected = State.READY if redeliver else State.RECLAIMING
         assert t.slot_info(0)[0] is expected
         done = t.reap()
         assert done["participants_reaped"] == 2
+        assert done.get("requeued", 0) == int(redeliver)  # the redelivery the reaper began
         assert t.check_consistency() == []
         if redeliver:
             lease = t.take()
             assert lease is not None and lease.tag == 5 and lease.verify()
+            assert lease.deliveries == 1  # the dead victim's delivery was counted
             lease.release()
             assert t.take() is None  # delivered exactly once
         assert t.slot_info(0)[0] is State.FREE
@@ -200,18 +207,22 @@ def test_two_reapers_at_once_do_not_double_reclaim(name: str, children: Children
 
 def take_all_then_die(name: str, n: int) -> None:
     t = SlotTable.attach(name, "consumer")
-    for _ in range(n):
-        assert t.take(timeout=5.0) is not None
+    leases = [t.take(timeout=5.0) for _ in range(n)]
+    assert None not in leases
     _die()
 
 
-def test_reader_behind_an_unfinished_publication_recovers(name: str, children: Children) -> None:
+def test_a_publication_its_dead_publisher_never_queued_is_delivered(
+    name: str, children: Children
+) -> None:
     with SlotTable.create(name, SMALL, slots=2) as t, SlotTable.attach(name, "r") as reader:
-        _kill_and_wait(children, die_owning, name, "queued-unfinished")
-        assert reader.take() is None  # the head is the dead producer's publication
+        _kill_and_wait(children, die_owning, name, "ready-unqueued")
         t.claim(tag=8).write(**small_row(8)).publish()
-        lease = reader.take(timeout=5.0)  # reaps the dead producer while waiting
+        lease = reader.take(timeout=5.0)  # nothing blocks the queue: the live row comes first
         assert lease is not None and lease.tag == 8
+        lease.release()
+        lease = reader.take(timeout=5.0)  # waiting, it reaps the dead producer and queues its row
+        assert lease is not None and lease.tag == 3 and lease.verify()
         lease.release()
         assert t.stats().owned == 0 and t.check_consistency() == []
 
@@ -284,20 +295,22 @@ def test_busy_polling_reader_behind_a_dead_publisher_recovers(
     name: str, children: Children
 ) -> None:
     with SlotTable.create(name, SMALL, slots=2) as t, SlotTable.attach(name, "r") as reader:
-        _kill_and_wait(children, die_owning, name, "queued-unfinished")
+        _kill_and_wait(children, die_owning, name, "ready-unqueued")
         t.claim(tag=8).write(**small_row(8)).publish()
         deadline = time.monotonic() + 5
-        lease = None
-        while lease is None and time.monotonic() < deadline:
+        tags: list[int] = []
+        while len(tags) < 2 and time.monotonic() < deadline:
             lease = reader.take()  # timeout 0: never sleeps, must still reap
-        assert lease is not None and lease.tag == 8
-        lease.release()
+            if lease is not None:
+                tags.append(lease.tag)
+                lease.release()
+        assert tags == [8, 3]
 
 
 def claim_fork_then_die(name: str, report: Queue[tuple[str, int, bool]]) -> None:
     """Claim a slot, fork a long-lived helper, then die: the helper must not keep us alive."""
     t = SlotTable.attach(name, "producer")
-    t.claim(tag=5)
+    ws = t.claim(tag=5)
     helper = os.fork()
     if helper == 0:
         try:
@@ -308,6 +321,7 @@ def claim_fork_then_die(name: str, report: Queue[tuple[str, int, bool]]) -> None
         report.put(("helper", os.getpid(), refused))
         time.sleep(60)
         os._exit(0)
+    assert ws is not None  # still owned when the process dies
     _die()
 
 
