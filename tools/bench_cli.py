@@ -56,7 +56,11 @@ def main() -> int:
             "shmslots metrics NAME": [*cli, "metrics", name],
             "shmslots reap NAME": [*cli, "reap", name],
         }
-        print(f"one CLI call, wall time over {args.runs} runs (target <= {TARGET_S} s)\n")
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(
+            f"one CLI call, wall time over {args.runs} runs (target <= {TARGET_S} s); "
+            f"{os.cpu_count()} CPUs, load average {load}\n"
+        )
         print("| command | median s | slowest s | target met |")
         print("|---|---:|---:|---|")
         for label, argv in commands.items():

@@ -14,8 +14,11 @@ for _ in $(seq 300); do
     sleep 0.1
 done
 [ -n "$name" ] || { echo "the demo did not print its table's name" >&2; cat "$log" >&2; exit 1; }
-sleep 3  # let the workers attach and the traffic settle
+for _ in $(seq 600); do  # the workers start (each loads torch), then rows flow
+    shmslots metrics "$name" 2>/dev/null | grep -q '^shmslots_takes_total{.*} [1-9]' && break
+    sleep 0.1
+done
+sleep 2  # let the traffic settle
 COLUMNS=${COLUMNS:-110} shmslots inspect "$name" "$@" || true
 wait "$demo" || { echo "the demo failed:" >&2; cat "$log" >&2; exit 1; }
-echo
 tail -n 2 "$log"  # the demo's own last words: what happened, what to try
