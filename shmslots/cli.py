@@ -12,10 +12,14 @@ Commands::
 
 `ls`, `inspect`, `watch` and `metrics` only ever map a table read-only and never
 register as a participant (shmslots.snapshot.TableView): looking cannot change a table.
+No command but `demo` imports torch (this module imports only torch-free ones, and
+`reap` attaches through shmslots.reaper), so each starts in about 0.1 s.
 
-Exit codes: 0 ok; 1 a problem was found (a slot is owned by a participant that is
-no longer alive, a published row fails its checksum, or `unlink` was refused);
-2 the table is missing, incompatible or corrupt, or the arguments are wrong.
+Exit codes (also in every `--help`): 0 ok; 1 a problem was found (a slot is owned by a
+participant that is no longer alive, a published row fails its checksum, or `unlink` was
+refused); 2 the table is missing, incompatible or corrupt, or was unlinked while watched,
+or the arguments are wrong.  `ls` flags tables with no live participant (orphaned) but
+exits 0 for them: nothing is wrong inside such a table.
 Errors are one line on stderr, `shmslots: error: ...`.
 
 JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes):
@@ -38,7 +42,8 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
   nobody owns it), "tag", "age_s", "deliveries", "older"}`.
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
-  "checksum_ok", "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;
+  "checksum_ok" (both read from the row as it is: they mean something only while the slot is
+  READY or HELD), "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;
   inline fields) or "handle" (what the row points to, bytes as hex; handle fields)}}`.
   NaN and infinities are written as the strings "NaN", "Infinity", "-Infinity".
 """
@@ -67,11 +72,11 @@ from .errors import (
     TableNotFound,
     TablePermissionError,
 )
-from .layout import MAGIC
+from .layout import MAGIC, MAX_SLOTS
+from .reaper import Reaper
 from .segment import unlink, validate_name
 from .snapshot import SlotSnapshot, TableSnapshot, TableView
 from .states import State
-from .table import SlotTable
 
 SHM_DIR = "/dev/shm"
 REAP_REASONS = {
@@ -170,7 +175,13 @@ def _ls(args: argparse.Namespace) -> int:
                 line = (
                     f"{len(dead)} slot(s) owned by dead participants; `shmslots reap {snap.name}`"
                 )
-                console.print(Text(f"problem: {snap.name}: {line}"))
+                console.print(Text(f"problem: {snap.name}: {line}"), soft_wrap=True)
+            if not any(p.alive for p in snap.participants):
+                line = (
+                    "no live participant: nothing uses or removes it (closed without unlink, "
+                    f"or its processes died); `shmslots unlink {snap.name}` removes it"
+                )
+                console.print(Text(f"orphaned: {snap.name}: {line}"), soft_wrap=True)
     for n, why in skipped:
         print(f"shmslots: note: skipped {n}: {why}", file=sys.stderr)
     if unreadable:
@@ -215,6 +226,8 @@ def _frames(view: TableView, interval: float, count: int | None) -> Iterator[R.F
     while count is None or shown < count:
         if shown:
             time.sleep(interval)
+        if view.unlinked():
+            raise TableNotFound(f"table {view.name!r} was unlinked while watched")
         snap = view.snapshot()
         now = time.monotonic()
         rates = R.rates(previous[0], snap.counters, now - previous[1]) if previous else None
@@ -247,12 +260,9 @@ def _metrics(args: argparse.Namespace) -> int:
 
 def _reap(args: argparse.Namespace) -> int:
     before, _ = _look(args.name)
-    table = SlotTable.attach(args.name, "cli-reap")  # attaching reaps already
-    try:
-        table.reap()
-        counters = table.stats().counters
-    finally:
-        table.close()
+    with Reaper.open(args.name) as reaper:  # attaching reaps already
+        reaper.reap()
+        counters = reaper.counters()
     after, dead = _look(args.name)
     done = {k: counters[k] - before.counters[k] for k in REAP_REASONS}
     still_dead = {(p.index, p.pid, p.start_ticks) for p in after.participants if not p.alive}
@@ -349,16 +359,61 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
+EXIT_CODES = """exit codes:
+  0  fine
+  1  a problem was found: a dead participant owns slots, a published row fails its
+     checksum, or unlink was refused because participants live
+  2  the table is missing, not a valid table, or was unlinked while watched;
+     or the arguments are wrong"""
+NAME_HELP = "the table's name: its file in /dev/shm (`shmslots ls` lists them)"
+
+
+def _command(
+    sub: Any, name: str, summary: str, description: str, run: Any
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does and what its exit codes mean."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="shmslots", description="shmslots tables: look, watch, repair.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(
+        prog="shmslots",
+        description="shmslots tables: look, watch, repair; and a demo of the flow they serve.",
+        epilog=EXIT_CODES + "\n\n`shmslots COMMAND --help` tells more about each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ls = sub.add_parser("ls", help="list every shmslots table on this machine")
+    ls = _command(
+        sub,
+        "ls",
+        "list every shmslots table on this machine",
+        "List the tables in /dev/shm (found by their header magic, whatever their name) with "
+        "their size, slot states and participants. A table no live process is attached to is "
+        "flagged: nothing will use or remove it (a creator that called close() without "
+        "unlink(), or died); `shmslots unlink NAME` removes it.",
+        _ls,
+    )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(run=_ls)
 
-    inspect = sub.add_parser("inspect", help="header, schema, participants and slots of a table")
-    inspect.add_argument("name", type=_table_name)
+    inspect = _command(
+        sub,
+        "inspect",
+        "header, schema, participants and slots of a table",
+        "Show a table's header, schema, participants (alive or dead), slot states, counters "
+        "and every slot that is not FREE; or, with --slot, decode one row. The table is mapped "
+        "read-only and never registered with: inspecting cannot change it.",
+        _inspect,
+    )
+    inspect.add_argument("name", type=_table_name, help=NAME_HELP)
     inspect.add_argument(
         "--older-than",
         type=_duration,
@@ -367,43 +422,99 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--slot", type=int, metavar="N", help="decode the row of slot N")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect.set_defaults(run=_inspect)
 
-    watch = sub.add_parser("watch", help="live states, rates and the oldest slot")
-    watch.add_argument("name", type=_table_name)
-    watch.add_argument("--interval", type=_positive(float), default=1.0, metavar="S")
-    watch.add_argument("--count", type=_positive(int), metavar="N", help="stop after N refreshes")
-    watch.set_defaults(run=_watch)
-
-    metrics = sub.add_parser("metrics", help="counters and gauges in Prometheus text format")
-    metrics.add_argument("names", nargs="+", type=_table_name, metavar="NAME")
-    metrics.set_defaults(run=_metrics)
-
-    reap = sub.add_parser("reap", help="reclaim the slots of dead participants now")
-    reap.add_argument("name", type=_table_name)
-    reap.set_defaults(run=_reap)
-
-    rm = sub.add_parser("unlink", help="remove a table (refused while participants live)")
-    rm.add_argument("name", type=_table_name)
-    rm.add_argument("--force", action="store_true", help="remove even with live participants")
-    rm.set_defaults(run=_unlink)
-
-    demo = sub.add_parser(
-        "demo", help="transfer -> decode workers moving EAGLE metadata rows, live"
+    watch = _command(
+        sub,
+        "watch",
+        "live states, rates and the oldest slot",
+        "Refresh a table's slot states, per-second rates and its oldest slot until Ctrl-C "
+        "(or --count refreshes); plain lines when the output is not a terminal. Ends with "
+        "exit code 2 if the table is unlinked meanwhile.",
+        _watch,
     )
-    demo.add_argument("--requests", type=int, default=20_000, help="requests to transfer")
-    demo.add_argument("--transfer", type=int, default=2, help="transfer workers")
-    demo.add_argument("--decode", type=int, default=2, help="decode workers")
-    demo.add_argument("--slots", type=int, default=64, help="rows in the table")
+    watch.add_argument("name", type=_table_name, help=NAME_HELP)
+    watch.add_argument(
+        "--interval",
+        type=_positive(float),
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default: %(default)g)",
+    )
+    watch.add_argument(
+        "--count", type=_positive(int), metavar="N", help="stop after N refreshes (default: never)"
+    )
+
+    metrics = _command(
+        sub,
+        "metrics",
+        "counters and gauges in Prometheus text format",
+        "Print every counter and gauge of the named tables in Prometheus text format (for the "
+        "node exporter's textfile collector, say).",
+        _metrics,
+    )
+    metrics.add_argument("names", nargs="+", type=_table_name, metavar="NAME", help=NAME_HELP)
+
+    reap = _command(
+        sub,
+        "reap",
+        "reclaim the slots of dead participants now",
+        "Attach briefly and hand back what dead participants owned: WRITING and RESERVED "
+        "slots become FREE, HELD ones READY again (or FREE with on_consumer_death=drop). "
+        "Every attach does this too; reap does it now.",
+        _reap,
+    )
+    reap.add_argument("name", type=_table_name, help=NAME_HELP)
+
+    rm = _command(
+        sub,
+        "unlink",
+        "remove a table (refused while participants live)",
+        "Remove a table's name from /dev/shm. Processes still attached keep their mapping "
+        "until they close; the memory is freed then.",
+        _unlink,
+    )
+    rm.add_argument("name", type=_table_name, help=NAME_HELP)
+    rm.add_argument("--force", action="store_true", help="remove even with live participants")
+
+    demo = _command(
+        sub,
+        "demo",
+        "transfer -> decode workers moving EAGLE metadata rows, live",
+        "Run transfer workers that commit per-request EAGLE metadata rows and decode workers "
+        "that consume them later, on one table, with a live view and a summary. --policy says "
+        "when decode hands a slot back: hold (after consumption: correct, no copy), clone "
+        "(copy at commit: correct, one copy per row) or early-release (at commit while views "
+        "are kept: the production bug, which shmslots catches).",
+        _demo,
+    )
+    count = _positive(int)
+    demo.add_argument(
+        "--requests", type=count, default=20_000, help="requests to transfer (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--transfer", type=count, default=2, help="transfer workers (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--decode", type=count, default=2, help="decode workers (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--slots", type=count, default=64, help="rows in the table (default: %(default)s)"
+    )
     demo.add_argument(
         "--policy",
         choices=("hold", "clone", "early-release"),
         default="hold",
-        help="when decode hands a slot back (early-release is the bug, caught)",
+        help="when decode hands a slot back (default: %(default)s)",
     )
-    demo.add_argument("--hidden", type=int, default=4096, help="hidden-state size (bf16)")
-    demo.add_argument("--burst", type=int, default=32, help="back-to-back commits per burst")
-    demo.set_defaults(run=_demo)
+    demo.add_argument(
+        "--hidden", type=count, default=4096, help="hidden-state size, bf16 (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--burst",
+        type=count,
+        default=32,
+        help="back-to-back commits per burst (default: %(default)s)",
+    )
     return parser
 
 
@@ -417,7 +528,16 @@ def _error(args: argparse.Namespace, exc: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        if args.requests < args.transfer:
+            parser.error(
+                f"--requests {args.requests} gives no request to some of the "
+                f"{args.transfer} transfer workers"
+            )
+        if args.slots > MAX_SLOTS:
+            parser.error(f"--slots must be at most {MAX_SLOTS}, got {args.slots}")
     try:
         code: int = args.run(args)
     except BrokenPipeError:  # `shmslots ls | head -1`: stop quietly

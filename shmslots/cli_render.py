@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import torch
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -23,6 +22,7 @@ from .participants import Participant
 from .schema import Field
 from .snapshot import DecodedRow, SlotSnapshot, TableSnapshot
 from .states import State
+from .units import fmt_bytes, fmt_duration
 
 JSON_VERSION = 1
 # What each rate of `watch` adds up.
@@ -58,32 +58,6 @@ FIRST_VALUES = 8
 
 
 # -- small formatters ------------------------------------------------------------------
-def fmt_duration(seconds: float) -> str:
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def fmt_time(ns: int) -> str:
     """Local wall-clock time and how long ago."""
     when = datetime.fromtimestamp(ns / 1e9).astimezone()
@@ -273,13 +247,21 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def tensor_summary(t: torch.Tensor) -> str:
-    if t.dim() == 0:
-        return _num(t.item())
-    flat = t.flatten().tolist()
+def values_summary(f: Field, flat: Sequence[float]) -> str:
+    """A scalar as itself; an array as its first values and its length."""
+    if f.shape == ():
+        return _num(flat[0])
     first = ", ".join(_num(v) for v in flat[:FIRST_VALUES])
     more = f", ... ({len(flat)} values)" if len(flat) > FIRST_VALUES else ""
     return f"[{first}{more}]"
+
+
+def nested(flat: Sequence[Any], shape: Sequence[int]) -> Any:
+    """Flat values in the nesting of `shape`, as tensor.tolist() gives them."""
+    if not shape:
+        return flat[0]
+    step = len(flat) // shape[0]
+    return [nested(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def row_view(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> Group:
@@ -288,11 +270,14 @@ def row_view(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> Group:
         f"tag {s.tag}, age {fmt_duration(s.age_s)}, owner "
     )
     head.append_text(owner_text(snap, s.owner))
-    ok = Text("ok", style="green") if row.checksum_ok else Text("bad", style="bold red")
-    seal = Text(f"row sealed under generation {row.sealed_generation}, checksum ")
-    seal.append_text(ok)
-    if s.state not in (State.READY, State.HELD):
-        seal.append(" (the slot is not published: its row is not sealed yet)", style="dim")
+    if s.state in (State.READY, State.HELD):
+        ok = Text("ok", style="green") if row.checksum_ok else Text("bad", style="bold red")
+        seal = Text(f"row sealed under generation {row.sealed_generation}, checksum ")
+        seal.append_text(ok)
+    elif s.state is None:
+        seal = Text("row read while the slot changed: run again for a steady read", style="dim")
+    else:
+        seal = Text("row not published", style="dim")
     t = _titled("fields")
     for col in ("field", "kind", "dtype", "shape", "values"):
         t.add_column(col)
@@ -300,7 +285,7 @@ def row_view(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> Group:
         value = (
             handle_summary(row.handles[f.name])
             if f.name in row.handles
-            else tensor_summary(row.values[f.name])
+            else values_summary(f, row.values[f.name])
         )
         t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), Text(value))
     return Group(head, seal, t)
@@ -332,7 +317,7 @@ def field_doc(f: Field, row: DecodedRow) -> dict[str, Any]:
     if f.name in row.handles:
         doc["handle"] = _plain(row.handles[f.name])
     else:
-        doc["values"] = _finite(row.values[f.name].tolist())
+        doc["values"] = _finite(nested(row.values[f.name], f.fixed_shape))
     return doc
 
 
@@ -481,6 +466,9 @@ def rates(before: Mapping[str, int], after: Mapping[str, int], seconds: float) -
 def _oldest_text(snap: TableSnapshot) -> Text:
     s = oldest(snap)
     if s is None:
+        changing = snap.states["CHANGING"]
+        if changing:
+            return Text(f"none steady ({changing} slot(s) changed while read)")
         return Text("none (every slot is FREE)")
     out = Text(f"slot {s.slot} {state_name(s)} for {fmt_duration(s.age_s)}, tag {s.tag}, owner ")
     out.append_text(owner_text(snap, s.owner))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import SchemaError
-from .schema import DTYPE_NAMES, DTYPES
+from .torch_dtypes import DTYPE_NAMES, DTYPES
 
 
 def device_uuid(index: int) -> str:

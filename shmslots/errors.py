@@ -15,6 +15,14 @@ class TableExists(ShmSlotsError, FileExistsError):
     """create() found an object of that name already there."""
 
 
+class InvalidArgument(ShmSlotsError, ValueError):
+    """An argument outside what the call accepts: a table name, a tag, a slot count, a size."""
+
+
+class TableClosed(ShmSlotsError, ValueError):
+    """The table (or remote server) was closed, or inherited through fork(): attach again."""
+
+
 class IncompatibleTable(ShmSlotsError):
     """The segment is not a table this version can use (magic, version, uid, size)."""
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 import torch
@@ -24,12 +22,11 @@ from torch.utils.dlpack import from_dlpack
 from . import cuda_ipc
 from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
+from .handle_codec import LENGTH, decode
 from .ownership import Ownership
 from .rows import mapped_tensor
-from .schema import DTYPE_NAMES, DTYPES, Field
-
-_LEN = struct.Struct("<H")
-_MAX_DIMS = 8
+from .schema import Field
+from .torch_dtypes import DTYPE_NAMES, DTYPES
 
 
 @dataclass
@@ -70,13 +67,13 @@ class HandleStore:
                 "stride": list(tensor.stride()),
             }
         blob: bytes = msgpack.packb(description)
-        if _LEN.size + len(blob) > f.budget:
+        if LENGTH.size + len(blob) > f.budget:
             self.unpin(pin)
             raise SchemaError(
                 f"field {f.name!r}: handle of {len(blob)} bytes exceeds its {f.budget}-byte budget"
             )
         self._pins.append(pin)
-        return _LEN.pack(len(blob)) + blob, pin
+        return LENGTH.pack(len(blob)) + blob, pin
 
     def _to_arena(self, slot: int, generation: int, name: str, tensor: torch.Tensor) -> Pin:
         if self._arena is None:
@@ -183,34 +180,6 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     opened handle's leak check would count the others' views.
     """
     return from_dlpack(tensor.detach())  # dlpack refuses tensors that require grad
-
-
-def decode(raw: bytes) -> dict[str, Any]:
-    """Parse a handle from row bytes; anything malformed is CorruptTable."""
-    (length,) = _LEN.unpack_from(raw)
-    if length == 0 or _LEN.size + length > len(raw):
-        raise CorruptTable("row holds no valid handle (never written, or overwritten)")
-    try:
-        d = msgpack.unpackb(raw[_LEN.size : _LEN.size + length], raw=False, max_array_len=64)
-    except Exception as exc:
-        raise CorruptTable(f"handle is not valid msgpack: {exc}") from None
-    ok = isinstance(d, dict) and d.get("b") in ("shm", "cuda")
-    ok = ok and d.get("dtype") in DTYPES and _is_shape(d.get("shape"))
-    if ok and d["b"] == "shm":
-        ok = all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("off", "n"))
-        ok = ok and isinstance(d.get("arena"), str)
-    if not ok:
-        raise CorruptTable(f"malformed handle {d!r}")
-    result: dict[str, Any] = d
-    return result
-
-
-def _is_shape(shape: object) -> bool:
-    return (
-        isinstance(shape, list)
-        and len(shape) <= _MAX_DIMS
-        and all(isinstance(x, int) and x >= 0 for x in shape)
-    )
 
 
 def _numel(shape: list[int]) -> int:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .errors import CorruptTable, IncompatibleTable, InvalidSlot
+from .errors import CorruptTable, IncompatibleTable, InvalidArgument, InvalidSlot
+from .units import fmt_bytes
 
 MAGIC = b"SHMSLOTS"
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
@@ -157,6 +158,29 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def arena_pages(arena_bytes: int, page_size: int) -> int:
+    """Pages for an arena of `arena_bytes`; refusals speak in bytes, the unit the caller used."""
+    if not isinstance(arena_bytes, int) or isinstance(arena_bytes, bool) or arena_bytes < 0:
+        raise InvalidArgument(f"arena_bytes must be a non-negative int, got {arena_bytes!r}")
+    if not arena_bytes:
+        return 0
+    if not (
+        isinstance(page_size, int) and PAGE <= page_size <= MAX_ARENA_PAGE and page_size % PAGE == 0
+    ):
+        raise InvalidArgument(
+            f"arena_page must be a multiple of {PAGE} bytes up to {fmt_bytes(MAX_ARENA_PAGE)}, "
+            f"got {page_size!r}"
+        )
+    limit = MAX_ARENA_PAGES * page_size
+    if arena_bytes > limit:
+        raise InvalidArgument(
+            f"arena_bytes of {fmt_bytes(arena_bytes)} is more than an arena of "
+            f"{fmt_bytes(page_size)} pages holds: at most {fmt_bytes(limit)} "
+            f"({MAX_ARENA_PAGES:,} pages; a bigger arena_page allows more)"
+        )
+    return -(-arena_bytes // page_size)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Absolute offsets and sizes of every region of one table."""
@@ -195,15 +219,17 @@ class Layout:
         arena_pages: int = 0,
     ) -> Layout:
         if not 1 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
+            raise InvalidArgument(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
         if not 1 <= registry_capacity <= MAX_PARTICIPANTS:
-            raise ValueError(f"participants must be in 1..{MAX_PARTICIPANTS}")
+            raise InvalidArgument(f"participants must be in 1..{MAX_PARTICIPANTS}")
         if not 0 <= arena_pages <= MAX_ARENA_PAGES:
-            raise ValueError(f"arena pages must be in 0..{MAX_ARENA_PAGES}")
+            raise InvalidArgument(f"arena pages must be in 0..{MAX_ARENA_PAGES}")
         if arena_pages and not (
             PAGE <= arena_page_size <= MAX_ARENA_PAGE and arena_page_size % PAGE == 0
         ):
-            raise ValueError(f"arena page size must be a multiple of {PAGE} up to {MAX_ARENA_PAGE}")
+            raise InvalidArgument(
+                f"arena page size must be a multiple of {PAGE} up to {MAX_ARENA_PAGE}"
+            )
         ring_capacity = 2 * slots
         sync = HEADER_SIZE
         counters = sync + SYNC_SIZE

@@ -183,6 +183,12 @@ class _Handle(HandleBase):
         self._viewed.difference_update(names)
         warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
 
+    def _count_refused_leak(self, exc: Exception) -> None:
+        """A with block hands the slot back although strict mode refused to: its views
+        outlive ownership after all, so they count as leaked (a warning counts its own)."""
+        if isinstance(exc, LeakedViewError):
+            self._table._own.count("leaked_views", len(self._leaked()))
+
     def _forget_unchecked(self) -> None:
         """Ending without a check (an exception is on its way): no view of ours stays cached."""
         if self._viewed:
@@ -357,8 +363,9 @@ class WriteSlot(_Handle, WriteSlotCore):
             if et is None:
                 try:
                     self.abort()
-                except Exception:  # LeakedViewError, or a warning raised as an error
+                except Exception as exc:  # LeakedViewError, or a warning raised as an error
                     if self._open and self._still_mine(_WRITING):
+                        self._count_refused_leak(exc)
                         self._abort_slow(check_views=False)
                     raise
             else:  # the block's locals may still hold views: hand the slot back regardless
@@ -511,8 +518,9 @@ class Lease(_Handle, LeaseCore):
             if et is None:
                 try:
                     self.release()
-                except Exception:  # LeakedViewError, or a warning raised as an error
+                except Exception as exc:  # LeakedViewError, or a warning raised as an error
                     if self._open and self._still_mine(_HELD):
+                        self._count_refused_leak(exc)
                         self._end(_RELEASE, "release", check_views=False)
                     raise
             else:  # the block's locals may still hold views: hand the slot back regardless

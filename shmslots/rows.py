@@ -157,7 +157,8 @@ class Rows:
                     ) from None
             else:
                 raise SchemaError(
-                    f"field {name!r} takes a {f.dtype} tensor of shape {f.shape}"
+                    f"field {name!r} takes {'an' if f.dtype[0] == 'i' else 'a'} {f.dtype} "
+                    f"tensor of shape {f.shape}"
                     + (" or a Python number" if scalar is not None else "")
                     + f", got {type(value).__name__}"
                 )

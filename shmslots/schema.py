@@ -1,7 +1,8 @@
 """Typed row schema: fields, their dtypes and shapes, and where they sit in a row.
 
 The schema is stored in the segment as msgpack, so any process (and the CLI)
-can decode rows knowing only the table's name.
+can decode rows knowing only the table's name.  This module does not import
+torch: the CLI reads schemas with it, and must start without loading torch.
 """
 
 from __future__ import annotations
@@ -9,29 +10,33 @@ from __future__ import annotations
 import hashlib
 import math
 import reprlib
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from .errors import SchemaError
 
-DTYPES: dict[str, torch.dtype] = {
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8,
+if TYPE_CHECKING:
+    import torch
+
+# Item size of every dtype a field may have; the names are torch's (torch.<name>).
+DTYPE_SIZES: dict[str, int] = {
+    "int32": 4,
+    "int64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint8": 1,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 ROW_HEADER_SIZE = 16  # generation u64, checksum u32, pad u32 — see layout.py
 FIELD_ALIGN = 16
 ROW_ALIGN = 64
 MAX_DIMS = 4
 MAX_ROW_SIZE = 64 * 1024 * 1024
+MAX_ELEMENTS = MAX_ROW_SIZE  # per field: 64 Mi elements
 MAX_FIELDS = 64
 MAX_NAME = 64
 DEFAULT_HANDLE_BUDGET = 512
@@ -39,7 +44,21 @@ MIN_HANDLE_BUDGET = 64
 MAX_HANDLE_BUDGET = 4096
 
 
-@dataclass(frozen=True)
+def dtype_name(dtype: object) -> str | None:
+    """The name of a torch dtype (`torch.float32` -> "float32"), a string as it is, else None.
+
+    torch is looked up in sys.modules, never imported: a caller holding a torch dtype has
+    imported torch already.
+    """
+    if isinstance(dtype, str):
+        return dtype
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None and isinstance(dtype, torch_module.dtype):
+        return str(dtype).removeprefix("torch.")
+    return None
+
+
+@dataclass(frozen=True, init=False)
 class Field:
     """One named tensor in every row.
 
@@ -47,24 +66,47 @@ class Field:
     kind="handle": a tensor that stays in the producer's memory (CUDA) or in
     the table's arena (CPU); the row stores a handle to it, at most `budget`
     bytes. A handle field's shape may have one variable dimension (None).
+    `dtype` is a name ("bfloat16") or a torch dtype (torch.bfloat16); it is
+    kept as the name.
     """
 
     name: str
     dtype: str
-    shape: tuple[int | None, ...] = ()
-    kind: str = "inline"
-    budget: int = DEFAULT_HANDLE_BUDGET
+    shape: tuple[int | None, ...]
+    kind: str
+    budget: int
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        name: str,
+        dtype: str | torch.dtype,
+        shape: tuple[int | None, ...] = (),
+        kind: str = "inline",
+        budget: int = DEFAULT_HANDLE_BUDGET,
+    ) -> None:
+        given = dtype_name(dtype)
+        for attr, value in (
+            ("name", name),
+            ("dtype", dtype if given is None else given),
+            ("shape", shape),
+            ("kind", kind),
+            ("budget", budget),
+        ):
+            object.__setattr__(self, attr, value)
+        self._check()
+
+    def _check(self) -> None:
         if not all(isinstance(x, str) for x in (self.name, self.dtype, self.kind)):
-            raise SchemaError(f"field name, dtype and kind must be strings: {self!r}")
+            raise SchemaError(
+                f"field name and kind must be strings, dtype a string or a torch dtype: {self!r}"
+            )
         if not self.name.isidentifier():
             raise SchemaError(f"field name {self.name!r} must be a Python identifier")
         if len(self.name) > MAX_NAME:
             raise SchemaError(f"field name {self.name!r} is longer than {MAX_NAME}")
-        if self.dtype not in DTYPES:
+        if self.dtype not in DTYPE_SIZES:
             raise SchemaError(
-                f"field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPES)}"
+                f"field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPE_SIZES)}"
             )
         if self.kind not in ("inline", "handle"):
             raise SchemaError(f"field {self.name!r}: kind must be 'inline' or 'handle'")
@@ -75,11 +117,16 @@ class Field:
             or len(shape) > MAX_DIMS
             or not all(_is_dim(d) or d is None for d in shape)
             or sum(d is None for d in shape) > free
-            or math.prod(d or 1 for d in shape) > MAX_ROW_SIZE
         ):
             what = "positive ints" + (" and at most one None" if free else "")
             raise SchemaError(
                 f"field {self.name!r}: shape {self.shape!r} must be up to {MAX_DIMS} {what}"
+            )
+        elements = math.prod(d or 1 for d in shape)
+        if elements > MAX_ELEMENTS:
+            raise SchemaError(
+                f"field {self.name!r}: shape {self.shape!r} has {elements:,} elements; "
+                f"a field has at most {MAX_ELEMENTS:,} (64 Mi)"
             )
         if self.kind == "handle" and not (
             _is_dim(self.budget) and MIN_HANDLE_BUDGET <= self.budget <= MAX_HANDLE_BUDGET
@@ -92,7 +139,15 @@ class Field:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The torch dtype of this field (imports torch: only tensor code asks for it)."""
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def is_handle(self) -> bool:
@@ -103,7 +158,7 @@ class Field:
         """Bytes the field takes in the row."""
         if self.is_handle:
             return self.budget
-        return math.prod(d or 1 for d in self.shape) * self.torch_dtype.itemsize
+        return math.prod(d or 1 for d in self.shape) * self.itemsize
 
     @property
     def fixed_shape(self) -> tuple[int, ...]:

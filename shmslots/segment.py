@@ -16,11 +16,13 @@ import posix_ipc
 
 from .errors import (
     IncompatibleTable,
+    InvalidArgument,
     ShmSlotsError,
     TableExists,
     TableNotFound,
     TablePermissionError,
 )
+from .units import fmt_bytes
 
 # Mappings that views still point into; unmapping them would turn reads into segfaults.
 _KEPT_MAPPINGS: list[mmap.mmap] = []
@@ -34,7 +36,7 @@ class OutOfSharedMemory(ShmSlotsError, MemoryError):
 def validate_name(name: str) -> str:
     """Table names are plain words: no slashes, no path tricks, at most 200 characters."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
+        raise InvalidArgument(
             f"table name {name!r} must be 1-200 characters of letters, digits, '_', '.', '-' "
             "and must not start with '.' or '-'"
         )
@@ -78,9 +80,7 @@ class Segment:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    raise OutOfSharedMemory(
-                        f"cannot reserve {size} bytes for {name!r} in /dev/shm: {exc.strerror}"
-                    ) from None
+                    raise OutOfSharedMemory(_no_room(name, size, fd, exc.strerror)) from None
                 raise
             mm = mmap.mmap(fd, size)
         except BaseException:
@@ -137,6 +137,16 @@ class Segment:
 
     def unlink(self) -> None:
         unlink(self.name)
+
+
+def _no_room(name: str, size: int, fd: int, why: str | None) -> str:
+    """What was asked for and what the file system has left, both readable."""
+    vfs = os.fstatvfs(fd)
+    free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+    return (
+        f"cannot reserve {fmt_bytes(size)} ({size:,} bytes) for {name!r} in /dev/shm, which has "
+        f"{fmt_bytes(free)} free of {fmt_bytes(total)}: {why}"
+    )
 
 
 def unlink(name: str) -> None:

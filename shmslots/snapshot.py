@@ -4,31 +4,33 @@ It maps the segment read-only and never registers as a participant, so
 looking can never change a table, even while workers run at full speed.
 Slot entries are read without locks: a slot whose state word changed while
 its entry was being read is reported as changing, never as a mix of two
-states.
+states.  Rows are decoded with struct, not torch, so the CLI starts at once.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-import torch
-
 from . import layout as L
 from . import validate
+from ._rowcodec import row_hash
 from .errors import CorruptTable
-from .handles import decode as decode_handle
+from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader
-from .rows import Rows
-from .schema import Field, RowSchema
+from .schema import ROW_HEADER_SIZE, Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, owner_of, state_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
 _ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries
+_SEAL = struct.Struct("<QI")  # the row header: generation, checksum
+# struct codes of the dtypes; bfloat16 is read as the top half of a float32
+_CODES = {"int32": "i", "int64": "q", "float32": "f", "float16": "e", "uint8": "B", "bfloat16": "H"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class TableSnapshot:
 @dataclass(frozen=True)
 class DecodedRow:
     slot: int
-    values: dict[str, torch.Tensor]  # inline fields, copied
+    values: dict[str, list[int] | list[float]]  # inline fields, flat, in row order
     sealed_generation: int
     checksum_ok: bool
     # handle fields: the decoded handle (backend, shape, dtype, ...) or {"error": why}
@@ -82,7 +84,6 @@ class TableView:
         self.layout = self._header.layout
         self.schema: RowSchema = read_schema(segment, self._header)
         self._registry = RegistryReader(memoryview(segment.mm), self.layout, segment.fd)
-        self._rows = Rows(segment.mm, self.layout, self.schema)
 
     @classmethod
     def open(cls, name: str) -> TableView:
@@ -97,6 +98,10 @@ class TableView:
     def name(self) -> str:
         return self._segment.name
 
+    def unlinked(self) -> bool:
+        """Whether the table's name was removed (this mapping stays readable meanwhile)."""
+        return os.fstat(self._segment.fd).st_nlink == 0
+
     def _u64(self, offset: int) -> int:
         value: int = struct.unpack_from("<Q", self._segment.mm, offset)[0]
         return value
@@ -107,7 +112,10 @@ class TableView:
         mm = self._segment.mm
         word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)
         steady = self._u64(entry) == word
-        age = max(0, time.monotonic_ns() - stamp) / 1e9
+        if stamp:
+            age = max(0, time.monotonic_ns() - stamp) / 1e9
+        else:  # never moved: in its first state since the table was made
+            age = max(0, time.time_ns() - self._header.created_ns) / 1e9
         try:
             state: State | None = state_of(word) if steady else None
         except ValueError:
@@ -147,28 +155,30 @@ class TableView:
         )
 
     def row(self, slot: int) -> DecodedRow:
-        """Copies of one row's fields and whether its checksum matches its seal."""
+        """The values of one row's fields and whether its checksum matches its seal."""
         self.layout.check_slot(slot)
         base = self.layout.row(slot)
-        values = {}
+        mm = self._segment.mm
+        values: dict[str, list[int] | list[float]] = {}
         handles: dict[str, dict[str, Any]] = {}
         for name, fs in self.schema.slots.items():
-            f = fs.field
+            f, start = fs.field, base + fs.offset
             if f.is_handle:
                 try:
-                    handles[name] = decode_handle(self._rows.field_bytes(slot, name))
+                    handles[name] = decode_handle(bytes(mm[start : start + f.nbytes]))
                 except CorruptTable as exc:
                     handles[name] = {"error": str(exc)}
                 continue
-            raw = bytearray(self._segment.mm[base + fs.offset : base + fs.offset + f.nbytes])
-            values[name] = (
-                torch.frombuffer(raw, dtype=torch.uint8).view(f.torch_dtype).view(f.fixed_shape)
-            )
-        generation, crc = self._rows.sealed(slot)
-        return DecodedRow(slot, values, generation, crc == self._rows.checksum(slot), handles)
+            values[name] = _decode(f, mm, start)
+        generation, crc = _SEAL.unpack_from(mm, base)
+        payload = memoryview(mm)[base + ROW_HEADER_SIZE : base + self.layout.row_size]
+        try:
+            ok = crc == row_hash(payload)
+        finally:
+            payload.release()
+        return DecodedRow(slot, values, generation, ok, handles)
 
     def close(self) -> None:
-        self._rows.close()
         self._segment.close()
 
     def __enter__(self) -> TableView:
@@ -176,3 +186,12 @@ class TableView:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _decode(f: Field, buffer: Any, offset: int) -> list[int] | list[float]:
+    """An inline field's elements as Python numbers, as torch's tolist() would give them."""
+    n = f.nbytes // f.itemsize
+    raw = struct.unpack_from(f"<{n}{_CODES[f.dtype]}", buffer, offset)
+    if f.dtype != "bfloat16":
+        return list(raw)
+    return list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *(h << 16 for h in raw))))

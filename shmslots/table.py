@@ -20,8 +20,10 @@ from ._leases import HandleBase
 from .arena import Arena
 from .errors import (
     CorruptTable,
+    InvalidArgument,
     OwnershipError,
     SlotsExhausted,
+    TableClosed,
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core
@@ -43,7 +45,7 @@ _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
 def _check_tag(tag: object) -> None:
     if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _M64:
-        raise ValueError(f"tag must be an int in 0..2**64-1, got {tag!r}")
+        raise InvalidArgument(f"tag must be an int in 0..2**64-1, got {tag!r}")
 
 
 def _disown_after_fork() -> None:
@@ -151,16 +153,14 @@ class SlotTable:
         CPU tensors of handle fields.
         """
         if max_hold_s is not None and not max_hold_s > 0:
-            raise ValueError("max_hold_s must be positive")
+            raise InvalidArgument(f"max_hold_s must be positive, got {max_hold_s!r}")
         schema = RowSchema(list(fields))
         if on_consumer_death not in ("redeliver", "drop"):
-            raise ValueError("on_consumer_death must be 'redeliver' or 'drop'")
+            raise InvalidArgument("on_consumer_death must be 'redeliver' or 'drop'")
         if not isinstance(slots, int) or isinstance(slots, bool):
-            raise TypeError("slots must be an int")
+            raise InvalidArgument(f"slots must be an int, got {slots!r}")
         blob = schema.encode()
-        if not isinstance(arena_bytes, int) or arena_bytes < 0:
-            raise ValueError("arena_bytes must be a non-negative int")
-        pages = -(-arena_bytes // arena_page) if arena_bytes else 0
+        pages = L.arena_pages(arena_bytes, arena_page)
         lay = L.Layout.compute(slots, schema.row_size, participants, len(blob), arena_page, pages)
         flags = (L.FLAG_STRICT if strict else 0) | (
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
@@ -455,6 +455,7 @@ class SlotTable:
 
     def slot_info(self, slot: int) -> tuple[State, int, int, int]:
         """(state, generation, owner participant index or -1, tag) of one slot."""
+        self._check_open()
         self.layout.check_slot(slot)
         word = self._own.word(slot)
         tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
@@ -515,11 +516,11 @@ class SlotTable:
 
     def _check_open(self) -> None:
         if self._forked:
-            raise ValueError(
+            raise TableClosed(
                 f"table {self.name!r} was inherited through fork(); attach again in this process"
             )
         if self._closed:
-            raise ValueError(f"table {self.name!r} is closed")
+            raise TableClosed(f"table {self.name!r} is closed")
 
     def _disown(self) -> None:
         """In a forked child: this table object is the parent's participant, not ours.

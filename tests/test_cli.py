@@ -341,3 +341,129 @@ def test_bad_arguments_are_one_line_exit_2(name: str) -> None:
 )
 def test_durations(text: str, seconds: float) -> None:
     assert _duration(text) == pytest.approx(seconds)
+
+
+# -- no torch, help that explains, and what a new user trips over ------------------------------
+def imports_of(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run the CLI with -X importtime; the modules it imported, by name."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "shmslots", *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT,
+    )
+    modules = {
+        line.rsplit("|", 1)[1].strip()
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    return r, modules
+
+
+def test_commands_that_only_look_or_repair_never_import_torch(busy: SlotTable, name: str) -> None:
+    ready = next(i for i in range(busy.slots) if busy.slot_info(i)[3] == 2)
+    commands = [
+        ["--help"],
+        ["inspect", "--help"],
+        ["ls"],
+        ["inspect", name],
+        ["inspect", name, "--slot", str(ready), "--json"],
+        ["watch", name, "--count", "1"],
+        ["metrics", name],
+        ["reap", name],
+        ["unlink", name],  # refused: a worker lives
+    ]
+    for command in commands:
+        r, modules = imports_of(*command)
+        assert r.returncode in (0, 1), (command, r.stderr[-2000:])
+        assert "shmslots.cli" in modules, command  # the measurement saw the CLI's imports
+        assert not {m for m in modules if m.split(".")[0] in ("torch", "numpy")}, command
+
+
+def test_every_subcommand_help_describes_it_and_its_exit_codes() -> None:
+    for command in ("ls", "inspect", "watch", "metrics", "reap", "unlink", "demo"):
+        r = cli(command, "--help")
+        assert r.returncode == 0, r.stderr
+        description = r.stdout.split("\n\n")[1]
+        assert len(description) > 60, (command, description)
+        assert "exit codes:" in r.stdout and "2  the table is missing" in r.stdout
+        if command not in ("ls", "demo"):
+            assert "/dev/shm" in r.stdout.split("options:")[0], command  # NAME is explained
+    assert "(default: 1)" in cli("watch", "--help").stdout
+    assert "exit codes:" in cli("--help").stdout
+
+
+def test_inspect_of_a_never_used_slot_gives_the_tables_age(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as table:
+        table.claim(tag=1).write(**small_row(1)).publish()
+        time.sleep(0.3)
+        doc = json.loads(cli("inspect", name, "--slot", "1", "--json").stdout)
+        age = (time.time_ns() - doc["age_s"] * 1e9) / 1e9
+        assert doc["state"] == "FREE" and 0.3 <= doc["age_s"] < 30, doc["age_s"]
+        created = json.loads(cli("inspect", name, "--json").stdout)["header"]["created_ns"] / 1e9
+        assert abs(age - created) < 5
+        text = cli("inspect", name, "--slot", "1")
+        assert text.returncode == 0, text.stderr
+        assert "row not published" in text.stdout and "checksum" not in text.stdout
+
+
+def test_watch_ends_with_exit_2_when_its_table_is_unlinked(name: str) -> None:
+    table = SlotTable.create(name, SMALL, slots=2)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "shmslots", "watch", name, "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert watch.stdout is not None
+        assert name in watch.stdout.readline()  # watching
+        table.close()
+        table.unlink()
+        _, err = watch.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        watch.kill()
+        watch.wait(5)
+    assert watch.returncode == 2
+    assert err.strip() == f"shmslots: error: table {name!r} was unlinked while watched"
+
+
+def test_watch_does_not_call_a_table_all_free_while_a_slot_changes(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as table:
+        # A state word no version knows reads as a slot caught changing.
+        struct.pack_into("<Q", table._segment.mm, table.layout.slot_entry(0), 0xFFFF)
+        r = cli("watch", name, "--count", "1")
+        struct.pack_into("<Q", table._segment.mm, table.layout.slot_entry(0), 0)
+    assert r.returncode == 0, r.stderr
+    assert "CHANGING 1" in r.stdout and "every slot is FREE" not in r.stdout
+    assert "none steady (1 slot(s) changed while read)" in r.stdout
+
+
+def test_ls_flags_a_table_nobody_is_attached_to(name: str) -> None:
+    SlotTable.create(name, SMALL, slots=2).close()  # closed by its creator, never unlinked
+    try:
+        r = cli("ls")
+        assert r.returncode in (0, 1), r.stderr
+        assert f"orphaned: {name}: no live participant" in r.stdout
+        assert f"shmslots unlink {name}" in r.stdout
+        doc = json.loads(cli("ls", "--json").stdout)
+        ours = next(t for t in doc["tables"] if t["name"] == name)
+        assert ours["participants_alive"] == 0
+    finally:
+        unlink(name)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--slots", "0"], "--slots: expected a positive number"),
+        (["--requests", "0"], "--requests: expected a positive number"),
+        (["--requests", "1"], "no request to some of the 2 transfer workers"),
+        (["--hidden", "x"], "--hidden: expected a positive number"),
+        (["--slots", str(1 << 21)], "--slots must be at most"),
+    ],
+)
+def test_demo_refuses_bad_options_in_one_line(args: list[str], message: str) -> None:
+    assert message in assert_one_line_error(cli("demo", *args))

@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import posix_ipc
@@ -18,11 +19,14 @@ from shmslots import (
     CorruptTable,
     Field,
     IncompatibleTable,
+    InvalidArgument,
     InvalidSlot,
     OwnershipError,
     SchemaError,
+    ShmSlotsError,
     SlotTable,
     State,
+    TableClosed,
     TableExists,
     TableNotFound,
 )
@@ -251,3 +255,88 @@ if __name__ == "__main__":
     assert result.returncode == 0, result.stderr
     assert "resource_tracker" not in result.stderr
     assert result.stderr.strip() == ""
+
+
+# -- every error is a ShmSlotsError, and says what limit was hit ------------------------------
+def test_a_closed_table_refuses_every_call_with_table_closed(name: str) -> None:
+    t = SlotTable.create(name, SMALL, slots=2)
+    t.close()
+    t.unlink()
+    calls: list[Callable[[], object]] = [
+        t.claim, t.stats, t.take, t.reserve, lambda: t.poll(1), lambda: t.slot_info(0)
+    ]  # fmt: skip
+    for call in calls:
+        with pytest.raises(TableClosed, match="is closed") as info:
+            call()
+        assert isinstance(info.value, ShmSlotsError) and isinstance(info.value, ValueError)
+
+
+def test_a_table_inherited_through_fork_is_table_closed(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            try:
+                t.claim()
+            except TableClosed as exc:
+                os._exit(0 if "fork" in str(exc) else 2)
+            except BaseException:
+                os._exit(3)
+            os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda n: SlotTable.create(n, SMALL, slots=0), r"slots must be in 1\.\.1048576, got 0"),
+        (lambda n: SlotTable.create(n, SMALL, slots="4"), "slots must be an int"),  # type: ignore[arg-type]
+        (lambda n: SlotTable.create(n, SMALL, slots=1, max_hold_s=0), "max_hold_s"),
+        (lambda n: SlotTable.create(n, SMALL, slots=1, on_consumer_death="x"), "redeliver"),  # type: ignore[arg-type]
+        (lambda n: SlotTable.create(n, SMALL, slots=1, arena_bytes=-1), "non-negative"),
+        (lambda n: SlotTable.create(n, SMALL, slots=1, arena_bytes=1, arena_page=5), "multiple"),
+        (
+            lambda n: SlotTable.create(n, SMALL, slots=1, arena_bytes=10 << 40),
+            r"arena_bytes of 10\.0 TiB is more than an arena of 16\.0 KiB pages holds: "
+            r"at most 256\.0 GiB",
+        ),
+        (lambda n: SlotTable.attach("../" + n), "table name"),
+    ],
+)
+def test_bad_arguments_are_invalid_argument(
+    name: str, call: Callable[[str], object], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message) as info:
+        call(name)
+    assert isinstance(info.value, ShmSlotsError) and isinstance(info.value, ValueError)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_bad_tag_is_invalid_argument(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        with pytest.raises(InvalidArgument, match="tag must be an int"):
+            t.claim(tag="room-1")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="tag must be an int"):
+            t.reserve(tag=-1)
+
+
+def test_a_too_large_field_names_the_element_limit() -> None:
+    with pytest.raises(
+        SchemaError, match=r"1,073,741,824 elements; a field has at most 67,108,864"
+    ):
+        Field("x", "int64", (1024, 1024, 1024))
+
+
+def test_fields_take_torch_dtypes() -> None:
+    assert Field("x", torch.float32, (4,)) == Field("x", "float32", (4,))
+    assert Field("x", torch.bfloat16).torch_dtype is torch.bfloat16
+    with pytest.raises(SchemaError, match="'float64' not one of"):
+        Field("x", torch.float64)
+
+
+def test_an_int_field_refusal_says_an(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t, t.claim() as ws:
+        with pytest.raises(SchemaError, match="takes an int64 tensor"):
+            ws.write(id="seven")
+        with pytest.raises(SchemaError, match="takes a float32 tensor"):
+            ws.write(p="four")

@@ -541,10 +541,12 @@ def test_a_with_block_hands_its_slot_back_even_when_a_view_is_kept(name: str) ->
         with pytest.raises(LeakedViewError), t.claim() as ws:
             kept.append(ws.view("p"))
         assert t.slot_info(0)[0] is State.FREE
+        assert t.stats().counters["leaked_views"] == 1  # handed back while the view lives
         lease = _delivered(t, 1)
         with pytest.raises(LeakedViewError), lease:
             kept.append(lease.view("h"))
         assert t.slot_info(0)[0] is State.FREE
+        assert t.stats().counters["leaked_views"] == 2
         del kept
         lease = _delivered(t, 2)  # the slot is usable, with fresh views
         assert torch.equal(lease.view("p"), torch.full((4,), 2.0))

@@ -20,7 +20,7 @@ from shmslots import (
     SlotTable,
     State,
 )
-from shmslots.handles import decode
+from shmslots.handle_codec import decode
 
 MiB = 1 << 20
 HIDDEN = 4096

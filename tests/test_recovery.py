@@ -1,4 +1,5 @@
-"""Crash recovery (DESIGN.md §3): participants killed with SIGKILL at chosen and random points."""
+"""Crash recovery (README: When a process dies): participants SIGKILLed at chosen and random
+points."""
 
 from __future__ import annotations
 

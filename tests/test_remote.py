@@ -4,9 +4,11 @@ network namespaces.  Skipped, with the reason, only where the engine cannot be i
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -28,7 +30,12 @@ from shmslots.remote import (
 from shmslots.remote.engine import _mooncake
 from shmslots.remote.grant import COMMIT
 from workers.netns import Namespace, NamespaceUnavailable, veth_namespace
-from workers.remote_flow import RemoteFlowConfig, RemoteFlowResult, run_remote_flow
+from workers.remote_flow import (
+    RemoteFlowConfig,
+    RemoteFlowResult,
+    native_stderr_to,
+    run_remote_flow,
+)
 
 try:
     _mooncake()
@@ -321,3 +328,19 @@ def test_remote_flow_across_network_namespaces(name: str, namespace: Namespace) 
         writer_prefix=namespace.prefix,
     )
     _check_flow(run_remote_flow(config, name), REQUESTS)
+
+
+@needs_engine
+@pytest.mark.timeout(180)
+def test_the_engines_log_goes_to_the_file_chosen(
+    name: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "engine.log"
+    with native_stderr_to(str(log)):
+        result = run_remote_flow(RemoteFlowConfig(requests=200), name)
+    print("python's own stderr still shows", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "Transfer Engine" not in err and "python's own stderr still shows" in err
+    assert log.read_text().count("listening on") == 2  # our engine and the writer's
+    assert len(result.settled.published) + len(result.aborted) + len(result.settled.expired) > 0
+    assert result.final.owned == 0

@@ -1,7 +1,8 @@
 """`shmslots demo`: transfer -> decode workers on one table, with a live view.
 
 The launcher does the work; this module only turns its progress into a
-terminal view and a summary table.
+terminal view and a summary table, and says what the figures mean, since a
+first-time user should not need the README to read them.
 """
 
 from __future__ import annotations
@@ -10,10 +11,20 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from workers import eagle
 from workers.decode import Policy
 from workers.launcher import FlowConfig, FlowProgress, FlowResult, run_flow
+
+POLICY_MEANING: dict[Policy, str] = {
+    "hold": "decode keeps each request's slot until process_prebuilt has consumed its row, "
+    "then releases it (correct, no copy)",
+    "clone": "decode copies each row at commit and releases its slot at once "
+    "(correct, one copy per row)",
+    "early-release": "decode keeps views of each row but releases its slot at commit: the "
+    "production bug, where a later transfer reuses the row under those views",
+}
 
 
 def flow_table(progress: FlowProgress, title: str) -> Table:
@@ -54,6 +65,44 @@ def summary_table(result: FlowResult) -> Table:
     return table
 
 
+def intro(progress: FlowProgress) -> list[str]:
+    """What runs, on which table, and how to look at it meanwhile."""
+    c = progress.config
+    return [
+        f"shmslots demo: {c.requests:,} requests, {c.transfer_workers} transfer -> "
+        f"{c.decode_workers} decode workers, table {progress.table} ({c.slots} slots)",
+        f"policy {c.policy}: {POLICY_MEANING[c.policy]}",
+        f"look inside while it runs, from another terminal: shmslots inspect {progress.table}",
+    ]
+
+
+def outro(result: FlowResult) -> list[str]:
+    """What happened, in words, and what to try next."""
+    p = result.progress
+    policy = p.config.policy
+    leaked = result.final.counters["leaked_views"]
+    if not result.accounted or result.final.owned:
+        return [
+            "[red]something is wrong:[/] not every published row was consumed or aborted exactly "
+            "once, or slots are still owned; please report it with this output"
+        ]
+    if policy == "early-release":
+        return [
+            f"what happened: {p.corrupted:,} rows reached process_prebuilt with another request's "
+            "draft state (the first token still matched), because their slots had been released "
+            f"at commit and reused; shmslots caught and counted {leaked:,} views still referenced "
+            "at release (strict mode refuses such a release). This is the bug shmslots exists "
+            "to catch.",
+            "try next: shmslots demo --policy hold (correct, no copy), or --policy clone",
+        ]
+    return [
+        f"what happened: all {result.published:,} published rows were consumed intact or "
+        "aborted, each exactly once, and no slot is left owned.",
+        "try next: shmslots demo --policy early-release (the bug shmslots catches); "
+        "shmslots inspect NAME from another terminal while a demo runs",
+    ]
+
+
 def run(
     requests: int,
     transfer: int,
@@ -82,15 +131,24 @@ def run(
         console=console,
     )
     task = bar.add_task("requests", total=requests - requests % transfer)
+    starting = Text(
+        f"starting {transfer + decode} workers (each loads torch: a few seconds)...", style="dim"
+    )
     with Live(console=console, refresh_per_second=4, transient=True) as live:
 
         def show(progress: FlowProgress) -> None:
+            if progress.stats is None:  # the table exists, the workers are not started yet
+                for line in intro(progress):
+                    console.print(Text(line), soft_wrap=True)
             aborted = sum(len(r.aborted) for r in progress.transfers)
             bar.update(task, completed=progress.handled + aborted)
-            live.update(Group(bar, flow_table(progress, "live")))
+            view = flow_table(progress, "live")
+            live.update(Group(bar, starting, view) if not progress.first_ns else Group(bar, view))
 
         result = run_flow(config, show)
     console.print(summary_table(result))
+    for line in outro(result):
+        console.print(line, soft_wrap=True)
     good = result.accounted and result.final.owned == 0
     if policy != "early-release":
         good = good and result.progress.corrupted == 0

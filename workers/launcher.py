@@ -46,6 +46,7 @@ class FlowProgress:
 
     config: FlowConfig
     started: float
+    table: str = ""  # the table's name, for `shmslots inspect` while the flow runs
     stats: Stats | None = None
     verified: int = 0
     corrupted: int = 0
@@ -139,7 +140,7 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
     decode_results: mp.Queue[DecodeReport] = SPAWN.Queue()
     stop = SPAWN.Event()
     procs: list[SpawnProcess] = []
-    progress = FlowProgress(config, time.monotonic())
+    progress = FlowProgress(config, time.monotonic(), name)
     tconf = TransferConfig(config.shape, config.burst, 0.002, config.transfer_abort, config.seed)
     dconf = DecodeConfig(
         config.policy, config.shape, abort_fraction=config.decode_abort, seed=config.seed
@@ -154,6 +155,8 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
                 tags = range(1 + w * per, 1 + (w + 1) * per)
                 args2 = (name, w, tags, tconf, transfer_results, stop)
                 procs.append(SPAWN.Process(target=transfer_worker, args=args2))
+            if on_progress is not None:
+                on_progress(progress)  # the table exists: show it before workers start
             for proc in procs:
                 proc.start()
             finals = 0

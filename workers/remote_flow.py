@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -224,15 +225,51 @@ def _check_deadline(started: float, timeout_s: float) -> None:
         raise TimeoutError(f"remote flow did not finish in {timeout_s} s")
 
 
+@contextmanager
+def native_stderr_to(path: str) -> Iterator[None]:
+    """Send what native code writes to stderr to `path`, here and in the processes started
+    meanwhile; Python's own messages still reach the terminal.
+
+    The Mooncake engine logs through glog straight to file descriptor 2 (before
+    InitGoogleLogging, so GLOG_* settings do not reach it): about ten lines per engine.
+    """
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    python_stderr = sys.stderr
+    sys.stderr = open(terminal, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.dup2(log, 2)
+    os.close(log)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        sys.stderr = python_stderr
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.remote_flow [--requests N] [--netns]`: run the flow, print its fates."""
+    """`python -m workers.remote_flow [--requests N] [--netns] [--engine-log PATH]`: run the
+    flow, print its fates."""
+    default_log = os.path.join(tempfile.gettempdir(), "shmslots-remote-flow-engine.log")
     parser = argparse.ArgumentParser(prog="python -m workers.remote_flow", description=__doc__)
     parser.add_argument("--requests", type=int, default=RemoteFlowConfig.requests)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--netns", action="store_true", help="writer in its own network namespace")
+    parser.add_argument(
+        "--engine-log",
+        default=default_log,
+        metavar="PATH",
+        help="file for the Mooncake engines' own log, theirs and the writer's; '-' leaves it "
+        "on stderr (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     config = RemoteFlowConfig(requests=args.requests, batch=args.batch, never_commit_every=97)
     with ExitStack() as stack:
+        if args.engine_log != "-":
+            stack.enter_context(native_stderr_to(args.engine_log))
         if args.netns:
             ns = stack.enter_context(veth_namespace())
             config = replace(
@@ -253,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         f"decode: verified {d.verified}, corrupted {d.corrupted}, aborted {len(d.aborted)}; "
         f"slots still owned {result.final.owned}"
     )
+    if args.engine_log != "-":
+        print(f"the engines' own log: {args.engine_log}")
     ok = d.corrupted == 0 and result.final.owned == 0 and not result.consistency
     return 0 if ok else 1
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ShmSlotsError
+from ..errors import InvalidArgument, ShmSlotsError
 
 MAX_NOTIFY = 64 * 1024  # Mooncake drops notify messages near 1 MiB without telling the sender
 
@@ -94,7 +94,7 @@ class Engine:
         else:
             name, message = notify
             if len(message) > MAX_NOTIFY:
-                raise ValueError(f"notify of {len(message)} bytes exceeds {MAX_NOTIFY}")
+                raise InvalidArgument(f"notify of {len(message)} bytes exceeds {MAX_NOTIFY}")
             rc = self._engine.batch_transfer_sync(
                 session,
                 list(sources),

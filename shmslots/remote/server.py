@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import OwnershipError, RowRejected, SchemaError
+from ..errors import InvalidArgument, OwnershipError, RowRejected, SchemaError, TableClosed
 from ..leases import Reservation
 from ..table import SlotTable
 from .engine import Engine, address_of
@@ -68,7 +68,7 @@ class RemoteServer:
         if schema.has_handles:
             raise SchemaError("remote writers can fill inline fields only; this schema has handles")
         if engine.served_by is not None:
-            raise ValueError("this engine already serves a table: one RemoteServer per Engine")
+            raise InvalidArgument("this engine already serves a table: one RemoteServer per Engine")
         self.table = table
         self.engine = engine
         self._timeout_s = commit_timeout_s
@@ -103,7 +103,7 @@ class RemoteServer:
     def grant(self, tag: int = 0, timeout: float = 1.0) -> Grant:
         """Reserve a slot for a remote writer; send `grant.encode()` to it by any channel."""
         if self._closed:
-            raise ValueError("this RemoteServer is closed")
+            raise TableClosed("this RemoteServer is closed")
         reservation = self.table.reserve(tag, timeout)
         grant = Grant(
             self.engine.session,
@@ -131,7 +131,7 @@ class RemoteServer:
     def poll(self) -> Settled:
         """Publish committed rows and expire overdue grants; returns what ended."""
         if self._closed:
-            raise ValueError("this RemoteServer is closed")
+            raise TableClosed("this RemoteServer is closed")
         try:
             for message in self.engine.notifies(COMMIT):
                 self._inbox.extend(message.split(";"))

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._atomic import AtomicView
-from ..errors import SchemaError
+from ..errors import InvalidArgument, SchemaError
 from ..rows import RowBlock, Rows
 from ..schema import RowSchema
 from .engine import Engine, address_of
@@ -30,7 +30,7 @@ class RemoteWriter:
         if schema.has_handles:
             raise SchemaError("remote writers can fill inline fields only; this schema has handles")
         if not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"batch must be in 1..{MAX_BATCH}, got {batch}")
+            raise InvalidArgument(f"batch must be in 1..{MAX_BATCH}, got {batch}")
         self.engine = engine
         self.schema = schema
         self.batch = batch

@@ -1,0 +1,77 @@
+"""Wall time of one `shmslots` CLI call, against the target of 0.3 s (README, Performance).
+
+    python tools/bench_cli.py [--runs 10]
+
+Each command runs as a fresh process, as a user types it, on a table of 64
+EAGLE-sized slots that this script creates (and removes) with a few slots in
+use; the table prints the median and the slowest of the runs, beside a bare
+`python -c pass` and `python -c "import torch"` for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from shmslots import SlotTable
+from workers import eagle
+
+TARGET_S = 0.3
+
+
+def wall_s(argv: list[str], runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run(argv, check=False, capture_output=True, timeout=60)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=10, help="calls per command (default: 10)")
+    args = parser.parse_args()
+    name = f"shmslots-bench-cli-{os.getpid()}"
+    cli = [sys.executable, "-m", "shmslots"]
+    shape = eagle.RowShape()
+    with SlotTable.create(name, shape.fields(), slots=64) as table:
+        for tag in range(1, 5):
+            table.claim(tag=tag).write(
+                **eagle.row_values(tag, shape, time.monotonic_ns())
+            ).publish()
+        held = table.take()
+        commands = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            'python -c "import torch"': [sys.executable, "-c", "import torch"],
+            "shmslots --help": [*cli, "--help"],
+            "shmslots ls": [*cli, "ls"],
+            "shmslots inspect NAME": [*cli, "inspect", name],
+            "shmslots inspect NAME --slot 1": [*cli, "inspect", name, "--slot", "1"],
+            "shmslots watch NAME --count 1": [*cli, "watch", name, "--count", "1"],
+            "shmslots metrics NAME": [*cli, "metrics", name],
+            "shmslots reap NAME": [*cli, "reap", name],
+        }
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(
+            f"one CLI call, wall time over {args.runs} runs (target <= {TARGET_S} s); "
+            f"{os.cpu_count()} CPUs, load average {load}\n"
+        )
+        print("| command | median s | slowest s | target met |")
+        print("|---|---:|---:|---|")
+        for label, argv in commands.items():
+            times = wall_s(argv, args.runs)
+            median = statistics.median(times)
+            met = "-" if label.startswith("python") else ("yes" if median <= TARGET_S else "no")
+            print(f"| `{label}` | {median:.3f} | {max(times):.3f} | {met} |")
+        assert held is not None
+        held.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
