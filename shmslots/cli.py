@@ -40,7 +40,7 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   "problems": [str...]}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
-  nobody owns it), "tag", "age_s", "deliveries", "older"}`.
+  nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older"}`.
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
   "checksum_ok" (both read from the row as it is: they mean something only while the slot is
   READY or HELD), "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;

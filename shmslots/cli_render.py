@@ -201,7 +201,8 @@ def slots_table(snap: TableSnapshot, older_than: float | None) -> Table | Text:
     if not rows:
         return Text(f"all {snap.slots} slots are FREE")
     t = _titled(f"slots not FREE ({len(rows)} of {snap.slots})")
-    for col in ("slot", "state", "gen", "owner", "tag", "age", "redeliveries"):
+    # "taken": how often this publication was taken (2 on a HELD slot: delivered twice)
+    for col in ("slot", "state", "gen", "owner", "tag", "age", "taken"):
         t.add_column(col, justify="right" if col in ("slot", "gen", "tag", "age") else "left")
     for s in rows:
         old = older_than is not None and s.age_s >= older_than

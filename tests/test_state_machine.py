@@ -40,7 +40,8 @@ class Lifecycle(RuleBasedStateMachine):
         self.model = {s: (State.FREE, 0, -1) for s in range(SLOTS)}
         self.queue: deque[int] = deque()  # READY slots, in publish order
         # Entries still in the ready ring, in order: a cancelled slot's entry stays
-        # until a take passes it, and until then the slot cannot be claimed.
+        # until a take passes it (or a claimer that finds no other FREE slot drops the
+        # stale entries at the head), and until then the slot cannot be claimed.
         self.ring: deque[tuple[int, bool]] = deque()  # (slot, still READY there)
         self.tags = itertools.count(1)
 
@@ -54,9 +55,20 @@ class Lifecycle(RuleBasedStateMachine):
             1 for slot, (s, _, _) in self.model.items() if s is State.FREE and slot not in queued
         )
 
+    def _claimable(self) -> bool:
+        """Whether a claim finds a slot, dropping stale head entries as the claimer does."""
+        if self._free_slots():
+            return True
+        queued = {slot for slot, _ in self.ring}
+        if not any(s is State.FREE and slot in queued for slot, (s, _, _) in self.model.items()):
+            return False
+        while self.ring and not self.ring[0][1]:
+            self.ring.popleft()
+        return bool(self._free_slots())
+
     @rule(target=writes)
     def claim(self) -> WriteSlot | None:
-        if not self._free_slots():
+        if not self._claimable():
             try:
                 self.producer.claim(timeout=0.0)
             except SlotsExhausted:
@@ -64,12 +76,13 @@ class Lifecycle(RuleBasedStateMachine):
             raise AssertionError("claimed from a full table")
         ws = self.producer.claim(tag=next(self.tags), timeout=0.0)
         assert self.model[ws.slot][0] is State.FREE
+        assert ws.slot not in {slot for slot, _ in self.ring}
         self._set(ws.slot, State.WRITING, self.producer.participant)
         return ws
 
     @rule(target=reservations)
     def reserve(self) -> Reservation | None:
-        if not self._free_slots():
+        if not self._claimable():
             return None
         res = self.consumer.reserve(tag=next(self.tags), timeout=0.0)
         self._set(res.slot, State.RESERVED, self.consumer.participant)

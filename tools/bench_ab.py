@@ -1,0 +1,88 @@
+"""A/B: this checkout against another, on the hot path, alternated in one run.
+
+    python tools/bench_ab.py --base PATH [--rounds 5]
+
+PATH is another checkout of shmslots with its extensions built in place
+(`git worktree add PATH REV && cd PATH && python setup.py build_ext --inplace`).
+Each round runs, for each checkout in turn, in a fresh interpreter that imports
+that checkout first: the one-process cycle (claim -> write -> publish -> take ->
+read -> release of the small row), claim+abort, and the busy small round trip
+between two spawned processes (the figures of tools/bench.py).  Rounds alternate
+A and B so that the machine's drift hits both alike; medians are printed, with the
+ratio this / base.  Used to check that a change does not slow the hot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+
+# Runs in the checkout under test (its path first on sys.path); prints one JSON line.
+PROBE = """
+import json, statistics, sys
+sys.path[:0] = [{root!r}, {root!r} + "/tools"]
+import shmslots
+assert shmslots.__file__.startswith({root!r}), shmslots.__file__
+from bench_common import SMALL, pin_plan
+from bench_session import BY_NAME, SHM_BUSY, Plan, run_session
+from bench_shm import bench_one_process
+
+one = bench_one_process(200_000, 3)
+plan = Plan(warmup=2_000, trips=20_000, rtt_repeats=3, rtt_budget_s=10.0,
+            stream_rows=1, stream_repeats=1, stream_budget_s=1.0)
+if __name__ == "__main__":
+    trip = run_session(BY_NAME[SHM_BUSY], SMALL, plan, pin_plan())
+    print(json.dumps({{
+        "cycle_ns": statistics.median(one["local_cycle_ns"]),
+        "claim_abort_ns": statistics.median(one["claim_abort_ns"]),
+        "rtt_ns": statistics.median(trip.rtt_ns),
+    }}))
+"""
+
+
+def measure(root: Path) -> dict[str, float]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(root=str(root))],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"probe in {root} failed:\n{done.stderr}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--base", required=True, type=Path, help="the other checkout")
+    parser.add_argument("--rounds", type=int, default=5, help="A/B rounds (default 5)")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "base": []}
+    for i in range(args.rounds):
+        order = [("this", HERE), ("base", args.base.resolve())]
+        for label, root in order if i % 2 == 0 else order[::-1]:
+            runs[label].append(measure(root))
+            print(f"round {i + 1} {label}: {runs[label][-1]}", flush=True)
+    print("\n| measure | this | base | this / base |\n|---|---|---|---|")
+    for key in ("cycle_ns", "claim_abort_ns", "rtt_ns"):
+        this = statistics.median(r[key] for r in runs["this"])
+        base = statistics.median(r[key] for r in runs["base"])
+        print(f"| {key} | {this / 1000:.2f} µs | {base / 1000:.2f} µs | {this / base:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
