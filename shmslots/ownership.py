@@ -28,7 +28,6 @@ recovery finishes:
 from __future__ import annotations
 
 import mmap
-import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -36,7 +35,7 @@ from . import _hotpath
 from . import layout as L
 from ._atomic import AtomicView
 from ._hotpath import HotPath
-from .errors import CorruptTable, OwnershipError, SlotsExhausted
+from .errors import CorruptTable, OwnershipError
 from .states import (
     GEN_MASK,
     KNOWN_STATES,
@@ -49,9 +48,6 @@ from .states import (
 )
 
 _M64 = (1 << 64) - 1
-_HELD = int(State.HELD)
-_RESERVED = int(State.RESERVED)
-_WRITING = int(State.WRITING)
 # READY slots no ring entry names are queued again once this old (a publisher in the
 # middle of queueing one is not raced), from idle readers at most this often.
 STRANDED_AGE_NS = 200_000_000
@@ -161,32 +157,7 @@ class Ownership:
     def queued(self) -> int:
         return self.hot.queued()
 
-    # -- steps whose result needs words ----------------------------------------------
-    def open_reserved(self, slot: int, generation: int) -> int:
-        """RESERVED -> WRITING under our id; returns the reservation's tag."""
-        self.layout.check_slot(slot)
-        if not isinstance(generation, int) or not 0 <= generation <= GEN_MASK:
-            raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
-        tag = self.hot.open_reserved(slot, generation)
-        if tag is None:
-            raise OwnershipError(
-                f"slot {slot} generation {generation} is not reserved "
-                f"(it is {describe_word(self.word(slot))})"
-            )
-        return tag
-
-    def publish(self, slot: int, generation: int, timeout: float) -> None:
-        """WRITING -> READY, queued; waits for queue room up to `timeout`."""
-        result = self.hot.publish(slot, generation)
-        if result == -2:
-            deadline = time.monotonic() + timeout
-            while (result := self.hot.publish(slot, generation)) == -2:
-                if time.monotonic() >= deadline:
-                    raise SlotsExhausted("ready queue full", self.occupancy())
-                time.sleep(0.0005)
-        if result == -1:
-            raise self.not_mine(slot, generation, _WRITING)
-
+    # -- errors -----------------------------------------------------------------------
     def not_mine(self, slot: int, generation: int, state: int) -> OwnershipError:
         return OwnershipError(
             f"slot {slot}: expected {State(state).name} generation {generation} owned by "

@@ -33,7 +33,7 @@ from .recovery import reap
 from .rows import Rows
 from .schema import Field, RowSchema
 from .segment import Segment
-from .states import KNOWN_STATES, Event, State, generation_of, owner_of, state_of
+from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
 from .validate import read_schema, read_valid_header
 from .waiting import wait_for
 
@@ -256,7 +256,7 @@ class SlotTable:
         """Take over a reservation to write it; a stale generation is refused."""
         self._check_open()
         self.layout.check_slot(slot)
-        if type(generation) is not int or not 0 <= generation <= 0xFFFF_FFFF:
+        if type(generation) is not int or not 0 <= generation <= GEN_MASK:
             raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
         ws = self._core.open_reserved(self, slot, generation)
         if ws is None:
