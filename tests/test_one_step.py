@@ -24,8 +24,9 @@ from shmslots.states import Event as Transition
 from shmslots.states import next_word
 
 
-def _reserve_forever(name: str, stop: Event) -> None:
+def _reserve_forever(name: str, ready: Event, stop: Event) -> None:
     with SlotTable.attach(name, "reserver") as t:
+        ready.set()
         while not stop.is_set():
             try:
                 t.reserve(tag=1, timeout=0.01).end()
@@ -33,9 +34,10 @@ def _reserve_forever(name: str, stop: Event) -> None:
                 continue
 
 
-def _open_forever(name: str, stop: Event) -> None:
+def _open_forever(name: str, ready: Event, stop: Event) -> None:
     """Open the one slot the moment its word reads RESERVED, then abort it."""
     with SlotTable.attach(name, "opener") as t:
+        ready.set()
         while not stop.is_set():
             word = t._own.word(0)
             if word & 0xFFFF == State.RESERVED:
@@ -49,9 +51,10 @@ def _open_forever(name: str, stop: Event) -> None:
 def test_a_reservation_cannot_be_opened_before_it_is_set_up(name: str, children: Children) -> None:
     """Defect 4: an opener that aborts inside reserve() left FREE-with-bit-set (lost)."""
     with SlotTable.create(name, SMALL, slots=1) as t:
-        stop = SPAWN.Event()
-        children.start(_reserve_forever, name, stop)
-        children.start(_open_forever, name, stop)
+        stop, reserving, opening = SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
+        children.start(_reserve_forever, name, reserving, stop)
+        children.start(_open_forever, name, opening, stop)
+        assert reserving.wait(60) and opening.wait(60)
         deadline = time.monotonic() + 3.0
         lost = 0
         while time.monotonic() < deadline:

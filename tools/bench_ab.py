@@ -42,7 +42,7 @@ if __name__ == "__main__":
     print(json.dumps({{
         "cycle_ns": statistics.median(one["local_cycle_ns"]),
         "claim_abort_ns": statistics.median(one["claim_abort_ns"]),
-        "rtt_ns": statistics.median(trip.rtt_ns),
+        "rtt_ns": statistics.median(statistics.median(r) for r in trip.rtt_ns),
     }}))
 """
 
@@ -75,7 +75,8 @@ def main() -> int:
         order = [("this", HERE), ("base", args.base.resolve())]
         for label, root in order if i % 2 == 0 else order[::-1]:
             runs[label].append(measure(root))
-            print(f"round {i + 1} {label}: {runs[label][-1]}", flush=True)
+            got = ", ".join(f"{k} {v / 1000:.2f} µs" for k, v in runs[label][-1].items())
+            print(f"round {i + 1} {label}: {got}", flush=True)
     print("\n| measure | this | base | this / base |\n|---|---|---|---|")
     for key in ("cycle_ns", "claim_abort_ns", "rtt_ns"):
         this = statistics.median(r[key] for r in runs["this"])
