@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <time.h>
 
 static PyObject *use_count;                    /* torch._C._storage_Use_Count */
 static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedStorage */
@@ -30,7 +31,7 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
 static PyObject *tensor_data_ptr, *tensor_untyped_storage;
 static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
     *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *s_dropped,
-    *default_timeout;
+    *s_idle, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
 static PyObject *
@@ -399,6 +400,8 @@ typedef struct {
     char plain_claim; /* no handle fields: a claim has no pins to collect first */
     char strict;      /* views are also checked for in-place changes, in Python */
     char redeliver_dropped; /* a lease collected unreleased goes back to READY (else FREE) */
+    long long idle_every_ns;   /* how often a reader finding nothing runs table._idle() */
+    long long idle_due_ns;     /* CLOCK_MONOTONIC ns of the next such run */
     Py_ssize_t nfields;
     /* HotPath methods */
     PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved;
@@ -417,7 +420,8 @@ static int
 core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation", "events",
-                         "states", "nfields", "plain_claim", "strict", "redeliver_dropped", NULL};
+                         "states", "nfields", "plain_claim", "strict", "redeliver_dropped",
+                         "idle_every_ns", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
                                       "open_reserved"};
     static const char *codec_names[] = {"write", "seal", "read"};
@@ -426,17 +430,18 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
     int plain_claim, strict, redeliver_dropped;
+    long long idle_every_ns;
     if (c->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOO!O!O!O!$(O!O!O!O!O!O!)(O!O!O!)nppp", kw, &hot, &codec, &PyList_Type,
+            args, kwds, "OOO!O!O!O!$(O!O!O!O!O!O!)(O!O!O!)npppL", kw, &hot, &codec, &PyList_Type,
             &views, &PyType_Type, &write_slot, &PyType_Type, &lease, &PyType_Type, &reservation,
             &PyLong_Type, &ev[0], &PyLong_Type, &ev[1], &PyLong_Type, &ev[2], &PyLong_Type, &ev[3],
             &PyLong_Type, &ev[4], &PyLong_Type, &ev[5], &PyLong_Type, &states[0], &PyLong_Type,
             &states[1], &PyLong_Type, &states[2], &nfields, &plain_claim, &strict,
-            &redeliver_dropped))
+            &redeliver_dropped, &idle_every_ns))
         return -1;
     if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
         !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType) ||
@@ -472,6 +477,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     c->plain_claim = (char)plain_claim;
     c->strict = (char)strict;
     c->redeliver_dropped = (char)redeliver_dropped;
+    c->idle_every_ns = idle_every_ns;
+    c->idle_due_ns = 0;
     c->ready = 1;
     return 0;
 }
@@ -1028,6 +1035,23 @@ take_one(Core *c, PyObject *table)
     return (PyObject *)h;
 }
 
+/* Nothing was ready: now and then (every idle_every_ns) let the table look after what other
+ * processes may have left undone (`table._idle()`), so the check costs a reader that busy-polls
+ * one clock read per empty poll, not a Python call.  0, or -1 with an error set. */
+static int
+idle(Core *c, PyObject *table)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    long long now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    if (now < c->idle_due_ns)
+        return 0;
+    c->idle_due_ns = now + c->idle_every_ns;
+    PyObject *r = PyObject_CallMethodNoArgs(table, s_idle);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 static int
 open_core(Core *c)
 {
@@ -1045,7 +1069,12 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "take(table)");
         return NULL;
     }
-    return open_core(c) ? take_one(c, args[0]) : NULL;
+    if (!open_core(c))
+        return NULL;
+    PyObject *lease = take_one(c, args[0]);
+    if (lease == Py_None && idle(c, args[0]) < 0)
+        Py_CLEAR(lease);
+    return lease;
 }
 
 /* poll(table, max_n) -> [Lease, ...]: up to max_n READY slots in one call.  If the list cannot
@@ -1065,6 +1094,8 @@ core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyObject *lease = take_one(c, args[0]);
         if (lease == Py_None) {
             Py_DECREF(lease);
+            if (!k && idle(c, args[0]) < 0)
+                Py_CLEAR(leases);
             break;
         }
         if (!lease || PyList_Append(leases, lease) < 0) {
@@ -1243,7 +1274,7 @@ PyInit__leases(void)
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
-        {&s_dropped, "_dropped"},
+        {&s_dropped, "_dropped"}, {&s_idle, "_idle"},
     };
     for (size_t i = 0; i < COUNT(names); i++)
         if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))

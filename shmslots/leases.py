@@ -54,7 +54,9 @@ _STEP_REFUSED = -1
 _STEP_QUEUE_FULL = -2
 
 
-def handle_core(own: Ownership, rows: Rows, strict: bool, redeliver_dropped: bool) -> HandleCore:
+def handle_core(
+    own: Ownership, rows: Rows, strict: bool, redeliver_dropped: bool, idle_every_s: float
+) -> HandleCore:
     """The compiled side of one table's handles, bound to its hot path and rows."""
     if rows._codec is None:
         raise ValueError("handles need writable rows")
@@ -71,6 +73,7 @@ def handle_core(own: Ownership, rows: Rows, strict: bool, redeliver_dropped: boo
         plain_claim=not rows.schema.has_handles,
         strict=strict,
         redeliver_dropped=redeliver_dropped,
+        idle_every_ns=int(idle_every_s * 1e9),
     )
 
 

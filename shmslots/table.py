@@ -99,7 +99,6 @@ class SlotTable:
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
         self._forked = False
-        self._last_idle_check = 0.0
         # Liveness locks live on an open file description of their own, not the one
         # the mapping holds: a forked child can then drop its copy (see _disown).
         self._lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
@@ -112,7 +111,11 @@ class SlotTable:
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
             # the compiled handle steps
             self._core = handle_core(
-                self._own, self._rows, self._strict, not self.drop_on_consumer_death
+                self._own,
+                self._rows,
+                self._strict,
+                not self.drop_on_consumer_death,
+                STRANDED_CHECK_S,
             )
             arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
             self._arena = arena
@@ -316,7 +319,6 @@ class SlotTable:
                 own.readers_waiting,
                 own.readers_until,
                 timeout,
-                self._idle_check,
             )
         return lease
 
@@ -328,9 +330,7 @@ class SlotTable:
         """
         self._check_open()
         leases = self._core.poll(self, max_n)
-        if not leases:
-            self._idle_check()
-        elif self._strict:
+        if self._strict:
             self._verify_all(leases)
         return leases
 
@@ -352,24 +352,21 @@ class SlotTable:
         return self._settle(self._core.take(self))
 
     def _settle(self, got: Lease | None) -> Lease | None:
-        """What a take found: a Lease (verified on a strict table), or None (idle)."""
+        """What a take found: a Lease (verified on a strict table), or None."""
         if got is None:
-            self._idle_check()
             return None
         if self._strict and not self._row_intact(got.slot, got.generation):
             got.abort()
             raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
         return got
 
-    def _idle_check(self) -> None:
-        """Nothing to take: now and then (throttled) reap dead participants, whose held rows
-        come back, and queue READY rows that a dead or stopped process never queued, so no
-        reader, sleeping or polling, waits on another process's progress for long."""
-        now = time.monotonic()
-        if now - self._last_idle_check >= STRANDED_CHECK_S:
-            self._last_idle_check = now
-            self.reap()
-            self._own.hot.requeue_stranded(STRANDED_AGE_NS)
+    def _idle(self) -> None:
+        """A take found nothing (called by the compiled take, at most every STRANDED_CHECK_S):
+        reap dead participants, whose held rows come back, and queue READY rows that a dead
+        or stopped process never queued, so no reader, sleeping or polling, waits on another
+        process's progress for long."""
+        self.reap()
+        self._own.hot.requeue_stranded(STRANDED_AGE_NS)
 
     def _row_intact(self, slot: int, generation: int) -> bool:
         sealed_gen, sealed_crc = self._rows.sealed(slot)
