@@ -223,9 +223,14 @@ av_copy_in(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     }
     char *dst = (char *)self->buf.buf + off;
     if (n >= (1 << 20)) {
+        /* Other threads run meanwhile, and one may close the table: an export of our own,
+         * held for the copy, makes the mapping refuse to unmap under it. */
+        Py_buffer keep;
+        if (PyObject_GetBuffer(self->buf.obj, &keep, PyBUF_SIMPLE) < 0) return NULL;
         Py_BEGIN_ALLOW_THREADS
         memcpy(dst, src, (size_t)n);
         Py_END_ALLOW_THREADS
+        PyBuffer_Release(&keep);
     } else {
         memcpy(dst, src, (size_t)n);
     }

@@ -381,11 +381,19 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    if (total >= (1 << 20)) { /* big copies let other threads run, as _atomic's copy_in does */
+    if (total >= (1 << 20)) {
+        /* Big copies let other threads run.  One of them may close the table meanwhile:
+         * an export of our own, held for the copy, makes the mapping refuse to unmap. */
+        Py_buffer keep;
+        if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+            result = NULL;
+            goto done;
+        }
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t j = 0; j < k; j++)
             memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
         Py_END_ALLOW_THREADS
+        PyBuffer_Release(&keep);
     } else {
         for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
             memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
