@@ -8,6 +8,8 @@
  * Memory ordering is explicit: loads are SEQ_CST (a plain load on x86, LDAR on
  * Arm), stores are RELEASE, read-modify-writes are SEQ_CST so the waiter/waker
  * handshake (increment a waiter count, then read a sequence word) is ordered.
+ * load_acquire/store_release work on any buffer, for one-off publications
+ * such as a table's magic, which a read-only mapping must be able to read.
  *
  * Every access is bounds- and alignment-checked against the exported buffer,
  * so a wrong offset raises instead of corrupting memory.
@@ -29,6 +31,22 @@ typedef struct {
     int held;
 } AtomicView;
 
+/* The `width`-byte word at byte offset off_obj of buf, checked; NULL: error set. */
+static char *
+word_in(Py_buffer *buf, PyObject *off_obj, Py_ssize_t width)
+{
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (off < 0 || off > buf->len - width ||
+        ((uintptr_t)buf->buf + (uintptr_t)off) % (uintptr_t)width != 0) {
+        PyErr_Format(PyExc_IndexError,
+                     "offset %zd out of range or misaligned for a %zd-byte word", off, width);
+        return NULL;
+    }
+    return (char *)buf->buf + off;
+}
+
 static char *
 addr_of(AtomicView *self, PyObject *off_obj, Py_ssize_t width)
 {
@@ -36,15 +54,7 @@ addr_of(AtomicView *self, PyObject *off_obj, Py_ssize_t width)
         PyErr_SetString(PyExc_ValueError, "AtomicView is released");
         return NULL;
     }
-    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
-    if (off == -1 && PyErr_Occurred())
-        return NULL;
-    if (off < 0 || off > self->buf.len - width || (off % width) != 0) {
-        PyErr_Format(PyExc_IndexError,
-                     "offset %zd out of range or misaligned for a %zd-byte word", off, width);
-        return NULL;
-    }
-    return (char *)self->buf.buf + off;
+    return word_in(&self->buf, off_obj, width);
 }
 
 static int
@@ -308,8 +318,47 @@ static PyTypeObject AtomicViewType = {
     .tp_methods = av_methods,
 };
 
+/* load_acquire(buffer, off) -> u64, from any buffer (a read-only mapping too), and
+ * store_release(buffer, off, value): the pair that publishes what was written before the
+ * store to whoever sees the stored value -- on weak-memory CPUs (Arm) as well as x86. */
+static PyObject *
+mod_load_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer buf;
+    if (!nargs_ok(nargs, 2, "load_acquire")) return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t *p = (uint64_t *)word_in(&buf, args[1], 8);
+    PyObject *result = p ? PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_ACQUIRE)) : NULL;
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyObject *
+mod_store_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer buf;
+    uint64_t v;
+    if (!nargs_ok(nargs, 3, "store_release") || !as_u64(args[2], &v)) return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_WRITABLE) < 0) return NULL;
+    uint64_t *p = (uint64_t *)word_in(&buf, args[1], 8);
+    if (p)
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    PyBuffer_Release(&buf);
+    if (!p) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"load_acquire", (PyCFunction)(void (*)(void))mod_load_acquire, METH_FASTCALL,
+     "load_acquire(buffer, off) -> u64, an acquire load"},
+    {"store_release", (PyCFunction)(void (*)(void))mod_store_release, METH_FASTCALL,
+     "store_release(buffer, off, value): a release store"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._atomic", "Atomics and futexes on shared memory.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "shmslots._atomic", "Atomics and futexes on shared memory.", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC

@@ -1,5 +1,8 @@
 from typing_extensions import Buffer
 
+def load_acquire(buffer: Buffer, off: int, /) -> int: ...
+def store_release(buffer: Buffer, off: int, value: int, /) -> None: ...
+
 class AtomicView:
     """Atomic words and futexes over a writable buffer; offsets are bytes."""
 
