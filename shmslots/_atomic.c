@@ -208,45 +208,6 @@ av_futex_wake(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc);
 }
 
-/* copy_in(off, address, n): copy n bytes from a raw address (a CPU tensor's
- * data_ptr()) into the buffer.  Only the destination can be checked here; the
- * caller vouches for the source (torch does, for a live contiguous tensor). */
-static PyObject *
-av_copy_in(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!nargs_ok(nargs, 3, "copy_in")) return NULL;
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
-        return NULL;
-    }
-    Py_ssize_t off = PyLong_AsSsize_t(args[0]);
-    void *src = PyLong_AsVoidPtr(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (off < 0 || n < 0 || off > self->buf.len - n) {
-        PyErr_Format(PyExc_IndexError, "copy of %zd bytes at %zd is outside the buffer", n, off);
-        return NULL;
-    }
-    if (n > 0 && src == NULL) {
-        PyErr_SetString(PyExc_ValueError, "null source address");
-        return NULL;
-    }
-    char *dst = (char *)self->buf.buf + off;
-    if (n >= (1 << 20)) {
-        /* Other threads run meanwhile, and one may close the table: an export of our own,
-         * held for the copy, makes the mapping refuse to unmap under it. */
-        Py_buffer keep;
-        if (PyObject_GetBuffer(self->buf.obj, &keep, PyBUF_SIMPLE) < 0) return NULL;
-        Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, src, (size_t)n);
-        Py_END_ALLOW_THREADS
-        PyBuffer_Release(&keep);
-    } else {
-        memcpy(dst, src, (size_t)n);
-    }
-    Py_RETURN_NONE;
-}
-
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
@@ -300,8 +261,6 @@ static PyMethodDef av_methods[] = {
      "futex_wait(off, expected, timeout_s) -> False on timeout"},
     {"futex_wake", (PyCFunction)(void (*)(void))av_futex_wake, METH_FASTCALL,
      "futex_wake(off, n) -> number woken"},
-    {"copy_in", (PyCFunction)(void (*)(void))av_copy_in, METH_FASTCALL,
-     "copy_in(off, address, n): memcpy from a raw address into the buffer"},
     {"release", (PyCFunction)av_release, METH_NOARGS, "release the buffer export"},
     {NULL, NULL, 0, NULL},
 };

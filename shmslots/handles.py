@@ -11,6 +11,7 @@ as zero-copy views of the arena.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -25,7 +26,7 @@ from . import cuda_ipc
 from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .ownership import Ownership
-from .rows import mapped_tensor
+from .rows import PLAIN, RULES, contiguous_strides, mapped_tensor, refusal
 from .schema import DTYPE_NAMES, DTYPES, Field
 
 _LEN = struct.Struct("<H")
@@ -59,15 +60,16 @@ class HandleStore:
             description = cuda_ipc.describe(tensor)
             pin = Pin(slot, generation, f.name, tensor=tensor)
         else:
-            pin = self._to_arena(slot, generation, f.name, tensor)
+            pin = self._to_arena(slot, generation, f, tensor)
+            shape = tuple(tensor.shape)
             description = {
                 "b": "shm",
                 "arena": self._table,
                 "off": pin.offset,
                 "n": pin.nbytes,
                 "dtype": DTYPE_NAMES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "stride": list(tensor.stride()),
+                "shape": list(shape),
+                "stride": list(contiguous_strides(shape)),  # as copied into the arena
             }
         blob: bytes = msgpack.packb(description)
         if _LEN.size + len(blob) > f.budget:
@@ -78,12 +80,14 @@ class HandleStore:
         self._pins.append(pin)
         return _LEN.pack(len(blob)) + blob, pin
 
-    def _to_arena(self, slot: int, generation: int, name: str, tensor: torch.Tensor) -> Pin:
+    def _to_arena(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> Pin:
+        """Copy an admitted CPU tensor (rows.admit) into arena pages of (slot, generation)."""
+        name = f.name
         if self._arena is None:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         if self._arena.pages_for(nbytes) > self._arena.pages:
             raise SchemaError(
                 f"field {name!r}: {nbytes} bytes exceed the whole arena "
@@ -103,9 +107,10 @@ class HandleStore:
                     "arena_pages": self._arena.pages,
                 },
             )
-        if nbytes:
-            dst = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
-            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        code = RULES.copy_into(self._mm, offset, nbytes, tensor, f.torch_dtype, f.shape)
+        if code != PLAIN:  # resized by another thread since it was admitted
+            self._arena.free(offset, nbytes, slot, generation)
+            raise SchemaError(refusal(f, tensor, code))
         return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
 
     def unpin(self, pin: Pin) -> None:
