@@ -4,9 +4,10 @@ A CPU tensor is copied once into arena pages (arena.py) owned by the write
 slot's (slot, generation); a CUDA tensor stays where it is and travels as a
 CUDA IPC description (cuda_ipc.py).  Either way the row holds a small
 msgpack handle, and the producer keeps what the handle points to — the
-pages, or a reference to the CUDA tensor — until it sees the slot's
-generation advance (release, abort or reclaim).  Readers open shm handles
-as zero-copy views of the arena.
+pages, or a reference to the CUDA tensor and its IPC share — until it sees
+the slot's generation advance (release, abort or reclaim), or the handle is
+overwritten before publish; then it lets go, releasing the share.  Readers
+open shm handles as zero-copy views of the arena.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ _LEN = struct.Struct("<H")
 _MAX_DIMS = 8
 
 
-@dataclass
+@dataclass(eq=False)  # one pin is one handle: compared by identity, never by tensors
 class Pin:
     """What one handed-out handle keeps alive in the producer."""
 
@@ -43,6 +45,7 @@ class Pin:
     offset: int | None = None  # arena block
     nbytes: int = 0
     tensor: torch.Tensor | None = None  # a CUDA tensor kept referenced
+    release: Callable[[], object] | None = None  # of its IPC share (runs once)
 
 
 class HandleStore:
@@ -52,13 +55,14 @@ class HandleStore:
         self._mm = mm
         self._table = table
         self._pins: list[Pin] = []
+        self.ipc = cuda_ipc.IpcLedger(cuda_ipc.CudaIpc())  # every share and its one release
 
     # -- producer side ---------------------------------------------------------------
     def pin(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> tuple[bytes, Pin]:
         """Encode `tensor` for the row of (slot, generation) and keep it alive."""
-        if tensor.device.type == "cuda":
-            description = cuda_ipc.describe(tensor)
+        if self.ipc.takes(tensor):
             pin = Pin(slot, generation, f.name, tensor=tensor)
+            description, pin.release = self.ipc.share(pin, tensor)
         else:
             pin = self._to_arena(slot, generation, f, tensor)
             shape = tuple(tensor.shape)
@@ -115,11 +119,16 @@ class HandleStore:
 
     def unpin(self, pin: Pin) -> None:
         """Let go of a pin now (a handle overwritten before publish)."""
-        if pin.offset is not None and self._arena is not None:
-            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
-        pin.tensor = None
+        self._let_go(pin)
         if pin in self._pins:
             self._pins.remove(pin)
+
+    def _let_go(self, pin: Pin) -> None:
+        if pin.offset is not None and self._arena is not None:
+            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+        if pin.release is not None:
+            pin.release()  # before the tensor goes: its block is then free at once
+        pin.tensor = None
 
     def collect_own(self) -> int:
         """Drop this process's pins whose slot generation advanced; cheap, O(pins)."""
@@ -129,8 +138,8 @@ class HandleStore:
         for pin in self._pins:
             if self._own.word(pin.slot) >> 32 == pin.generation:
                 keep.append(pin)
-            elif pin.offset is not None and self._arena is not None:
-                self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+            else:
+                self._let_go(pin)
         dropped = len(self._pins) - len(keep)
         self._pins = keep
         return dropped
@@ -166,7 +175,7 @@ class HandleStore:
                     if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
                         assert pin.tensor is not None
                         return alias(pin.tensor)
-            return alias(cuda_ipc.open_tensor(d))
+            return alias(self.ipc.open(d))
         arena = self._arena
         if arena is None or d["arena"] != self._table:
             raise CorruptTable(f"handle of {name!r} refers to arena {d['arena']!r}, not ours")
