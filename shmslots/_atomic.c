@@ -8,6 +8,8 @@
  * Memory ordering is explicit: loads are SEQ_CST (a plain load on x86, LDAR on
  * Arm), stores are RELEASE, read-modify-writes are SEQ_CST so the waiter/waker
  * handshake (increment a waiter count, then read a sequence word) is ordered.
+ * load_acquire/store_release work on any buffer, for one-off publications
+ * such as a table's magic, which a read-only mapping must be able to read.
  *
  * Every access is bounds- and alignment-checked against the exported buffer,
  * so a wrong offset raises instead of corrupting memory.
@@ -29,6 +31,22 @@ typedef struct {
     int held;
 } AtomicView;
 
+/* The `width`-byte word at byte offset off_obj of buf, checked; NULL: error set. */
+static char *
+word_in(Py_buffer *buf, PyObject *off_obj, Py_ssize_t width)
+{
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (off < 0 || off > buf->len - width ||
+        ((uintptr_t)buf->buf + (uintptr_t)off) % (uintptr_t)width != 0) {
+        PyErr_Format(PyExc_IndexError,
+                     "offset %zd out of range or misaligned for a %zd-byte word", off, width);
+        return NULL;
+    }
+    return (char *)buf->buf + off;
+}
+
 static char *
 addr_of(AtomicView *self, PyObject *off_obj, Py_ssize_t width)
 {
@@ -36,15 +54,7 @@ addr_of(AtomicView *self, PyObject *off_obj, Py_ssize_t width)
         PyErr_SetString(PyExc_ValueError, "AtomicView is released");
         return NULL;
     }
-    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
-    if (off == -1 && PyErr_Occurred())
-        return NULL;
-    if (off < 0 || off > self->buf.len - width || (off % width) != 0) {
-        PyErr_Format(PyExc_IndexError,
-                     "offset %zd out of range or misaligned for a %zd-byte word", off, width);
-        return NULL;
-    }
-    return (char *)self->buf.buf + off;
+    return word_in(&self->buf, off_obj, width);
 }
 
 static int
@@ -198,40 +208,6 @@ av_futex_wake(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc);
 }
 
-/* copy_in(off, address, n): copy n bytes from a raw address (a CPU tensor's
- * data_ptr()) into the buffer.  Only the destination can be checked here; the
- * caller vouches for the source (torch does, for a live contiguous tensor). */
-static PyObject *
-av_copy_in(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!nargs_ok(nargs, 3, "copy_in")) return NULL;
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
-        return NULL;
-    }
-    Py_ssize_t off = PyLong_AsSsize_t(args[0]);
-    void *src = PyLong_AsVoidPtr(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (off < 0 || n < 0 || off > self->buf.len - n) {
-        PyErr_Format(PyExc_IndexError, "copy of %zd bytes at %zd is outside the buffer", n, off);
-        return NULL;
-    }
-    if (n > 0 && src == NULL) {
-        PyErr_SetString(PyExc_ValueError, "null source address");
-        return NULL;
-    }
-    char *dst = (char *)self->buf.buf + off;
-    if (n >= (1 << 20)) {
-        Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, src, (size_t)n);
-        Py_END_ALLOW_THREADS
-    } else {
-        memcpy(dst, src, (size_t)n);
-    }
-    Py_RETURN_NONE;
-}
-
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
@@ -285,8 +261,6 @@ static PyMethodDef av_methods[] = {
      "futex_wait(off, expected, timeout_s) -> False on timeout"},
     {"futex_wake", (PyCFunction)(void (*)(void))av_futex_wake, METH_FASTCALL,
      "futex_wake(off, n) -> number woken"},
-    {"copy_in", (PyCFunction)(void (*)(void))av_copy_in, METH_FASTCALL,
-     "copy_in(off, address, n): memcpy from a raw address into the buffer"},
     {"release", (PyCFunction)av_release, METH_NOARGS, "release the buffer export"},
     {NULL, NULL, 0, NULL},
 };
@@ -303,8 +277,47 @@ static PyTypeObject AtomicViewType = {
     .tp_methods = av_methods,
 };
 
+/* load_acquire(buffer, off) -> u64, from any buffer (a read-only mapping too), and
+ * store_release(buffer, off, value): the pair that publishes what was written before the
+ * store to whoever sees the stored value -- on weak-memory CPUs (Arm) as well as x86. */
+static PyObject *
+mod_load_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer buf;
+    if (!nargs_ok(nargs, 2, "load_acquire")) return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t *p = (uint64_t *)word_in(&buf, args[1], 8);
+    PyObject *result = p ? PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_ACQUIRE)) : NULL;
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyObject *
+mod_store_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer buf;
+    uint64_t v;
+    if (!nargs_ok(nargs, 3, "store_release") || !as_u64(args[2], &v)) return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_WRITABLE) < 0) return NULL;
+    uint64_t *p = (uint64_t *)word_in(&buf, args[1], 8);
+    if (p)
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    PyBuffer_Release(&buf);
+    if (!p) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"load_acquire", (PyCFunction)(void (*)(void))mod_load_acquire, METH_FASTCALL,
+     "load_acquire(buffer, off) -> u64, an acquire load"},
+    {"store_release", (PyCFunction)(void (*)(void))mod_store_release, METH_FASTCALL,
+     "store_release(buffer, off, value): a release store"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._atomic", "Atomics and futexes on shared memory.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "shmslots._atomic", "Atomics and futexes on shared memory.", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC

@@ -1,14 +1,14 @@
-/* Row writes and row checksums, compiled.
+/* The rules a tensor must pass before its bytes are copied into shared memory, row writes,
+ * and row checksums, compiled.
  *
- * rows.py owns the row format and every error message; this file only makes
- * its common case fast.  `write(slot, fields)` copies a dict of values into a
- * row when every value is the plain case (a contiguous CPU torch.Tensor of the
- * field's exact dtype and shape, or a Python number for a scalar int or
- * float32 field), checking all of them before the first byte moves.  For
- * anything else (an unknown name, a wrong dtype or shape, a handle field, a
- * strided tensor, a number that does not fit) it writes nothing and returns
- * False, and rows.py takes its checked Python path, which raises the error
- * or handles the case.
+ * rows.py owns the row format and every error message; this file holds the rules (below:
+ * every path that copies a tensor into a row or the arena asks them, so they are written
+ * once) and makes the common write fast.  `write(slot, fields)` copies a dict of values into
+ * a row when every value is the plain case (a tensor the rules call plain, or a Python number
+ * for a scalar int or float32 field), checking all of them before the first byte moves.  For
+ * anything else (an unknown name, a refused tensor, a handle field, one torch must first
+ * copy, a number that does not fit) it writes nothing and returns False, and rows.py takes
+ * its checked path, which raises the error or handles the case.
  *
  * The row checksum is the wyhash construction (below), folded to 32 bits: a
  * row that is not byte for byte the one sealed fails with probability about
@@ -25,8 +25,426 @@
 
 enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE };
 
+/* -- the rules ------------------------------------------------------------------------------
+ *
+ * What a tensor must be before its bytes are copied into shared memory, written once: the
+ * compiled write below, rows.py's checked path, the arena copy of a handle field and every
+ * copy rows.py makes all ask check() (rows.py only words the refusals).  A tensor passes when
+ * it has the field's dtype and shape, lives on the CPU or a CUDA GPU, has strided storage,
+ * and that storage holds every element its sizes, strides and storage offset reach (a storage
+ * freed or resized down does not: torch itself would read past it).  It is *plain* -- its
+ * bytes may be copied as they are -- when it is moreover an exact torch.Tensor on the CPU,
+ * contiguous, and not lazily negated.  (A lazily conjugated view exists only for complex
+ * dtypes, which no field has: the dtype rule refuses it.)  A tensor whose storage torch will
+ * not show (sparse, mkldnn and nested layouts, a wrapper subclass) answers the queries with
+ * a RuntimeError, and is refused as having none.  The tensor is asked through the class's
+ * own methods: a method set on the instance (a tensor has a __dict__) must not vouch for it.
+ */
+
+/* Reason codes, mirrored in rows.py.  0: plain.  Positive: acceptable once torch has made a
+ * plain copy; the bits say why not plain.  Negative: refused. */
+enum {
+    T_PLAIN = 0,
+    T_STRIDED = 1,
+    T_NEGATED = 2, /* lazily negated */
+    T_ON_GPU = 4,
+    T_SUBCLASS = 8,
+    T_NOT_TENSOR = -1,
+    T_DTYPE = -2,
+    T_SHAPE = -3,
+    T_DEVICE = -4,
+    T_NO_STORAGE = -5,
+    T_SHORT_STORAGE = -6,
+    T_TOO_BIG = -7,
+    T_ERROR = -100, /* an exception is set */
+};
+
 typedef struct {
-    Py_ssize_t offset, nbytes;
+    PyObject_HEAD
+    PyObject *tensor_type;  /* torch.Tensor */
+    PyObject *modes_on;     /* torch._C._is_torch_function_mode_enabled */
+    PyObject *no_functions; /* torch._C.DisableTorchFunction */
+    PyObject *is_contiguous, *is_neg, *data_ptr, *storage_offset, *stride;
+    PyObject *untyped_storage, *nbytes; /* torch.Tensor's, torch.UntypedStorage's */
+} Rules;
+
+static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_cuda, *s_itemsize, *s_enter, *s_exit;
+
+/* A query the tensor answered with a RuntimeError (NotImplementedError included): it has no
+ * storage the rules can measure.  Other exceptions propagate. */
+static int
+query_failed(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+        return T_ERROR;
+    PyErr_Clear();
+    return T_NO_STORAGE;
+}
+
+/* method(v) -> Py_ssize_t; -1 with *code set when it failed. */
+static Py_ssize_t
+ask_size(PyObject *method, PyObject *v, int *code)
+{
+    PyObject *x = PyObject_CallOneArg(method, v);
+    if (!x) {
+        *code = query_failed();
+        return -1;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(x);
+    Py_DECREF(x);
+    if (n == -1 && PyErr_Occurred())
+        *code = T_ERROR;
+    return n;
+}
+
+/* Does method(v) return True?  1 yes, 0 no, -1 with *code set. */
+static int
+ask_true(PyObject *method, PyObject *v, int *code)
+{
+    PyObject *x = PyObject_CallOneArg(method, v);
+    if (!x) {
+        *code = query_failed();
+        return -1;
+    }
+    int yes = x == Py_True;
+    Py_DECREF(x);
+    return yes;
+}
+
+/* Do `sizes` (a torch.Size) fit `want` (a tuple of ints, None for a free dimension)?
+ * T_PLAIN (setting *numel), T_SHAPE, T_TOO_BIG or T_ERROR. */
+static int
+shape_fits(PyObject *sizes, PyObject *want, Py_ssize_t *numel)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(want), count = 1;
+    if (!PyTuple_Check(sizes) || PyTuple_GET_SIZE(sizes) != n)
+        return T_SHAPE;
+    int too_big = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t got = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, i));
+        if (got == -1 && PyErr_Occurred())
+            return T_ERROR;
+        PyObject *w = PyTuple_GET_ITEM(want, i);
+        if (w != Py_None) {
+            Py_ssize_t dim = PyLong_AsSsize_t(w);
+            if (dim == -1 && PyErr_Occurred())
+                return T_ERROR;
+            if (dim != got)
+                return T_SHAPE;
+        }
+        too_big |= __builtin_mul_overflow(count, got, &count);
+    }
+    *numel = count;
+    return too_big ? T_TOO_BIG : T_PLAIN;
+}
+
+/* The rules for `v` against a field of `dtype` (itemsize bytes an element) and `shape`.  For a
+ * plain tensor, *src is where its bytes start (NULL when it has none), *nbytes how many. */
+static int
+check(Rules *r, PyObject *v, PyObject *dtype, Py_ssize_t itemsize, PyObject *shape,
+      const void **src, Py_ssize_t *nbytes)
+{
+    PyTypeObject *tensor = (PyTypeObject *)r->tensor_type;
+    if (!PyObject_TypeCheck(v, tensor))
+        return T_NOT_TENSOR;
+    int code = Py_TYPE(v) == tensor ? T_PLAIN : T_SUBCLASS, yes;
+    PyObject *x = PyObject_GetAttr(v, s_dtype);
+    if (!x)
+        return query_failed();
+    yes = x == dtype;
+    Py_DECREF(x);
+    if (!yes)
+        return T_DTYPE;
+    PyObject *sizes = PyObject_GetAttr(v, s_shape);
+    if (!sizes)
+        return query_failed();
+    Py_ssize_t numel = 0, span = 0, end;
+    int fit = shape_fits(sizes, shape, &numel);
+    if (fit == T_PLAIN && __builtin_mul_overflow(numel, itemsize, nbytes))
+        fit = T_TOO_BIG;
+    if (fit != T_PLAIN)
+        goto out;
+    if ((fit = (x = PyObject_GetAttr(v, s_is_cpu)) ? T_PLAIN : query_failed()) != T_PLAIN)
+        goto out;
+    yes = x == Py_True;
+    Py_DECREF(x);
+    if (!yes) {
+        if ((fit = (x = PyObject_GetAttr(v, s_is_cuda)) ? T_PLAIN : query_failed()) != T_PLAIN)
+            goto out;
+        yes = x == Py_True;
+        Py_DECREF(x);
+        if (!yes) {
+            fit = T_DEVICE; /* meta has no data; other devices cannot be shared */
+            goto out;
+        }
+        code |= T_ON_GPU;
+    }
+    *src = NULL;
+    if (numel == 0) /* nothing to read: no storage needed */
+        goto out;
+    Py_ssize_t offset = ask_size(r->storage_offset, v, &fit);
+    if (fit != T_PLAIN)
+        goto out;
+    if ((yes = ask_true(r->is_contiguous, v, &fit)) < 0)
+        goto out;
+    if (yes)
+        span = numel;
+    else { /* the farthest element any stride reaches, plus one */
+        code |= T_STRIDED;
+        PyObject *strides = PyObject_CallOneArg(r->stride, v);
+        if (!strides) {
+            fit = query_failed();
+            goto out;
+        }
+        Py_ssize_t n = PyTuple_GET_SIZE(sizes);
+        span = 1;
+        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n)
+            fit = T_NO_STORAGE;
+        for (Py_ssize_t i = 0; i < n && fit == T_PLAIN; i++) {
+            Py_ssize_t st = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)), reach;
+            Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, i));
+            if (PyErr_Occurred())
+                fit = T_ERROR;
+            else if (st < 0 || __builtin_mul_overflow(size - 1, st, &reach) ||
+                     __builtin_add_overflow(span, reach, &span))
+                span = PY_SSIZE_T_MAX; /* then no storage holds it */
+        }
+        Py_DECREF(strides);
+        if (fit != T_PLAIN)
+            goto out;
+    }
+    PyObject *storage = PyObject_CallOneArg(r->untyped_storage, v);
+    if (!storage) {
+        fit = query_failed();
+        goto out;
+    }
+    Py_ssize_t held = ask_size(r->nbytes, storage, &fit);
+    Py_DECREF(storage);
+    if (fit != T_PLAIN)
+        goto out;
+    if (offset < 0 || __builtin_add_overflow(offset, span, &end) ||
+        __builtin_mul_overflow(end, itemsize, &end) || end > held) {
+        fit = T_SHORT_STORAGE;
+        goto out;
+    }
+    if ((yes = ask_true(r->is_neg, v, &fit)) < 0)
+        goto out;
+    if (yes)
+        code |= T_NEGATED;
+    if (code == T_PLAIN) {
+        if (!(x = PyObject_CallOneArg(r->data_ptr, v))) {
+            fit = query_failed();
+            goto out;
+        }
+        *src = PyLong_AsVoidPtr(x);
+        Py_DECREF(x);
+        if (PyErr_Occurred())
+            fit = T_ERROR;
+        else if (!*src) /* the storage holds the elements, so this cannot happen: refuse */
+            fit = T_NO_STORAGE;
+    }
+out:
+    Py_DECREF(sizes);
+    return fit != T_PLAIN ? fit : code;
+}
+
+/* check(), from code that Python may have reached anyhow: an exact tensor under no
+ * torch-function mode is asked directly (no Python runs), anything else with torch functions
+ * disabled, so that neither a subclass nor a mode answers in place of the tensor. */
+static int
+check_guarded(Rules *r, PyObject *v, PyObject *dtype, Py_ssize_t itemsize, PyObject *shape,
+              const void **src, Py_ssize_t *nbytes)
+{
+    if (!PyObject_TypeCheck(v, (PyTypeObject *)r->tensor_type))
+        return T_NOT_TENSOR;
+    PyObject *on = PyObject_CallNoArgs(r->modes_on);
+    if (!on)
+        return T_ERROR;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    if (!modes && Py_TYPE(v) == (PyTypeObject *)r->tensor_type)
+        return check(r, v, dtype, itemsize, shape, src, nbytes);
+    PyObject *guard = PyObject_CallNoArgs(r->no_functions), *x;
+    if (!guard)
+        return T_ERROR;
+    if (!(x = PyObject_CallMethodNoArgs(guard, s_enter))) {
+        Py_DECREF(guard);
+        return T_ERROR;
+    }
+    Py_DECREF(x);
+    int code = check(r, v, dtype, itemsize, shape, src, nbytes);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    x = PyObject_CallMethodObjArgs(guard, s_exit, Py_None, Py_None, Py_None, NULL);
+    Py_DECREF(guard);
+    if (!x) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return T_ERROR;
+    }
+    Py_DECREF(x);
+    PyErr_Restore(et, ev, tb);
+    return code;
+}
+
+/* The bytes an element of `dtype` takes; -1: error set. */
+static Py_ssize_t
+itemsize_of(PyObject *dtype)
+{
+    PyObject *x = PyObject_GetAttr(dtype, s_itemsize);
+    if (!x)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(x);
+    Py_DECREF(x);
+    if (n <= 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "dtype with no itemsize");
+    return n <= 0 ? -1 : n;
+}
+
+static PyObject *
+code_or_error(int code)
+{
+    return code == T_ERROR ? NULL : PyLong_FromLong(code);
+}
+
+/* check(value, dtype, shape) -> reason code */
+static PyObject *
+rules_check(Rules *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!r->tensor_type) {
+        PyErr_SetString(PyExc_ValueError, "Rules not initialized");
+        return NULL;
+    }
+    if (nargs != 3 || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "check(value, dtype, shape: tuple)");
+        return NULL;
+    }
+    Py_ssize_t itemsize = itemsize_of(args[1]), nbytes;
+    const void *src;
+    if (itemsize < 0)
+        return NULL;
+    return code_or_error(check_guarded(r, args[0], args[1], itemsize, args[2], &src, &nbytes));
+}
+
+/* copy_into(buffer, offset, nbytes, value, dtype, shape) -> reason code: copies the value's
+ * nbytes bytes to buffer[offset:] if it is plain (0), else writes nothing. */
+static PyObject *
+rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!r->tensor_type) {
+        PyErr_SetString(PyExc_ValueError, "Rules not initialized");
+        return NULL;
+    }
+    if (nargs != 6 || !PyTuple_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_into(buffer, offset, nbytes, value, dtype, shape: tuple)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), want = PyLong_AsSsize_t(args[2]), nbytes;
+    Py_ssize_t itemsize = itemsize_of(args[4]);
+    if (itemsize < 0 || PyErr_Occurred())
+        return NULL;
+    const void *src;
+    int code = check_guarded(r, args[3], args[4], itemsize, args[5], &src, &nbytes);
+    if (code != T_PLAIN)
+        return code_or_error(code);
+    if (nbytes != want)
+        return PyLong_FromLong(T_SHAPE);
+    /* Our own export of the buffer for the whole copy: a mapping cannot be unmapped under
+     * it, even while other threads run during a big one. */
+    Py_buffer dst;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (offset < 0 || offset > dst.len - nbytes) {
+        PyBuffer_Release(&dst);
+        PyErr_Format(PyExc_IndexError, "copy of %zd bytes at %zd is outside the buffer", nbytes,
+                     offset);
+        return NULL;
+    }
+    char *at = (char *)dst.buf + offset;
+    if (nbytes >= (1 << 20)) {
+        Py_BEGIN_ALLOW_THREADS
+        memmove(at, src, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (nbytes) {
+        memmove(at, src, (size_t)nbytes); /* memmove: the source may be a view of the buffer */
+    }
+    PyBuffer_Release(&dst);
+    return PyLong_FromLong(T_PLAIN);
+}
+
+static int
+rules_init(Rules *r, PyObject *args, PyObject *kwds)
+{
+    PyObject *tensor_type, *storage_type, *modes_on, *no_functions;
+    if (r->tensor_type) {
+        PyErr_SetString(PyExc_RuntimeError, "Rules already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyType_Type, &tensor_type, &PyType_Type,
+                          &storage_type, &modes_on, &no_functions))
+        return -1;
+    struct { PyObject **slot; PyObject *owner; const char *name; } methods[] = {
+        {&r->is_contiguous, tensor_type, "is_contiguous"},
+        {&r->is_neg, tensor_type, "is_neg"},
+        {&r->data_ptr, tensor_type, "data_ptr"},
+        {&r->storage_offset, tensor_type, "storage_offset"},
+        {&r->stride, tensor_type, "stride"},
+        {&r->untyped_storage, tensor_type, "untyped_storage"},
+        {&r->nbytes, storage_type, "nbytes"},
+    };
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        Py_CLEAR(*methods[i].slot); /* a retry after a failed __init__ */
+        if (!(*methods[i].slot = PyObject_GetAttrString(methods[i].owner, methods[i].name)))
+            return -1;
+    }
+    r->modes_on = Py_NewRef(modes_on);
+    r->no_functions = Py_NewRef(no_functions);
+    r->tensor_type = Py_NewRef(tensor_type); /* last: marks the object initialized */
+    return 0;
+}
+
+static void
+rules_dealloc(Rules *r)
+{
+    Py_XDECREF(r->tensor_type);
+    Py_XDECREF(r->modes_on);
+    Py_XDECREF(r->no_functions);
+    Py_XDECREF(r->is_contiguous);
+    Py_XDECREF(r->is_neg);
+    Py_XDECREF(r->data_ptr);
+    Py_XDECREF(r->storage_offset);
+    Py_XDECREF(r->stride);
+    Py_XDECREF(r->untyped_storage);
+    Py_XDECREF(r->nbytes);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyMethodDef rules_methods[] = {
+    {"check", (PyCFunction)(void (*)(void))rules_check, METH_FASTCALL,
+     "check(value, dtype, shape) -> reason code: 0 plain, > 0 needs a plain copy, < 0 refused"},
+    {"copy_into", (PyCFunction)(void (*)(void))rules_copy_into, METH_FASTCALL,
+     "copy_into(buffer, offset, nbytes, value, dtype, shape) -> reason code; copies if 0"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RulesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._rowcodec.Rules",
+    .tp_doc = "The checks on a tensor before its bytes are copied into shared memory.",
+    .tp_basicsize = sizeof(Rules),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)rules_init,
+    .tp_dealloc = (destructor)rules_dealloc,
+    .tp_methods = rules_methods,
+};
+
+/* -- the codec ----------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_ssize_t offset, nbytes, itemsize;
     int scalar;
     PyObject *dtype; /* borrowed from specs, which the codec keeps alive */
     PyObject *shape;
@@ -40,16 +458,10 @@ typedef struct {
     Py_ssize_t rows, row_size, nslots, header;
     Py_ssize_t nfields;
     Spec spec[MAX_FIELDS];
-    PyObject *specs;   /* the tuple the Spec pointers borrow from */
-    PyObject *index;   /* field name -> index */
-    PyObject *tensor_type;
-    PyObject *modes_on; /* torch._C._is_torch_function_mode_enabled */
-    /* The class's own methods, called with the tensor: a method set on the instance (a
-     * tensor has a __dict__) would otherwise run Python between the checks and the copy. */
-    PyObject *is_contiguous, *is_neg, *data_ptr;
+    PyObject *specs; /* the tuple the Spec pointers borrow from */
+    PyObject *index; /* field name -> index */
+    Rules *rules;
 } RowCodec;
-
-static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr;
 
 /* -- checksum ------------------------------------------------------------------------------ */
 
@@ -125,29 +537,23 @@ row_hash(const char *p, Py_ssize_t n)
 static int
 rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
 {
-    PyObject *buffer, *specs, *tensor_type, *modes_on;
+    PyObject *buffer, *specs, *rules;
     Py_ssize_t rows, row_size, nslots, header;
     if (r->specs) {
         PyErr_SetString(PyExc_RuntimeError, "RowCodec already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OnnnnO!OO", &buffer, &rows, &row_size, &nslots, &header,
-                          &PyTuple_Type, &specs, &tensor_type, &modes_on))
+    if (!PyArg_ParseTuple(args, "OnnnnO!O!", &buffer, &rows, &row_size, &nslots, &header,
+                          &PyTuple_Type, &specs, &RulesType, &rules))
         return -1;
+    if (!((Rules *)rules)->tensor_type) {
+        PyErr_SetString(PyExc_ValueError, "Rules not initialized");
+        return -1;
+    }
     /* 12 header bytes are sealed; sizes are checked by subtraction, so nothing overflows */
     if (header < 12 || row_size < header || rows < 0 || nslots < 0 ||
         (nslots && row_size > (PY_SSIZE_T_MAX - rows) / nslots)) {
         PyErr_SetString(PyExc_ValueError, "bad row geometry");
-        return -1;
-    }
-    Py_CLEAR(r->is_contiguous); /* a retry after a failed __init__ */
-    Py_CLEAR(r->is_neg);
-    Py_CLEAR(r->data_ptr);
-    if (!(r->is_contiguous = PyObject_GetAttr(tensor_type, s_is_contiguous)) ||
-        !(r->is_neg = PyObject_GetAttr(tensor_type, s_is_neg)) ||
-        !(r->data_ptr = PyObject_GetAttr(tensor_type, s_data_ptr))) {
-        Py_CLEAR(r->is_contiguous);
-        Py_CLEAR(r->is_neg);
         return -1;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(specs);
@@ -169,6 +575,10 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
             return -1;
         }
         Py_DECREF(at);
+        if ((s->itemsize = itemsize_of(s->dtype)) < 0) {
+            Py_DECREF(index);
+            return -1;
+        }
         if (s->offset < header || s->nbytes < 0 || s->nbytes > row_size - s->offset) {
             Py_DECREF(index);
             PyErr_SetString(PyExc_ValueError, "field does not fit the row");
@@ -193,8 +603,7 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     r->nfields = n;
     r->specs = Py_NewRef(specs);
     r->index = index;
-    r->tensor_type = Py_NewRef(tensor_type);
-    r->modes_on = Py_NewRef(modes_on);
+    r->rules = (Rules *)Py_NewRef(rules);
     r->held = 1;
     return 0;
 }
@@ -228,55 +637,6 @@ typedef struct {
     const void *src;
     union { int64_t i64; int32_t i32; uint8_t u8; float f32; } value;
 } Copy;
-
-/* Does method(v) return `want`? 1 yes, 0 no, -1 error. */
-static int
-gives(PyObject *method, PyObject *v, PyObject *want)
-{
-    PyObject *x = PyObject_CallOneArg(method, v);
-    if (!x)
-        return -1;
-    int same = x == want;
-    Py_DECREF(x);
-    return same;
-}
-
-/* Is `v` the plain tensor for `s`? 1 yes (sets *src), 0 no, -1 error. */
-static int
-plain_tensor(RowCodec *r, Spec *s, PyObject *v, const void **src)
-{
-    if (Py_TYPE(v) != (PyTypeObject *)r->tensor_type)
-        return 0;
-    PyObject *x = PyObject_GetAttr(v, s_dtype);
-    if (!x)
-        return -1;
-    int ok = x == s->dtype;
-    Py_DECREF(x);
-    if (!ok)
-        return 0;
-    if (!(x = PyObject_GetAttr(v, s_shape)))
-        return -1;
-    ok = PyObject_RichCompareBool(x, s->shape, Py_EQ);
-    Py_DECREF(x);
-    if (ok != 1)
-        return ok;
-    if (!(x = PyObject_GetAttr(v, s_is_cpu)))
-        return -1;
-    ok = x == Py_True;
-    Py_DECREF(x);
-    if (!ok)
-        return 0;
-    if ((ok = gives(r->is_contiguous, v, Py_True)) != 1 ||
-        (ok = gives(r->is_neg, v, Py_False)) != 1) /* is_neg: a lazily negated view */
-        return ok;
-    if (!(x = PyObject_CallOneArg(r->data_ptr, v)))
-        return -1;
-    *src = PyLong_AsVoidPtr(x);
-    Py_DECREF(x);
-    if (PyErr_Occurred())
-        return -1;
-    return *src != NULL; /* no storage (freed, or a zero tensor): Python's path decides */
-}
 
 /* Is `v` a plain number for scalar field `s`? 1 yes (fills c->value), 0 no, -1 error. */
 static int
@@ -339,7 +699,7 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     }
     /* Under a torch-function mode the tensor calls below would run Python code between
        the checks and the copies: leave that to Python's path. */
-    PyObject *on = PyObject_CallNoArgs(r->modes_on);
+    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
     if (!on)
         return NULL;
     int modes = on != Py_False;
@@ -369,26 +729,41 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         c->offset = s->offset;
         c->nbytes = s->nbytes;
         total += s->nbytes;
+        PyObject *v = held[j];
         int ok;
         if (s->scalar == HANDLE)
             ok = 0;
-        else if (s->scalar != NO_SCALAR && Py_TYPE(held[j]) != (PyTypeObject *)r->tensor_type)
-            ok = plain_number(s, held[j], c);
+        else if (Py_TYPE(v) == (PyTypeObject *)r->rules->tensor_type) {
+            Py_ssize_t nbytes; /* the shape fixes it to c->nbytes */
+            int code = check(r->rules, v, s->dtype, s->itemsize, s->shape, &c->src, &nbytes);
+            ok = code == T_PLAIN ? 1 : code == T_ERROR ? -1 : 0;
+        } else if (s->scalar != NO_SCALAR)
+            ok = plain_number(s, v, c);
         else
-            ok = plain_tensor(r, s, held[j], &c->src);
+            ok = 0; /* a subclass is asked only with torch functions off: Python's path */
         if (ok != 1) {
             result = ok < 0 ? NULL : Py_False;
             goto done;
         }
     }
-    if (total >= (1 << 20)) { /* big copies let other threads run, as _atomic's copy_in does */
+    if (total >= (1 << 20)) {
+        /* Big copies let other threads run.  One of them may close the table meanwhile:
+         * an export of our own, held for the copy, makes the mapping refuse to unmap. */
+        Py_buffer keep;
+        if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+            result = NULL;
+            goto done;
+        }
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t j = 0; j < k; j++)
-            memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+            if (copies[j].nbytes)
+                memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
         Py_END_ALLOW_THREADS
+        PyBuffer_Release(&keep);
     } else {
         for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
-            memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+            if (copies[j].nbytes)
+                memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
     }
     result = Py_True;
 done:
@@ -480,11 +855,7 @@ rc_dealloc(RowCodec *r)
         PyBuffer_Release(&r->buf);
     Py_XDECREF(r->specs);
     Py_XDECREF(r->index);
-    Py_XDECREF(r->tensor_type);
-    Py_XDECREF(r->modes_on);
-    Py_XDECREF(r->is_contiguous);
-    Py_XDECREF(r->is_neg);
-    Py_XDECREF(r->data_ptr);
+    Py_XDECREF(r->rules);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -526,18 +897,18 @@ PyInit__rowcodec(void)
     if (!(s_dtype = PyUnicode_InternFromString("dtype")) ||
         !(s_shape = PyUnicode_InternFromString("shape")) ||
         !(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
-        !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
-        !(s_is_neg = PyUnicode_InternFromString("is_neg")) ||
-        !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+        !(s_is_cuda = PyUnicode_InternFromString("is_cuda")) ||
+        !(s_itemsize = PyUnicode_InternFromString("itemsize")) ||
+        !(s_enter = PyUnicode_InternFromString("__enter__")) ||
+        !(s_exit = PyUnicode_InternFromString("__exit__")))
         return NULL;
-    if (PyType_Ready(&RowCodecType) < 0)
+    if (PyType_Ready(&RulesType) < 0 || PyType_Ready(&RowCodecType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
         return NULL;
-    Py_INCREF(&RowCodecType);
-    if (PyModule_AddObject(m, "RowCodec", (PyObject *)&RowCodecType) < 0) {
-        Py_DECREF(&RowCodecType);
+    if (PyModule_AddObjectRef(m, "RowCodec", (PyObject *)&RowCodecType) < 0 ||
+        PyModule_AddObjectRef(m, "Rules", (PyObject *)&RulesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

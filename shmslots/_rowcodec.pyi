@@ -6,6 +6,29 @@ from typing_extensions import Buffer
 
 def row_hash(buffer: Buffer, /) -> int: ...
 
+class Rules:
+    """The checks on a tensor before its bytes are copied into shared memory."""
+
+    def __init__(
+        self,
+        tensor_type: type[torch.Tensor],
+        storage_type: type[torch.UntypedStorage],
+        modes_enabled: Callable[[], bool],
+        no_torch_function: Callable[[], Any],
+        /,
+    ) -> None: ...
+    def check(self, value: object, dtype: torch.dtype, shape: tuple[int | None, ...], /) -> int: ...
+    def copy_into(
+        self,
+        buffer: Buffer,
+        offset: int,
+        nbytes: int,
+        value: object,
+        dtype: torch.dtype,
+        shape: tuple[int | None, ...],
+        /,
+    ) -> int: ...
+
 class RowCodec:
     """Plain-case row writes and row checksums over one writable buffer of rows."""
 
@@ -17,8 +40,7 @@ class RowCodec:
         slots: int,
         header: int,
         specs: tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...],
-        tensor_type: type[torch.Tensor],
-        modes_enabled: Callable[[], bool],
+        rules: Rules,
         /,
     ) -> None: ...
     def write(self, slot: int, fields: dict[str, Any], /) -> bool: ...

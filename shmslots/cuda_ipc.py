@@ -9,17 +9,103 @@ shape, stride and dtype, and the device's UUID — not its index, so processes
 with different CUDA_VISIBLE_DEVICES agree on the device.  Opening reuses
 torch's cache of opened handles, because a handle may be opened only once
 per device per process.
+
+Reference counts.  Each `_share_cuda_` puts the storage behind a new
+ref-counter set to 1; when the producer's storage dies while a counter is
+above 0, torch keeps its block out of use (in "limbo") until it drops to 0.
+torch.multiprocessing pairs each share with exactly one consumer, whose
+storage decrements the counter when it dies.  A row's handle has no such
+consumer: it may be aborted, cancelled, overwritten, never opened, opened in
+the producer itself, or opened several times by several processes
+(redelivery).  So here the lifetime is the table's, as for the arena: the
+producer keeps the tensor until the slot's generation moves on, and then
+releases the share itself, exactly once (IpcLedger).  Consumers never touch
+a counter: they open the storage with NO_COUNTER, and reuse a cached mapping
+without releasing anything.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from .errors import SchemaError
 from .torch_dtypes import DTYPE_NAMES, DTYPES
+
+# What a consumer's storage names as its ref-counter: not a valid shared-memory name (a
+# slash inside), so the decrement its deleter attempts finds nothing, as torch allows for a
+# producer that is gone.  The producer releases its share itself.
+NO_COUNTER = b"/shmslots/consumers-release-nothing"
+
+
+class DeviceIpc(Protocol):
+    """The calls of device sharing (torch's CUDA IPC): the seam a test stands in for."""
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` travels by IPC (else it is copied into the arena)."""
+        ...
+
+    def share(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """One share of the tensor's storage, described; released once by release()."""
+        ...
+
+    def release(self, description: dict[str, Any]) -> None: ...
+
+    def open(self, description: dict[str, Any]) -> torch.Tensor:
+        """The shared tensor, in a consumer; releases nothing."""
+        ...
+
+
+class IpcLedger:
+    """Every share made by this process is released exactly once, by this process.
+
+    `share(holder, tensor)` returns the description and its release, which runs
+    at the first of: being called, or `holder` (the producer's pin) being
+    collected.  `shared` and `released` count both, so `shared - released` is
+    what this process still keeps out of torch's reuse.
+    """
+
+    def __init__(self, ipc: DeviceIpc) -> None:
+        self.ipc = ipc
+        self.shared = 0
+        self.released = 0
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        return self.ipc.takes(tensor)
+
+    def share(
+        self, holder: object, tensor: torch.Tensor
+    ) -> tuple[dict[str, Any], Callable[[], object]]:
+        description = self.ipc.share(tensor)
+        self.shared += 1
+        return description, weakref.finalize(holder, self._release, description)
+
+    def _release(self, description: dict[str, Any]) -> None:
+        self.released += 1
+        self.ipc.release(description)
+
+    def open(self, description: dict[str, Any]) -> torch.Tensor:
+        return self.ipc.open(description)
+
+
+class CudaIpc:
+    """torch's CUDA IPC calls."""
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def share(self, tensor: torch.Tensor) -> dict[str, Any]:
+        return describe(tensor)
+
+    def release(self, description: dict[str, Any]) -> None:
+        torch.UntypedStorage._release_ipc_counter(description["rc"], description["rcoff"])
+
+    def open(self, description: dict[str, Any]) -> torch.Tensor:
+        return open_tensor(description)
 
 
 def device_uuid(index: int) -> str:
@@ -68,7 +154,11 @@ def describe(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def open_tensor(d: dict[str, Any]) -> torch.Tensor:
-    """Rebuild the tensor in this process, on the device with the recorded UUID."""
+    """Rebuild the tensor in this process, on the device with the recorded UUID.
+
+    No counter is taken or released (module docstring): a storage already mapped
+    here is reused, a new one is opened with NO_COUNTER.
+    """
     from torch.multiprocessing.reductions import (
         StorageWeakRef,
         shared_cache,
@@ -81,10 +171,8 @@ def open_tensor(d: dict[str, Any]) -> torch.Tensor:
     if storage is None:
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
-            device, d["handle"], d["size"], d["soff"], d["rc"], d["rcoff"], d["event"], d["sync"]
+            device, d["handle"], d["size"], d["soff"], NO_COUNTER, 0, d["event"], d["sync"]
         )
         shared_cache[key] = StorageWeakRef(storage)
-    else:  # already mapped here: give the producer its ref-counter back
-        torch.UntypedStorage._release_ipc_counter(d["rc"], d["rcoff"], device=device)
     tensor = torch.empty((0,), dtype=DTYPES[d["dtype"]], device=f"cuda:{device}")
     return tensor.set_(storage, d["off"], d["shape"], d["stride"])

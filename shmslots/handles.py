@@ -4,15 +4,18 @@ A CPU tensor is copied once into arena pages (arena.py) owned by the write
 slot's (slot, generation); a CUDA tensor stays where it is and travels as a
 CUDA IPC description (cuda_ipc.py).  Either way the row holds a small
 msgpack handle, and the producer keeps what the handle points to — the
-pages, or a reference to the CUDA tensor — until it sees the slot's
-generation advance (release, abort or reclaim).  Readers open shm handles
-as zero-copy views of the arena.
+pages, or a reference to the CUDA tensor and its IPC share — until it sees
+the slot's generation advance (release, abort or reclaim), or the handle is
+overwritten before publish; then it lets go, releasing the share.  Readers
+open shm handles as zero-copy views of the arena.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -24,12 +27,12 @@ from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .handle_codec import LENGTH, decode
 from .ownership import Ownership
-from .rows import mapped_tensor
+from .rows import PLAIN, RULES, contiguous_strides, mapped_tensor, refusal
 from .schema import Field
 from .torch_dtypes import DTYPE_NAMES, DTYPES
 
 
-@dataclass
+@dataclass(eq=False)  # one pin is one handle: compared by identity, never by tensors
 class Pin:
     """What one handed-out handle keeps alive in the producer."""
 
@@ -39,6 +42,7 @@ class Pin:
     offset: int | None = None  # arena block
     nbytes: int = 0
     tensor: torch.Tensor | None = None  # a CUDA tensor kept referenced
+    release: Callable[[], object] | None = None  # of its IPC share (runs once)
 
 
 class HandleStore:
@@ -48,23 +52,25 @@ class HandleStore:
         self._mm = mm
         self._table = table
         self._pins: list[Pin] = []
+        self.ipc = cuda_ipc.IpcLedger(cuda_ipc.CudaIpc())  # every share and its one release
 
     # -- producer side ---------------------------------------------------------------
     def pin(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> tuple[bytes, Pin]:
         """Encode `tensor` for the row of (slot, generation) and keep it alive."""
-        if tensor.device.type == "cuda":
-            description = cuda_ipc.describe(tensor)
+        if self.ipc.takes(tensor):
             pin = Pin(slot, generation, f.name, tensor=tensor)
+            description, pin.release = self.ipc.share(pin, tensor)
         else:
-            pin = self._to_arena(slot, generation, f.name, tensor)
+            pin = self._to_arena(slot, generation, f, tensor)
+            shape = tuple(tensor.shape)
             description = {
                 "b": "shm",
                 "arena": self._table,
                 "off": pin.offset,
                 "n": pin.nbytes,
                 "dtype": DTYPE_NAMES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "stride": list(tensor.stride()),
+                "shape": list(shape),
+                "stride": list(contiguous_strides(shape)),  # as copied into the arena
             }
         blob: bytes = msgpack.packb(description)
         if LENGTH.size + len(blob) > f.budget:
@@ -75,12 +81,14 @@ class HandleStore:
         self._pins.append(pin)
         return LENGTH.pack(len(blob)) + blob, pin
 
-    def _to_arena(self, slot: int, generation: int, name: str, tensor: torch.Tensor) -> Pin:
+    def _to_arena(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> Pin:
+        """Copy an admitted CPU tensor (rows.admit) into arena pages of (slot, generation)."""
+        name = f.name
         if self._arena is None:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         if self._arena.pages_for(nbytes) > self._arena.pages:
             raise SchemaError(
                 f"field {name!r}: {nbytes} bytes exceed the whole arena "
@@ -100,18 +108,24 @@ class HandleStore:
                     "arena_pages": self._arena.pages,
                 },
             )
-        if nbytes:
-            dst = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
-            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        code = RULES.copy_into(self._mm, offset, nbytes, tensor, f.torch_dtype, f.shape)
+        if code != PLAIN:  # resized by another thread since it was admitted
+            self._arena.free(offset, nbytes, slot, generation)
+            raise SchemaError(refusal(f, tensor, code))
         return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
 
     def unpin(self, pin: Pin) -> None:
         """Let go of a pin now (a handle overwritten before publish)."""
-        if pin.offset is not None and self._arena is not None:
-            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
-        pin.tensor = None
+        self._let_go(pin)
         if pin in self._pins:
             self._pins.remove(pin)
+
+    def _let_go(self, pin: Pin) -> None:
+        if pin.offset is not None and self._arena is not None:
+            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+        if pin.release is not None:
+            pin.release()  # before the tensor goes: its block is then free at once
+        pin.tensor = None
 
     def collect_own(self) -> int:
         """Drop this process's pins whose slot generation advanced; cheap, O(pins)."""
@@ -121,8 +135,8 @@ class HandleStore:
         for pin in self._pins:
             if self._own.word(pin.slot) >> 32 == pin.generation:
                 keep.append(pin)
-            elif pin.offset is not None and self._arena is not None:
-                self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+            else:
+                self._let_go(pin)
         dropped = len(self._pins) - len(keep)
         self._pins = keep
         return dropped
@@ -158,7 +172,7 @@ class HandleStore:
                     if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
                         assert pin.tensor is not None
                         return alias(pin.tensor)
-            return alias(cuda_ipc.open_tensor(d))
+            return alias(self.ipc.open(d))
         arena = self._arena
         if arena is None or d["arena"] != self._table:
             raise CorruptTable(f"handle of {name!r} refers to arena {d['arena']!r}, not ours")

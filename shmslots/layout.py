@@ -42,13 +42,20 @@ is refused, so no later access can fall outside the mapping.
 
 from __future__ import annotations
 
+import mmap
 import struct
+import sys
 from dataclasses import dataclass
 
+from ._atomic import load_acquire, store_release
 from .errors import CorruptTable, IncompatibleTable, InvalidArgument, InvalidSlot
 from .units import fmt_bytes
 
 MAGIC = b"SHMSLOTS"
+# The magic as the word that holds it.  It is stored last with a release store and read with
+# an acquire load, so whoever sees it also sees the header and schema stored before it, on
+# weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
+_MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
 VERSION = 5
@@ -312,6 +319,16 @@ class Header:
 # each encode to under 20 KiB.  Checked before the blob is copied or decoded, so a
 # hostile header cannot make an attacher copy gigabytes.
 MAX_SCHEMA_LEN = 64 * 1024
+
+
+def publish_magic(mm: mmap.mmap) -> None:
+    """Store the magic: the creator's last write, after the header and the schema."""
+    store_release(mm, 0, _MAGIC_WORD)
+
+
+def magic_published(mm: mmap.mmap) -> bool:
+    """Whether a creator has stored its first word (read_header says if it is our magic)."""
+    return len(mm) >= 8 and load_acquire(mm, 0) != 0
 
 
 def read_header(raw: bytes, segment_size: int) -> Header:

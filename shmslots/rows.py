@@ -19,13 +19,23 @@ import torch
 
 from ._atomic import AtomicView
 from ._leases import WatchedTensors
-from ._rowcodec import RowCodec, row_hash
+from ._rowcodec import RowCodec, Rules, row_hash
 from .errors import SchemaError
 from .schema import ROW_HEADER_SIZE, Field, RowSchema
 
-# Tensor methods are called through the class: a tensor has a __dict__, and a method set on
-# one must not vouch for it.
-_Tensor = torch.Tensor
+# The checks on a tensor before its bytes are copied into shared memory, in one place
+# (_rowcodec.c): every path asks them, the compiled write included; this file words them.
+RULES = Rules(
+    torch.Tensor,
+    torch.UntypedStorage,
+    torch._C._is_torch_function_mode_enabled,
+    torch._C.DisableTorchFunction,
+)
+# Reason codes of RULES.check (the enum in _rowcodec.c).  0: the bytes may be copied as they
+# are.  Positive, bits: acceptable once torch has made a plain copy.  Negative: refused.
+PLAIN = 0
+_STRIDED, _ON_GPU = 1, 4  # 2: lazily negated, 8: a subclass of torch.Tensor
+_NOT_TENSOR, _DTYPE, _SHAPE, _DEVICE, _NO_STORAGE, _SHORT_STORAGE, _TOO_BIG = range(-1, -8, -1)
 # struct codes for scalar fast paths; bfloat16 has none and goes through torch.
 _SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B"}
 _INT_DTYPES = frozenset({"int32", "int64", "uint8"})
@@ -87,20 +97,19 @@ class Rows:
     ) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
-        self._atomics = atomics  # None for a read-only mapping: no writes
         self._layout = lay
         self.schema = schema
         self._offsets = {name: fs.offset for name, fs in schema.slots.items()}
-        self._nbytes = {name: fs.field.nbytes for name, fs in schema.slots.items()}
-        # name -> (field, torch dtype, packer for a Python number or None, is a handle):
-        # built once, since property lookups per field and write add up on the hot path
+        # name -> (field, packer for a Python number or None): built once, since property
+        # lookups per field and write add up on the hot path
         self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
         self._views: list[WatchedTensors | None] = [None] * lay.slots
         self._payload = (ROW_HEADER_SIZE, schema.row_size)
-        # Compiled plain-case writes and the checksum; None on a read-only mapping.
+        # Compiled plain-case writes and the checksum; None on a read-only mapping (no
+        # atomics: a mapping nobody writes through).
         self._codec = (
             RowCodec(mm, lay.rows, lay.row_size, lay.slots, ROW_HEADER_SIZE, _codec_specs(schema),
-                     torch.Tensor, torch._C._is_torch_function_mode_enabled)
+                     RULES)
             if atomics is not None
             else None
         )  # fmt: skip
@@ -132,23 +141,8 @@ class Rows:
             spec = specs.get(name)
             if spec is None:
                 raise SchemaError(f"no field {name!r}; fields are {list(self.schema.slots)}")
-            f, dtype, scalar, is_handle = spec
-            if isinstance(value, torch.Tensor):
-                if value.dtype is not dtype:
-                    raise SchemaError(f"field {name!r} is {f.dtype}, got a {value.dtype} tensor")
-                if is_handle:
-                    _check_handle_tensor(f, value)
-                elif value.shape != f.shape:
-                    raise SchemaError(
-                        f"field {name!r} has shape {f.shape}, got {tuple(value.shape)}"
-                    )
-                if not _storage_holds(value):  # torch itself would read unmapped memory
-                    raise SchemaError(
-                        f"field {name!r}: the tensor's storage no longer holds its elements "
-                        "(freed or resized)"
-                    )
-                plan.append((name, value))
-            elif scalar is not None and _is_scalar_for(f.dtype, value):
+            f, scalar = spec
+            if scalar is not None and _is_scalar_for(f.dtype, value):
                 try:
                     plan.append((name, scalar(value)))
                 except (struct.error, OverflowError, RuntimeError):
@@ -156,12 +150,7 @@ class Rows:
                         f"value {value!r} does not fit field {name!r} ({f.dtype})"
                     ) from None
             else:
-                raise SchemaError(
-                    f"field {name!r} takes {'an' if f.dtype[0] == 'i' else 'a'} {f.dtype} "
-                    f"tensor of shape {f.shape}"
-                    + (" or a Python number" if scalar is not None else "")
-                    + f", got {type(value).__name__}"
-                )
+                plan.append((name, admit(f, value)))
         return plan
 
     def write_plain(self, slot: int, values: dict[str, Any]) -> bool:
@@ -173,22 +162,15 @@ class Rows:
         """Copy a checked plan in; handle fields must already be encoded to bytes."""
         base = self._layout.rows + slot * self._layout.row_size
         offsets = self._offsets
-        copy_in = self._atomics.copy_in if self._atomics is not None else None
         for name, value in plan:
             off = base + offsets[name]
             if type(value) is bytes:
                 self._mv[off : off + len(value)] = value
-            elif (
-                copy_in is not None
-                and value.is_cpu
-                and _Tensor.is_contiguous(value)  # the class's methods: not ones set on value
-                and not _Tensor.is_neg(value)
-                and (data := _Tensor.data_ptr(value))
-                and value.nbytes == self._nbytes[name]  # as checked, unless resized since
-            ):
-                copy_in(off, data, value.nbytes)  # a memcpy, no torch dispatch
-            else:
-                self.views(slot).tensors[name].copy_(value)
+            else:  # admitted by prepare(); asked again, since another thread may resize it
+                f = self._specs[name][0]
+                code = RULES.copy_into(self._mm, off, f.nbytes, value, f.torch_dtype, f.shape)
+                if code != PLAIN:
+                    raise SchemaError(refusal(f, value, code))
 
     def fill(self, slot: int, packed: memoryview) -> None:
         """Copy a whole row packed elsewhere (header included) over this slot's row."""
@@ -251,7 +233,7 @@ def _codec_specs(
     return tuple(specs)
 
 
-def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bool]:
+def _spec(f: Field) -> tuple[Field, Callable[[Any], Any] | None]:
     scalar: Callable[[Any], Any] | None = None
     if f.shape == () and not f.is_handle:
         code = _SCALAR_CODES.get(f.dtype)
@@ -262,26 +244,67 @@ def _spec(f: Field) -> tuple[Field, torch.dtype, Callable[[Any], Any] | None, bo
             def scalar(value: Any, dtype: torch.dtype = f.torch_dtype) -> Any:
                 return torch.tensor(value, dtype=dtype)
 
-    return f, f.torch_dtype, scalar, f.is_handle
+    return f, scalar
 
 
-def _storage_holds(value: torch.Tensor) -> bool:
-    """Whether every element lies inside the tensor's storage (false once it is freed)."""
-    if _Tensor.numel(value) == 0 or value.is_meta:
-        return True
-    strides = _Tensor.stride(value)
-    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, strides, strict=True))
-    end = (_Tensor.storage_offset(value) + span) * _Tensor.element_size(value)
-    return end <= _Tensor.untyped_storage(value).nbytes()
+def admit(f: Field, value: Any) -> torch.Tensor:
+    """The tensor whose bytes go into field `f` for `value`: the value itself, or the plain
+    copy torch makes of it (strided, negated, a subclass, an inline field's CUDA tensor).
+
+    Whether it passes is RULES.check's to say; a refusal raises SchemaError.  A handle's
+    CUDA tensor stays on its GPU, and a handle's tensor must be contiguous.
+    """
+    keep = _ON_GPU if f.is_handle else PLAIN
+    code = RULES.check(value, f.torch_dtype, f.shape)
+    if code < 0 or (f.is_handle and code & _STRIDED):
+        raise SchemaError(refusal(f, value, code))
+    if code & ~keep:
+        # no autograd, and neither a subclass nor a mode answering in place of the tensor
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            plain = torch.empty(
+                tuple(value.shape), dtype=value.dtype, device=value.device if keep else "cpu"
+            )
+            plain.copy_(value)
+        code = RULES.check(plain, f.torch_dtype, f.shape)
+        if code & ~keep:
+            raise SchemaError(refusal(f, value, code))
+        value = plain
+    tensor: torch.Tensor = value
+    return tensor
 
 
-def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:
-    if not f.accepts_shape(tuple(value.shape)):
-        raise SchemaError(f"field {f.name!r} has shape {f.shape}, got {tuple(value.shape)}")
-    if not _Tensor.is_contiguous(value):
-        raise SchemaError(f"field {f.name!r}: handle tensors must be contiguous")
-    if value.device.type not in ("cpu", "cuda"):
-        raise SchemaError(f"field {f.name!r}: tensors on {value.device} cannot be shared")
+def refusal(f: Field, value: Any, code: int) -> str:
+    """Why RULES refused `value` for field `f` (a reason code other than PLAIN)."""
+    with torch._C.DisableTorchFunction():  # the tensor's own dtype, shape, device
+        return _refusal(f, value, code)
+
+
+def _refusal(f: Field, value: Any, code: int) -> str:
+    name = f.name
+    if code == _NOT_TENSOR:
+        number = " or a Python number" if f.shape == () and not f.is_handle else ""
+        return (
+            f"field {name!r} takes {'an' if f.dtype[0] in 'iu' else 'a'} {f.dtype} tensor of "
+            f"shape {f.shape}{number}, "
+            f"got {type(value).__name__}"
+        )
+    if code == _DTYPE:
+        return f"field {name!r} is {f.dtype}, got a {value.dtype} tensor"
+    if code == _SHAPE:
+        return f"field {name!r} has shape {f.shape}, got {tuple(value.shape)}"
+    if code == _DEVICE:
+        return f"field {name!r}: tensors on {value.device} cannot be shared"
+    if code == _NO_STORAGE:
+        return f"field {name!r}: the tensor has no storage to copy from (sparse, nested, ...)"
+    if code == _SHORT_STORAGE:  # torch itself would read past it
+        return (
+            f"field {name!r}: the tensor's storage no longer holds its elements (freed or resized)"
+        )
+    if code == _TOO_BIG:
+        return f"field {name!r}: a tensor of shape {tuple(value.shape)} has too many bytes"
+    if f.is_handle and code & _STRIDED:
+        return f"field {name!r}: handle tensors must be contiguous"
+    return f"field {name!r}: torch made no plain copy of the tensor (a dispatch mode?)"
 
 
 def _is_scalar_for(dtype: str, value: object) -> bool:

@@ -117,7 +117,12 @@ class Segment:
         return cls(name, fd, mm, created=False)
 
     def close(self) -> bool:
-        """Unmap and close; False (and the mapping kept) if views into it still exist."""
+        """Unmap and close; False (and the mapping kept) while it is exported.
+
+        A copy into the mapping that runs on another thread holds an export for the
+        copy's length, so it is never unmapped under the copy; the mapping goes once
+        its last exporter and reference do.
+        """
         try:
             self.mm.close()
         except BufferError:

@@ -186,7 +186,7 @@ class SlotTable:
                 magic=b"\0" * 8,
             )
             mm[: len(header)] = header
-            mm[:8] = L.MAGIC  # last: attachers never see a half-built table
+            L.publish_magic(mm)  # last, a release store: attachers never see a half-built table
             return cls(
                 segment,
                 L.read_header(mm[: L.HEADER_SIZE], lay.total_size),

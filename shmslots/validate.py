@@ -24,12 +24,11 @@ def read_valid_header(segment: Segment, wait_s: float | None = None) -> L.Header
     """Read the header, waiting briefly (INIT_WAIT_S unless `wait_s`) for a creator
     that is still initialising."""
     deadline = time.monotonic() + (INIT_WAIT_S if wait_s is None else wait_s)
-    while True:
-        raw = bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)])
-        if raw[:8] != b"\0" * 8 or time.monotonic() >= deadline:
-            break
+    # The header is copied only once the magic is seen, by an acquire load: on every CPU
+    # the copy then holds what the creator wrote before its magic.
+    while not L.magic_published(segment.mm) and time.monotonic() < deadline:
         time.sleep(0.01)
-    header = L.read_header(raw, segment.size)
+    header = L.read_header(bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)]), segment.size)
     if header.creator_uid != os.getuid():
         raise TablePermissionError(
             f"table {segment.name!r} belongs to uid {header.creator_uid}, this process is "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shmslots._atomic import AtomicView
+from shmslots._atomic import AtomicView, load_acquire, store_release
 
 
 def test_cas_load_store_and_rmw() -> None:
@@ -70,4 +70,26 @@ def test_futex_wait_times_out_and_is_woken() -> None:
     assert time.monotonic() - t0 < 2.0
     thread.join()
     a.release()
+    mm.close()
+
+
+def test_acquire_load_and_release_store_on_any_buffer() -> None:
+    """The pair a table's magic is published with: any buffer, read-only ones for loads."""
+    mm = mmap.mmap(-1, 64)
+    store_release(mm, 8, 2**64 - 1)
+    store_release(mm, 56, 7)
+    assert load_acquire(mm, 8) == 2**64 - 1 and load_acquire(mm, 56) == 7
+    assert AtomicView(mm).load(8) == 2**64 - 1  # the same word the other atomics see
+    frozen = bytes(mm)
+    assert load_acquire(frozen, 8) == 2**64 - 1  # read-only: the CLI's mapping
+    with pytest.raises(BufferError):
+        store_release(frozen, 8, 1)
+    for off in (-8, 60, 64, 3):
+        with pytest.raises(IndexError):
+            load_acquire(mm, off)
+        with pytest.raises(IndexError):
+            store_release(mm, off, 1)
+    with pytest.raises(OverflowError):
+        store_release(mm, 0, -1)
+    assert load_acquire(mm, 0) == 0  # nothing written by the refused calls
     mm.close()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shmslots import Field, SchemaError, SlotTable
 from shmslots._rowcodec import row_hash
+from shmslots.rows import RULES
 
 FIELDS = (
     Field("i64", "int64"),
@@ -192,5 +193,134 @@ def test_a_codec_cannot_be_initialized_twice(name: str) -> None:
         codec = table._rows._codec
         assert codec is not None
         with pytest.raises(RuntimeError, match="already"):
-            codec.__init__(bytearray(64), 0, 64, 1, 16, (), torch.Tensor, bool)  # type: ignore[misc]
+            codec.__init__(bytearray(64), 0, 64, 1, 16, (), RULES)  # type: ignore[misc]
         assert codec.checksum(0) == table._rows.checksum(0)
+
+
+def _shrunk(n: int, keep: int = 16) -> torch.Tensor:
+    """A float32 tensor whose storage was resized down to `keep` bytes under it."""
+    t = torch.ones(n)
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+SHRUNK_FIELDS = (Field("v", "float32", (1 << 16,)), Field("i", "int64"))
+
+
+def test_the_compiled_path_refuses_a_storage_resized_down(name: str) -> None:
+    """The compiled write used to copy the tensor in full: heap bytes past the storage
+    landed in a row every process can read (a segfault at a few million elements)."""
+    with SlotTable.create(name, SHRUNK_FIELDS, slots=1) as table:
+        ws = table.claim()
+        row = table.layout.row(ws.slot)
+        before = bytes(table._rows._mv[row : row + table.layout.row_size])
+        shrunk = _shrunk(1 << 16)
+        assert not table._rows.write_plain(ws.slot, {"i": 1, "v": shrunk})
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            ws.write(i=1, v=shrunk)
+        assert bytes(table._rows._mv[row : row + table.layout.row_size]) == before
+        ws.abort()
+
+
+def test_the_python_path_refuses_a_storage_resized_after_the_check(name: str) -> None:
+    """prepare() admits a value, write() copies it: a storage resized in between (another
+    thread) is refused at the copy too, not read past."""
+    with SlotTable.create(name, SHRUNK_FIELDS, slots=1) as table:
+        rows = table._rows
+        ws = table.claim()
+        value = torch.ones(1 << 16)
+        plan = rows.prepare({"v": value})
+        value.untyped_storage().resize_(16)
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            rows.write(ws.slot, plan)
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            rows.prepare({"v": value})
+        strided = torch.ones(1 << 17)[::2]  # the path torch copies first must not read it either
+        strided.untyped_storage().resize_(16)
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            ws.write(v=strided)
+        ws.abort()
+
+
+def test_the_arena_path_refuses_a_storage_resized_down(name: str) -> None:
+    blob = Field("blob", "float32", (None,), kind="handle")
+    with SlotTable.create(name, (blob,), slots=1, arena_bytes=1 << 20) as table:
+        ws = table.claim()
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            ws.write(blob=_shrunk(1 << 16))
+        value = torch.ones(1 << 16)
+        plan = table._rows.prepare({"blob": value})  # admitted, then resized under the copy
+        value.untyped_storage().resize_(16)
+        with pytest.raises(SchemaError, match="no longer holds its elements"):
+            table._handles.pin(ws.slot, ws.generation, blob, plan[0][1])
+        assert table.stats().arena_bytes_used == 0 and table._handles.pinned() == (0, 0)
+        ws.abort()
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_one_rule_set_answers_for_every_kind_of_tensor() -> None:
+    """The reason codes rows.py words: 0 plain, > 0 copied by torch first, < 0 refused."""
+    f32, shape = torch.float32, (4,)
+    past_the_end = torch.empty(0).set_(torch.ones(8).untyped_storage(), 6, (4,), (1,))
+    past_the_end.untyped_storage().resize_(8 * 4)  # offset 6 + 4 elements > 8 elements
+    lying = torch.arange(8.0)[::2]
+    lying.is_contiguous = lambda *a, **k: True  # type: ignore[method-assign]
+    cases: list[tuple[object, int]] = [
+        (torch.ones(4), 0),
+        (torch.ones(8)[::2], 1),  # strided
+        (torch._neg_view(torch.ones(4)), 2),  # lazily negated
+        (torch.ones(4).as_subclass(_Sub), 8),
+        (lying, 1),  # a method set on the instance does not vouch for it
+        ([1.0, 2.0, 3.0, 4.0], -1),
+        (torch.ones(4, dtype=torch.float64), -2),
+        (torch.ones(5), -3),
+        (torch.ones(4, device="meta"), -4),
+        (torch.ones(4).to_sparse(), -5),
+        (_shrunk(4, keep=8), -6),
+        (_shrunk(4, keep=0), -6),  # freed, as FSDP frees a parameter
+        (past_the_end, -6),
+    ]
+    assert [RULES.check(v, f32, shape) for v, _ in cases] == [want for _, want in cases]
+    assert RULES.check(torch.ones(0), f32, (None,)) == 0  # nothing to read, nothing to hold
+    assert RULES.check(torch.ones(3, 7), f32, (None, 7)) == 0  # a handle's free dimension
+    assert RULES.check(torch.ones(3, 8), f32, (None, 7)) == -3
+    huge = torch.ones(1).expand(2**62)  # stride 0: inside its storage, but 2**64 bytes
+    assert RULES.check(huge, f32, (None,)) == -7
+
+
+def test_neither_a_subclass_nor_a_mode_answers_for_the_tensor(name: str) -> None:
+    """The rules ask the tensor itself, with torch functions off: no Python of a subclass or
+    a mode runs between the checks and the copy."""
+    from torch.overrides import TorchFunctionMode
+
+    class Asked(AssertionError):
+        pass
+
+    class Liar(torch.Tensor):
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            raise Asked(f"the subclass was asked {func}")
+
+    class Meddler(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            raise Asked(f"the mode was asked {func}")
+
+    liar = torch.tensor([1.0, 2.0, 3.0]).as_subclass(Liar)
+    shrunk, sevens = _shrunk(3, keep=8), torch.full((3,), 7.0)
+    with SlotTable.create(name, FIELDS, slots=1) as table:
+        ws = table.claim()
+        ws.write(vec=liar)
+        assert ws.view("vec").tolist() == [1.0, 2.0, 3.0]
+        with Meddler():
+            with pytest.raises(SchemaError, match="no longer holds"):
+                ws.write(vec=shrunk)
+            ws.write(vec=sevens)
+        assert ws.view("vec").tolist() == [7.0] * 3
+        ws.abort()
