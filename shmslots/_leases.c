@@ -14,7 +14,7 @@
  * transition that gives it its slot (and the transition is undone if it cannot
  * be made), a handle's last transition and the end of its ownership are one
  * call (`_hand_back`), and a handle that is garbage-collected while it still
- * owns its slot hands it back (its `_dropped` method, with a ResourceWarning).
+ * owns its slot hands it back (`hand_back_dropped`, with a ResourceWarning).
  *
  * WatchedTensors, the views handed out with the reference counts they have
  * at rest, lives here too, because every release checks it.
@@ -30,7 +30,7 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
  * the instance (tensors have a __dict__) must not stand in for them. */
 static PyObject *tensor_data_ptr, *tensor_untyped_storage;
 static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout, *s_dropped,
+    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout,
     *s_idle, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
@@ -595,22 +595,21 @@ handle_traverse(Handle *h, visitproc visit, void *arg)
     return 0;
 }
 
+static void hand_back_dropped(Handle *h);
+
 static int
 handle_clear(Handle *h)
 {
+    hand_back_dropped(h); /* cyclic garbage: cleared before it is deallocated */
     PyObject **refs[] = HANDLE_REFS(h);
     for (size_t i = 0; i < COUNT(refs); i++)
         Py_CLEAR(*refs[i]);
     return 0;
 }
 
-static void handle_finalize(Handle *h);
-
 static void
 handle_dealloc(Handle *h)
 {
-    if (PyObject_CallFinalizerFromDealloc((PyObject *)h) < 0)
-        return; /* resurrected by its finalizer */
     PyObject_GC_UnTrack(h);
     handle_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
@@ -681,10 +680,11 @@ step(Handle *h, PyObject *event)
 {
     Core *c = h->core;
     PyObject *call[4] = {h->slot, h->generation, held_state(h), event}, *r;
-    int publish = PyObject_RichCompareBool(event, c->ev_publish, Py_EQ);
-    int redeliver = publish ? 0 : PyObject_RichCompareBool(event, c->ev_redeliver, Py_EQ);
-    if (publish < 0 || redeliver < 0)
-        return STEP_ERROR;
+    /* The events this file passes are Core's own objects: no comparison for those. */
+    int freeing = event == c->ev_release || event == c->ev_abort;
+    int publish = !freeing && PyObject_RichCompareBool(event, c->ev_publish, Py_EQ) == 1;
+    int redeliver = !freeing && !publish &&
+                    PyObject_RichCompareBool(event, c->ev_redeliver, Py_EQ) == 1;
     if (publish)
         r = PyObject_Vectorcall(c->publish, call, 2, NULL);
     else if (redeliver)
@@ -718,12 +718,13 @@ handle_hand_back(Handle *h, PyObject *event)
     return code == STEP_ERROR ? NULL : PyLong_FromLong(code);
 }
 
-/* A handle collected while it still owns its slot hands the slot back first, here, where no
- * interrupt can land: a write slot or reservation is aborted, a lease is redelivered (or
- * dropped, as the table's policy for a dead reader says); views it handed out are not
- * given to the slot's next owner.  Only then does Python's `_dropped` warn. */
+/* A handle collected while it still owns its slot hands it back, from its dealloc (or its
+ * clear, for cyclic garbage), where no Python code runs: a write slot or reservation is
+ * aborted, a lease redelivered (or dropped, as the table's policy for a dead reader says),
+ * and views it handed out are not given to the slot's next owner.  Then a ResourceWarning
+ * says so, as Python does for an unclosed file.  Any error is reported, never raised. */
 static void
-handle_finalize(Handle *h)
+hand_back_dropped(Handle *h)
 {
     if (!h->core || !h->core->ready || !usable(h))
         return;
@@ -736,14 +737,14 @@ handle_finalize(Handle *h)
     PyErr_Clear();
     int lease = PyObject_TypeCheck(h, &LeaseType);
     int done = step(h, lease && c->redeliver_dropped ? c->ev_redeliver : c->ev_abort);
+    if (done == STEP_DONE &&
+        PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                         "%s of slot %S (tag %S) was garbage-collected while it still owned its "
+                         "slot; it was handed back",
+                         _PyType_Name(Py_TYPE(h)), h->slot, h->tag) < 0)
+        done = STEP_ERROR;
     if (done == STEP_ERROR)
-        PyErr_WriteUnraisable((PyObject *)h);
-    else if (done == STEP_DONE) {
-        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)h, s_dropped);
-        if (!r)
-            PyErr_WriteUnraisable((PyObject *)h);
-        Py_XDECREF(r);
-    }
+        PyErr_WriteUnraisable(NULL);
     PyErr_Restore(type, value, tb);
 }
 
@@ -1183,7 +1184,6 @@ static PyTypeObject HandleType = {
     .tp_members = handle_members,
     .tp_getset = handle_getset,
     .tp_methods = handle_methods,
-    .tp_finalize = (destructor)handle_finalize,
 };
 
 static PyMethodDef ws_methods[] = {
@@ -1274,7 +1274,7 @@ PyInit__leases(void)
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
-        {&s_dropped, "_dropped"}, {&s_idle, "_idle"},
+        {&s_idle, "_idle"},
     };
     for (size_t i = 0; i < COUNT(names); i++)
         if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))

@@ -12,7 +12,7 @@ _leases.c for the plain case; anything else, every error included, comes to
 the `_..._slow` and `_end` methods here before anything has changed.  Those
 end with `_hand_back`, one compiled call that makes the transition and closes
 the handle together.  A handle collected while it still owns its slot hands
-it back (`_dropped`, with a ResourceWarning, as Python does for a file).
+it back (compiled, with a ResourceWarning, as Python does for a file).
 """
 
 from __future__ import annotations
@@ -201,16 +201,6 @@ class _Handle(HandleBase):
         """The handle's last transition, and its end, in one compiled step."""
         if self._hand_back(event) == _STEP_REFUSED:
             raise self._table._own.not_mine(self.slot, self.generation, state)
-
-    def _dropped(self) -> None:
-        """Collected while still owning its slot, which the compiled finalizer has just
-        handed back (aborted; a lease redelivered, or dropped as a dead reader's): say so."""
-        warnings.warn(
-            f"{type(self).__name__} of slot {self.slot} (tag {self.tag}) was garbage-collected "
-            "while it still owned its slot; it was handed back",
-            ResourceWarning,
-            stacklevel=2,
-        )
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
