@@ -23,11 +23,13 @@
 
 #define MAX_FIELDS 64
 
-enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE };
+/* How a field is written from a Python number (`scalar`) and read as one (`item`); the
+ * 16-bit floats are read only. */
+enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16 };
 
 typedef struct {
     Py_ssize_t offset, nbytes;
-    int scalar;
+    int scalar, item;
     PyObject *dtype; /* borrowed from specs, which the codec keeps alive */
     PyObject *shape;
 } Spec;
@@ -47,9 +49,13 @@ typedef struct {
     /* The class's own methods, called with the tensor: a method set on the instance (a
      * tensor has a __dict__) would otherwise run Python between the checks and the copy. */
     PyObject *is_contiguous, *is_neg, *data_ptr;
+    /* torch.Tensor.untyped_storage; torch.UntypedStorage, its data_ptr and nbytes: gather's
+     * check that an out tensor's storage holds every byte written */
+    PyObject *untyped_storage, *storage_type, *storage_data_ptr, *storage_nbytes;
 } RowCodec;
 
-static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr;
+static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr,
+    *s_untyped_storage, *s_nbytes;
 
 /* -- checksum ------------------------------------------------------------------------------ */
 
@@ -125,14 +131,14 @@ row_hash(const char *p, Py_ssize_t n)
 static int
 rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
 {
-    PyObject *buffer, *specs, *tensor_type, *modes_on;
+    PyObject *buffer, *specs, *tensor_type, *modes_on, *storage_type;
     Py_ssize_t rows, row_size, nslots, header;
     if (r->specs) {
         PyErr_SetString(PyExc_RuntimeError, "RowCodec already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OnnnnO!OO", &buffer, &rows, &row_size, &nslots, &header,
-                          &PyTuple_Type, &specs, &tensor_type, &modes_on))
+    if (!PyArg_ParseTuple(args, "OnnnnO!OOO", &buffer, &rows, &row_size, &nslots, &header,
+                          &PyTuple_Type, &specs, &tensor_type, &modes_on, &storage_type))
         return -1;
     /* 12 header bytes are sealed; sizes are checked by subtraction, so nothing overflows */
     if (header < 12 || row_size < header || rows < 0 || nslots < 0 ||
@@ -140,16 +146,18 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "bad row geometry");
         return -1;
     }
-    Py_CLEAR(r->is_contiguous); /* a retry after a failed __init__ */
-    Py_CLEAR(r->is_neg);
-    Py_CLEAR(r->data_ptr);
-    if (!(r->is_contiguous = PyObject_GetAttr(tensor_type, s_is_contiguous)) ||
-        !(r->is_neg = PyObject_GetAttr(tensor_type, s_is_neg)) ||
-        !(r->data_ptr = PyObject_GetAttr(tensor_type, s_data_ptr))) {
-        Py_CLEAR(r->is_contiguous);
-        Py_CLEAR(r->is_neg);
-        return -1;
+    PyObject **methods[] = {&r->is_contiguous, &r->is_neg, &r->data_ptr, &r->untyped_storage,
+                            &r->storage_data_ptr, &r->storage_nbytes};
+    PyObject *owners[] = {tensor_type, tensor_type, tensor_type, tensor_type, storage_type,
+                          storage_type};
+    PyObject *names[] = {s_is_contiguous, s_is_neg, s_data_ptr, s_untyped_storage, s_data_ptr,
+                         s_nbytes};
+    for (size_t m = 0; m < sizeof(methods) / sizeof(*methods); m++) {
+        Py_CLEAR(*methods[m]); /* a retry after a failed __init__ */
+        if (!(*methods[m] = PyObject_GetAttr(owners[m], names[m])))
+            return -1; /* dealloc drops what was set */
     }
+    Py_XSETREF(r->storage_type, Py_NewRef(storage_type));
     Py_ssize_t n = PyTuple_GET_SIZE(specs);
     if (n > MAX_FIELDS) {
         PyErr_SetString(PyExc_ValueError, "too many fields");
@@ -161,8 +169,9 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *at = NULL;
         Spec *s = &r->spec[i];
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniOO!", &name, &s->offset,
-                              &s->nbytes, &s->scalar, &s->dtype, &PyTuple_Type, &s->shape) ||
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniiOO!", &name, &s->offset,
+                              &s->nbytes, &s->scalar, &s->item, &s->dtype, &PyTuple_Type,
+                              &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
             Py_XDECREF(at);
             Py_DECREF(index);
@@ -399,8 +408,8 @@ done:
 
 /* -- scalar read ---------------------------------------------------------------------------- */
 
-/* read(slot, name) -> int | float for a scalar int or float32 field, None for any other
- * field or name (rows.py reads those, or says why not). */
+/* read(slot, name) -> int | float for a field of one number (shape (), (1,), ...), None for
+ * any other field or name (leases.py says why not). */
 static PyObject *
 rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -415,13 +424,164 @@ rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     }
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
     const char *at = row + s->offset;
-    switch (s->scalar) {
+    switch (s->item) {
     case S_INT64: { int64_t v; memcpy(&v, at, 8); return PyLong_FromLongLong(v); }
     case S_INT32: { int32_t v; memcpy(&v, at, 4); return PyLong_FromLong(v); }
     case S_UINT8: return PyLong_FromLong(*(const uint8_t *)at);
     case S_FLOAT32: { float v; memcpy(&v, at, 4); return PyFloat_FromDouble(v); }
+    case S_FLOAT16: {
+        double v = PyFloat_Unpack2(at, 1);
+        return v == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(v);
+    }
+    case S_BFLOAT16: { /* the high half of a float32 */
+        uint16_t half;
+        memcpy(&half, at, 2);
+        uint32_t bits = (uint32_t)half << 16;
+        float v;
+        memcpy(&v, &bits, 4);
+        return PyFloat_FromDouble(v);
+    }
     default: Py_RETURN_NONE;
     }
+}
+
+/* -- gather ------------------------------------------------------------------------------- */
+
+/* method(v) as a pointer-sized integer; 0 with an error set on failure. */
+static uintptr_t
+address_of(PyObject *method, PyObject *v)
+{
+    PyObject *x = PyObject_CallOneArg(method, v);
+    if (!x)
+        return 0;
+    uintptr_t a = (uintptr_t)PyLong_AsVoidPtr(x);
+    Py_DECREF(x);
+    return a;
+}
+
+/* Is `out` a plain CPU tensor for `n` rows of field `s` — shape (n, *shape), or the field's
+ * own shape if not `batched` — whose storage holds every byte of it?  1 yes (sets *dst), 0
+ * no, -1 error. */
+static int
+plain_out(RowCodec *r, Spec *s, PyObject *out, Py_ssize_t n, int batched, char **dst)
+{
+    if (Py_TYPE(out) != (PyTypeObject *)r->tensor_type)
+        return 0;
+    PyObject *x = PyObject_GetAttr(out, s_dtype);
+    if (!x)
+        return -1;
+    int ok = x == s->dtype;
+    Py_DECREF(x);
+    if (!ok)
+        return 0;
+    if (!(x = PyObject_GetAttr(out, s_shape)))
+        return -1;
+    Py_ssize_t dims = PyTuple_GET_SIZE(s->shape);
+    ok = PyTuple_Check(x) && PyTuple_GET_SIZE(x) == dims + batched;
+    if (ok && batched)
+        ok = PyLong_AsSsize_t(PyTuple_GET_ITEM(x, 0)) == n;
+    for (Py_ssize_t d = 0; ok == 1 && d < dims; d++)
+        ok = PyObject_RichCompareBool(PyTuple_GET_ITEM(x, d + batched),
+                                      PyTuple_GET_ITEM(s->shape, d), Py_EQ);
+    Py_DECREF(x);
+    if (ok != 1)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!(x = PyObject_GetAttr(out, s_is_cpu)))
+        return -1;
+    ok = x == Py_True;
+    Py_DECREF(x);
+    if (!ok)
+        return 0;
+    if ((ok = gives(r->is_contiguous, out, Py_True)) != 1 ||
+        (ok = gives(r->is_neg, out, Py_False)) != 1)
+        return ok;
+    uintptr_t at = address_of(r->data_ptr, out);
+    if (PyErr_Occurred())
+        return -1;
+    *dst = (char *)at;
+    if (!n || !s->nbytes)
+        return 1; /* nothing to copy */
+    /* Every byte inside the storage: not freed or resized under the tensor. */
+    PyObject *storage = PyObject_CallOneArg(r->untyped_storage, out);
+    if (!storage)
+        return -1;
+    if (Py_TYPE(storage) != (PyTypeObject *)r->storage_type) {
+        Py_DECREF(storage);
+        return 0;
+    }
+    uintptr_t start = address_of(r->storage_data_ptr, storage);
+    PyObject *size = PyErr_Occurred() ? NULL : PyObject_CallOneArg(r->storage_nbytes, storage);
+    Py_DECREF(storage);
+    Py_ssize_t have = size ? PyLong_AsSsize_t(size) : -1;
+    Py_XDECREF(size);
+    if (PyErr_Occurred())
+        return -1;
+    return at && at >= start && (uintptr_t)have >= at - start &&
+           (Py_ssize_t)((uintptr_t)have - (at - start)) / n >= s->nbytes;
+}
+
+/* gather(slots, name, out) -> True | False: field `name` of each slot copied into `out`, row
+ * after row, in one loop.  `slots` is a tuple (out has shape (n, *shape)) or one slot (out
+ * has the field's shape).  False, having written nothing, for a handle field, an unknown
+ * name, an `out` that is not the plain case, or a torch-function mode: rows.py's path. */
+static PyObject *
+rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "gather(slots, name, out)");
+        return NULL;
+    }
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return NULL;
+    }
+    PyObject *slots = args[0];
+    int batched = PyTuple_Check(slots);
+    Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
+    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    if (s->scalar == HANDLE)
+        Py_RETURN_FALSE;
+    PyObject *on = PyObject_CallNoArgs(r->modes_on); /* a mode would run Python in the checks */
+    if (!on)
+        return NULL;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    char *dst;
+    int ok = modes ? 0 : plain_out(r, s, args[2], n, batched, &dst);
+    if (ok != 1)
+        return ok < 0 ? NULL : Py_NewRef(Py_False);
+    /* Every slot checked, as the offset of its field, before the first copy. */
+    Py_ssize_t local[64], *src = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    if (!src)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t slot = PyLong_AsSsize_t(batched ? PyTuple_GET_ITEM(slots, k) : slots);
+        if ((slot == -1 && PyErr_Occurred()) || slot < 0 || slot >= r->nslots) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "slot out of range");
+            if (src != local)
+                PyMem_Free(src);
+            return NULL;
+        }
+        src[k] = r->rows + slot * r->row_size + s->offset;
+    }
+    char *base = r->base;
+    size_t nbytes = (size_t)s->nbytes;
+    if (n * s->nbytes >= (1 << 20)) { /* big copies let other threads run, as write does */
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k++)
+            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++) /* memmove: out may be a view of a row */
+            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
+    }
+    if (src != local)
+        PyMem_Free(src);
+    Py_RETURN_TRUE;
 }
 
 /* -- checksum and seal ---------------------------------------------------------------------- */
@@ -485,12 +645,17 @@ rc_dealloc(RowCodec *r)
     Py_XDECREF(r->is_contiguous);
     Py_XDECREF(r->is_neg);
     Py_XDECREF(r->data_ptr);
+    Py_XDECREF(r->untyped_storage);
+    Py_XDECREF(r->storage_type);
+    Py_XDECREF(r->storage_data_ptr);
+    Py_XDECREF(r->storage_nbytes);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
+    FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row payload's 32-bit checksum"),
     FAST("seal", rc_seal, "seal(slot, generation): write the row header"),
@@ -528,7 +693,9 @@ PyInit__rowcodec(void)
         !(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
         !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
         !(s_is_neg = PyUnicode_InternFromString("is_neg")) ||
-        !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+        !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
+        !(s_untyped_storage = PyUnicode_InternFromString("untyped_storage")) ||
+        !(s_nbytes = PyUnicode_InternFromString("nbytes")))
         return NULL;
     if (PyType_Ready(&RowCodecType) < 0)
         return NULL;

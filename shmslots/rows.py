@@ -100,7 +100,7 @@ class Rows:
         # Compiled plain-case writes and the checksum; None on a read-only mapping.
         self._codec = (
             RowCodec(mm, lay.rows, lay.row_size, lay.slots, ROW_HEADER_SIZE, _codec_specs(schema),
-                     torch.Tensor, torch._C._is_torch_function_mode_enabled)
+                     torch.Tensor, torch._C._is_torch_function_mode_enabled, torch.UntypedStorage)
             if atomics is not None
             else None
         )  # fmt: skip
@@ -234,20 +234,25 @@ class Rows:
 
 _CODEC_SCALARS = {"int64": 1, "int32": 2, "uint8": 3, "float32": 4}  # enum scalar in the C file
 _CODEC_HANDLE = 5
+_CODEC_ITEMS = {**_CODEC_SCALARS, "float16": 6, "bfloat16": 7}  # read as a number only
 
 
 def _codec_specs(
     schema: RowSchema,
-) -> tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...]:
-    """(name, offset, nbytes, scalar kind, dtype, shape) per field, for RowCodec."""
+) -> tuple[tuple[str, int, int, int, int, torch.dtype, tuple[int, ...]], ...]:
+    """(name, offset, nbytes, write kind, read kind, dtype, shape) per field, for RowCodec.
+
+    Only shape () is written from a Python number; any field of one element reads as one.
+    """
     specs = []
     for name, fs in schema.slots.items():
         f = fs.field
         if f.is_handle:
-            kind = _CODEC_HANDLE
+            kind = item = _CODEC_HANDLE
         else:
             kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
-        specs.append((name, fs.offset, f.nbytes, kind, f.torch_dtype, f.fixed_shape))
+            item = _CODEC_ITEMS.get(f.dtype, 0) if math.prod(f.fixed_shape) == 1 else 0
+        specs.append((name, fs.offset, f.nbytes, kind, item, f.torch_dtype, f.fixed_shape))
     return tuple(specs)
 
 
@@ -273,6 +278,25 @@ def _storage_holds(value: torch.Tensor) -> bool:
     span = 1 + sum((n - 1) * st for n, st in zip(value.shape, strides, strict=True))
     end = (_Tensor.storage_offset(value) + span) * _Tensor.element_size(value)
     return end <= _Tensor.untyped_storage(value).nbytes()
+
+
+def check_out(what: str, f: Field, out: object, shape: tuple[int, ...]) -> None:
+    """Why `out` cannot take `shape` of the field's values (SchemaError), if it cannot.
+
+    These are the checks RowCodec.gather makes before it copies a byte, in words.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise SchemaError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != f.torch_dtype:
+        raise SchemaError(f"{what}: out is {out.dtype}, field {f.name!r} is {f.dtype}")
+    if tuple(out.shape) != shape:
+        raise SchemaError(f"{what}: out has shape {tuple(out.shape)}, needs {shape}")
+    if out.device.type != "cpu":
+        raise SchemaError(f"{what}: out must be a CPU tensor, got one on {out.device}")
+    if not _Tensor.is_contiguous(out) or _Tensor.is_neg(out):
+        raise SchemaError(f"{what}: out must be contiguous (and not a lazily negated view)")
+    if not _storage_holds(out):
+        raise SchemaError(f"{what}: out's storage no longer holds its elements (freed or resized)")
 
 
 def _check_handle_tensor(f: Field, value: torch.Tensor) -> None:
