@@ -405,7 +405,7 @@ typedef struct {
     Py_ssize_t nfields;
     /* HotPath methods */
     PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved;
-    PyObject *write, *seal, *read;           /* RowCodec methods */
+    PyObject *write, *seal, *read, *gather;  /* RowCodec methods */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
     /* states.py's numbers, as ints: events CLAIM, RESERVE, RELEASE, ABORT, REDELIVER,
@@ -424,8 +424,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
                          "idle_every_ns", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
                                       "open_reserved"};
-    static const char *codec_names[] = {"write", "seal", "read"};
-    enum { NHOT = 6, NMETHODS = 9 };
+    static const char *codec_names[] = {"write", "seal", "read", "gather"};
+    enum { NHOT = 6, NMETHODS = 10 };
     PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
         *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
@@ -461,7 +461,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     }
     c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
     c->redeliver = methods[4], c->open_reserved = methods[5];
-    c->write = methods[6], c->seal = methods[7], c->read = methods[8];
+    c->write = methods[6], c->seal = methods[7], c->read = methods[8], c->gather = methods[9];
     c->views = Py_NewRef(views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
@@ -486,7 +486,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
     {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
-     &(c)->open_reserved, &(c)->write, &(c)->seal, &(c)->read, &(c)->views,                   \
+     &(c)->open_reserved, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather, &(c)->views,     \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
      (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
      &(c)->ev_abort, &(c)->ev_redeliver, &(c)->ev_publish, &(c)->st_writing,                  \
@@ -528,6 +528,7 @@ typedef struct {
     PyObject *table;
     PyObject *slot, *generation, *tag, *deliveries; /* ints */
     char open;
+    char listed; /* set while a batch call checks its list: a handle listed twice is refused */
     PyObject *viewed, *written; /* sets of field names, made on first use */
     PyObject *watched;          /* Lease: the slot's WatchedTensors */
     PyObject *pins, *opened;    /* WriteSlot: pinned handles; Lease: opened handles */
@@ -1117,6 +1118,199 @@ core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return leases;
 }
 
+/* -- batch calls: one compiled call for many handles -------------------------------------- */
+
+/* The handles of `seq` as a tuple (new reference): every one of `type`, of this table, open,
+ * and (if `once`) listed once.  NULL with *bad set to the index of the first that is not (no
+ * error set: Python words it, nothing having changed), or NULL with an error set. */
+static PyObject *
+listed_handles(Core *c, PyObject *seq, PyTypeObject *type, int once, Py_ssize_t *bad)
+{
+    *bad = -1;
+    if (!open_core(c))
+        return NULL;
+    PyObject *items = PySequence_Tuple(seq); /* ours: Python run later cannot change it */
+    if (!items)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items), i;
+    for (i = 0; i < n; i++) {
+        Handle *h = (Handle *)PyTuple_GET_ITEM(items, i);
+        if (!PyObject_TypeCheck((PyObject *)h, type) || h->core != c || !usable(h) ||
+            (once && h->listed))
+            break;
+        h->listed = (char)once;
+    }
+    for (Py_ssize_t j = 0; j < i; j++)
+        ((Handle *)PyTuple_GET_ITEM(items, j))->listed = 0;
+    if (i < n) {
+        *bad = i;
+        Py_CLEAR(items);
+    }
+    return items;
+}
+
+/* A batch failed at item `done` (the ones before it are done): say how far it got, as the
+ * error's `batch_done`, for Python to word. */
+static PyObject *
+failed_at(Py_ssize_t done)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *n = PyLong_FromSsize_t(done);
+    if (!n || !value || PyObject_SetAttrString(value, "batch_done", n) < 0)
+        PyErr_Clear(); /* the error itself still goes up */
+    Py_XDECREF(n);
+    PyErr_Restore(type, value, tb);
+    return NULL;
+}
+
+/* The result of a batch refused before it started: the bad index, or the error. */
+static PyObject *
+refused(Py_ssize_t bad)
+{
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(bad);
+}
+
+/* end_all(leases, release: bool) -> None | index: release (or abort) every lease, each as
+ * lease.release() would (its checks and errors included).  An index: that item is not an
+ * open Lease of this table listed once, and nothing changed.  An error from item k leaves
+ * items before it handed back and the rest held, and carries batch_done = k. */
+static PyObject *
+core_end_all(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "end_all(leases, release)");
+        return NULL;
+    }
+    int release = PyObject_IsTrue(args[1]);
+    if (release < 0)
+        return NULL;
+    Py_ssize_t bad;
+    PyObject *items = listed_handles(c, args[0], c->lease, 1, &bad);
+    if (!items)
+        return refused(bad);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        PyObject *r = lease_end((Handle *)PyTuple_GET_ITEM(items, i), release);
+        if (!r) {
+            Py_DECREF(items);
+            return failed_at(i);
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(items);
+    Py_RETURN_NONE;
+}
+
+/* publish_all(write_slots, timeout) -> None | index: publish each, as ws.publish(timeout)
+ * would.  An index: that item is not an open WriteSlot of this table listed once with every
+ * field written, and nothing changed.  An error from item k: as end_all. */
+static PyObject *
+core_publish_all(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "publish_all(write_slots, timeout)");
+        return NULL;
+    }
+    Py_ssize_t bad;
+    PyObject *items = listed_handles(c, args[0], c->write_slot, 1, &bad);
+    if (!items)
+        return refused(bad);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < n; i++) { /* unwritten fields are bad input: refuse up front */
+        Handle *h = (Handle *)PyTuple_GET_ITEM(items, i);
+        if ((h->written ? PySet_GET_SIZE(h->written) : 0) != c->nfields) {
+            Py_DECREF(items);
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = ws_publish((Handle *)PyTuple_GET_ITEM(items, i), args + 1, 1, NULL);
+        if (!r) {
+            Py_DECREF(items);
+            return failed_at(i);
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(items);
+    Py_RETURN_NONE;
+}
+
+/* Hand back every handle of `list` through `event` (a batch that could not be returned),
+ * keeping the error that got us here. */
+static void
+hand_back_all(PyObject *list, PyObject *event)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (Py_ssize_t j = 0; list && j < PyList_GET_SIZE(list); j++)
+        if (step((Handle *)PyList_GET_ITEM(list, j), event) == STEP_ERROR)
+            PyErr_WriteUnraisable(PyList_GET_ITEM(list, j));
+    PyErr_Restore(type, value, tb);
+}
+
+/* claim_n(table, n, tag) -> [WriteSlot, ...]: up to n FREE slots claimed now, in one call.
+ * The tag must already be checked.  If the list cannot be grown, every slot claimed is
+ * aborted before the error is raised. */
+static PyObject *
+core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "claim_n(table, n, tag)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if ((n == -1 && PyErr_Occurred()) || !open_core(c))
+        return NULL;
+    PyObject *slots = PyList_New(0), *call[3] = {args[0], c->ev_claim, args[2]};
+    for (Py_ssize_t k = 0; slots && k < n; k++) {
+        PyObject *ws = core_acquire(c, call, 3);
+        if (ws == Py_None) {
+            Py_DECREF(ws);
+            break;
+        }
+        if (!ws || PyList_Append(slots, ws) < 0) {
+            if (ws && step((Handle *)ws, c->ev_abort) == STEP_ERROR)
+                PyErr_WriteUnraisable(ws);
+            Py_XDECREF(ws);
+            hand_back_all(slots, c->ev_abort);
+            Py_CLEAR(slots);
+        } else {
+            Py_DECREF(ws);
+        }
+    }
+    return slots;
+}
+
+/* gather(leases, name, out) -> True | False | index: one field of every lease copied into
+ * `out` by RowCodec.gather in one loop.  An index: that item is not an open Lease of this
+ * table; False: the field or `out` is not the plain case; either way nothing was written. */
+static PyObject *
+core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "gather(leases, name, out)");
+        return NULL;
+    }
+    Py_ssize_t bad;
+    PyObject *items = listed_handles(c, args[0], c->lease, 0, &bad);
+    if (!items)
+        return refused(bad);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *slots = PyTuple_New(n);
+    if (!slots) {
+        Py_DECREF(items);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(slots, i, Py_NewRef(((Handle *)PyTuple_GET_ITEM(items, i))->slot));
+    PyObject *call[3] = {slots, args[1], args[2]};
+    PyObject *r = PyObject_Vectorcall(c->gather, call, 3, NULL);
+    Py_DECREF(slots);
+    Py_DECREF(items);
+    return r;
+}
+
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef core_methods[] = {
     FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
@@ -1124,6 +1318,10 @@ static PyMethodDef core_methods[] = {
     FAST("open_reserved", core_open_reserved, "open_reserved(table, slot, gen) -> WriteSlot | None"),
     FAST("take", core_take, "take(table) -> Lease | None"),
     FAST("poll", core_poll, "poll(table, max_n) -> [Lease, ...]"),
+    FAST("claim_n", core_claim_n, "claim_n(table, n, tag) -> [WriteSlot, ...]"),
+    FAST("end_all", core_end_all, "end_all(leases, release) -> None | index refused"),
+    FAST("publish_all", core_publish_all, "publish_all(write_slots, timeout) -> None | index"),
+    FAST("gather", core_gather, "gather(leases, name, out) -> True | False | index refused"),
     {NULL, NULL, 0, NULL},
 };
 

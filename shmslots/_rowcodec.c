@@ -23,7 +23,9 @@
 
 #define MAX_FIELDS 64
 
-enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE };
+/* How a field is written from a Python number (`scalar`) and read as one (`item`); the
+ * 16-bit floats are read only. */
+enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16 };
 
 /* -- the rules ------------------------------------------------------------------------------
  *
@@ -445,7 +447,7 @@ static PyTypeObject RulesType = {
 
 typedef struct {
     Py_ssize_t offset, nbytes, itemsize;
-    int scalar;
+    int scalar, item;
     PyObject *dtype; /* borrowed from specs, which the codec keeps alive */
     PyObject *shape;
 } Spec;
@@ -567,8 +569,9 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *at = NULL;
         Spec *s = &r->spec[i];
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniOO!", &name, &s->offset,
-                              &s->nbytes, &s->scalar, &s->dtype, &PyTuple_Type, &s->shape) ||
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniiOO!", &name, &s->offset,
+                              &s->nbytes, &s->scalar, &s->item, &s->dtype, &PyTuple_Type,
+                              &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
             Py_XDECREF(at);
             Py_DECREF(index);
@@ -774,8 +777,8 @@ done:
 
 /* -- scalar read ---------------------------------------------------------------------------- */
 
-/* read(slot, name) -> int | float for a scalar int or float32 field, None for any other
- * field or name (rows.py reads those, or says why not). */
+/* read(slot, name) -> int | float for a field of one number (shape (), (1,), ...), None for
+ * any other field or name (leases.py says why not). */
 static PyObject *
 rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -790,13 +793,127 @@ rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     }
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
     const char *at = row + s->offset;
-    switch (s->scalar) {
+    switch (s->item) {
     case S_INT64: { int64_t v; memcpy(&v, at, 8); return PyLong_FromLongLong(v); }
     case S_INT32: { int32_t v; memcpy(&v, at, 4); return PyLong_FromLong(v); }
     case S_UINT8: return PyLong_FromLong(*(const uint8_t *)at);
     case S_FLOAT32: { float v; memcpy(&v, at, 4); return PyFloat_FromDouble(v); }
+    case S_FLOAT16: {
+        double v = PyFloat_Unpack2(at, 1);
+        return v == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(v);
+    }
+    case S_BFLOAT16: { /* the high half of a float32 */
+        uint16_t half;
+        memcpy(&half, at, 2);
+        uint32_t bits = (uint32_t)half << 16;
+        float v;
+        memcpy(&v, &bits, 4);
+        return PyFloat_FromDouble(v);
+    }
     default: Py_RETURN_NONE;
     }
+}
+
+/* -- gather ------------------------------------------------------------------------------- */
+
+/* Is `out` a plain tensor for `n` rows of field `s` — shape (n, *shape), or the field's own
+ * shape if not `batched` — by the rules every copy into or out of a row follows (exact
+ * torch.Tensor, the field's dtype, CPU, contiguous, not negated, a storage that holds every
+ * byte)?  1 yes (sets *dst), 0 no, -1 error. */
+static int
+plain_out(RowCodec *r, Spec *s, PyObject *out, Py_ssize_t n, int batched, char **dst)
+{
+    PyObject *shape = s->shape;
+    if (batched) {
+        PyObject *first = PyLong_FromSsize_t(n), *head = first ? PyTuple_Pack(1, first) : NULL;
+        Py_XDECREF(first);
+        shape = head ? PySequence_Concat(head, s->shape) : NULL;
+        Py_XDECREF(head);
+        if (!shape)
+            return -1;
+    }
+    const void *at = NULL;
+    Py_ssize_t nbytes = 0;
+    int code = check(r->rules, out, s->dtype, s->itemsize, shape, &at, &nbytes);
+    if (batched)
+        Py_DECREF(shape);
+    if (code == T_ERROR)
+        return -1;
+    *dst = (char *)at;
+    return code == T_PLAIN;
+}
+
+/* gather(slots, name, out) -> True | False: field `name` of each slot copied into `out`, row
+ * after row, in one loop.  `slots` is a tuple (out has shape (n, *shape)) or one slot (out
+ * has the field's shape).  False, having written nothing, for a handle field, an unknown
+ * name, an `out` that is not the plain case, or a torch-function mode: rows.py's path. */
+static PyObject *
+rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "gather(slots, name, out)");
+        return NULL;
+    }
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return NULL;
+    }
+    PyObject *slots = args[0];
+    int batched = PyTuple_Check(slots);
+    Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
+    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    if (s->scalar == HANDLE)
+        Py_RETURN_FALSE;
+    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on); /* a mode would run Python */
+    if (!on)
+        return NULL;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    char *dst;
+    int ok = modes ? 0 : plain_out(r, s, args[2], n, batched, &dst);
+    if (ok != 1)
+        return ok < 0 ? NULL : Py_NewRef(Py_False);
+    /* Every slot checked, as the offset of its field, before the first copy. */
+    Py_ssize_t local[64], *src = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    if (!src)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t slot = PyLong_AsSsize_t(batched ? PyTuple_GET_ITEM(slots, k) : slots);
+        if ((slot == -1 && PyErr_Occurred()) || slot < 0 || slot >= r->nslots) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "slot out of range");
+            if (src != local)
+                PyMem_Free(src);
+            return NULL;
+        }
+        src[k] = r->rows + slot * r->row_size + s->offset;
+    }
+    char *base = r->base;
+    size_t nbytes = (size_t)s->nbytes;
+    if (n * s->nbytes >= (1 << 20)) {
+        /* Big copies let other threads run; an export of our own keeps the mapping mapped
+         * meanwhile, as in write. */
+        Py_buffer keep;
+        if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+            if (src != local)
+                PyMem_Free(src);
+            return NULL;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k++)
+            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&keep);
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++) /* memmove: out may be a view of a row */
+            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
+    }
+    if (src != local)
+        PyMem_Free(src);
+    Py_RETURN_TRUE;
 }
 
 /* -- checksum and seal ---------------------------------------------------------------------- */
@@ -862,6 +979,7 @@ rc_dealloc(RowCodec *r)
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
+    FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row payload's 32-bit checksum"),
     FAST("seal", rc_seal, "seal(slot, generation): write the row header"),

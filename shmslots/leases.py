@@ -17,6 +17,7 @@ it back (compiled, with a ResourceWarning, as Python does for a file).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
@@ -34,7 +35,7 @@ from .errors import (
     SlotsExhausted,
     StaleLeaseError,
 )
-from .rows import contiguous_strides
+from .rows import check_out, contiguous_strides
 from .states import Event, State
 
 if TYPE_CHECKING:
@@ -299,13 +300,7 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _publish_slow(self, timeout: float) -> None:
         """publish() with fields unwritten, views alive, or a full ready ring; every error."""
         self._check_open("publish")
-        fields = self._table._rows.schema.slots
-        if len(self._written) != len(fields):  # written names were all checked to be fields
-            missing = fields.keys() - self._written
-            raise SchemaError(
-                f"slot {self.slot}: fields {sorted(missing)} were never written; "
-                "publishing would hand out the previous occupant's bytes"
-            )
+        self._check_written()
         if self._viewed:
             self._check_views("publish")
         table = self._table
@@ -317,6 +312,16 @@ class WriteSlot(_Handle, WriteSlotCore):
             time.sleep(0.0005)
         if result == _STEP_REFUSED:
             raise table._own.not_mine(self.slot, self.generation, _WRITING)
+
+    def _check_written(self) -> None:
+        """Refuse to publish a row with fields never written."""
+        fields = self._table._rows.schema.slots
+        if len(self._written) != len(fields):  # written names were all checked to be fields
+            missing = fields.keys() - self._written
+            raise SchemaError(
+                f"slot {self.slot}: fields {sorted(missing)} were never written; "
+                "publishing would hand out the previous occupant's bytes"
+            )
 
     def _abort_slow(self, check_views: bool = True) -> None:
         """abort() with views handed out, and every error of it."""
@@ -395,9 +400,11 @@ class Lease(_Handle, LeaseCore):
     """A READY slot taken by this process; views are valid until release or abort.
 
     `view(name)` is a zero-copy tensor over an inline field, valid only while
-    the lease is held; `item(name)` reads a scalar field as a Python number
-    (no tensor, nothing to outlive the lease).  `release()` ends the lease after consumption and
-    `abort()` without it (request aborted); either way the slot is FREE at once.
+    the lease is held; `item(name)` reads a field of one element (shape (),
+    (1,), ...) as a Python number (no tensor, nothing to outlive the lease);
+    `copy(name, out=)` copies a field out, into the caller's buffer if given.
+    `release()` ends the lease after consumption and `abort()` without it
+    (request aborted); either way the slot is FREE at once.
     """
 
     __slots__ = ()
@@ -416,11 +423,12 @@ class Lease(_Handle, LeaseCore):
         if fs is None:
             raise SchemaError(f"no field {name!r}")
         f = fs.field
-        if f.is_handle or f.shape != ():
+        if f.is_handle or math.prod(f.fixed_shape) != 1:
             raise SchemaError(
-                f"item() reads scalar inline fields; {name!r} is {f.kind} of shape {f.shape}"
+                f"item() reads inline fields of one element; {name!r} is {f.kind} of shape "
+                f"{f.shape}"
             )
-        value: int | float = self._views().tensors[name].item()  # float16, bfloat16
+        value: int | float = self._views().tensors[name].item()  # the compiled read did not
         return value
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -444,15 +452,38 @@ class Lease(_Handle, LeaseCore):
         raw = table._rows.field_bytes(self.slot, name)
         return table._handles.open(raw, self.slot, self.generation, name)
 
-    def copy(self, name: str) -> torch.Tensor:
-        """An owned copy of the field that outlives the lease."""
+    def copy(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """An owned copy of the field that outlives the lease, returned.
+
+        With `out` (a CPU tensor of the field's dtype and shape, e.g. a row of
+        the caller's batch buffer) the bytes go there and nothing is allocated;
+        an inline field is copied by one memcpy, without a torch operation.
+        """
         self._check_open("copy")
         fs = self._table._rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")
-        if fs.field.is_handle:
-            return self._open_handle(name).clone()
-        return self._views().tensors[name].clone()
+        f = fs.field
+        if f.is_handle:
+            tensor = self._open_handle(name)
+            if out is None:
+                return tensor.clone()
+            if not isinstance(out, torch.Tensor) or (out.dtype, out.shape) != (
+                tensor.dtype,
+                tensor.shape,
+            ):
+                raise SchemaError(
+                    f"copy: out must be a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+                )
+            return out.copy_(tensor)  # any device: torch moves it
+        if out is None:
+            out = torch.empty(f.fixed_shape, dtype=f.torch_dtype, device="cpu")
+        codec = self._table._rows._codec
+        assert codec is not None  # a table's rows are writable
+        if not codec.gather(self.slot, name, out):
+            check_out("copy", f, out, f.fixed_shape)
+            out.copy_(self._views().tensors[name])  # a torch-function mode, or a subclass
+        return out
 
     def verify(self) -> bool:
         """True if the row is still exactly what was published under this generation."""

@@ -216,20 +216,25 @@ class Rows:
 
 _CODEC_SCALARS = {"int64": 1, "int32": 2, "uint8": 3, "float32": 4}  # enum scalar in the C file
 _CODEC_HANDLE = 5
+_CODEC_ITEMS = {**_CODEC_SCALARS, "float16": 6, "bfloat16": 7}  # read as a number only
 
 
 def _codec_specs(
     schema: RowSchema,
-) -> tuple[tuple[str, int, int, int, torch.dtype, tuple[int, ...]], ...]:
-    """(name, offset, nbytes, scalar kind, dtype, shape) per field, for RowCodec."""
+) -> tuple[tuple[str, int, int, int, int, torch.dtype, tuple[int, ...]], ...]:
+    """(name, offset, nbytes, write kind, read kind, dtype, shape) per field, for RowCodec.
+
+    Only shape () is written from a Python number; any field of one element reads as one.
+    """
     specs = []
     for name, fs in schema.slots.items():
         f = fs.field
         if f.is_handle:
-            kind = _CODEC_HANDLE
+            kind = item = _CODEC_HANDLE
         else:
             kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
-        specs.append((name, fs.offset, f.nbytes, kind, f.torch_dtype, f.fixed_shape))
+            item = _CODEC_ITEMS.get(f.dtype, 0) if math.prod(f.fixed_shape) == 1 else 0
+        specs.append((name, fs.offset, f.nbytes, kind, item, f.torch_dtype, f.fixed_shape))
     return tuple(specs)
 
 
@@ -305,6 +310,33 @@ def _refusal(f: Field, value: Any, code: int) -> str:
     if f.is_handle and code & _STRIDED:
         return f"field {name!r}: handle tensors must be contiguous"
     return f"field {name!r}: torch made no plain copy of the tensor (a dispatch mode?)"
+
+
+def check_out(what: str, f: Field, out: object, shape: tuple[int, ...]) -> None:
+    """Why `out` cannot take `shape` of the field's values (SchemaError), if it cannot.
+
+    The rules are RULES', which every copy into or out of a row follows (RowCodec.gather
+    asks them before it copies a byte); this only words their answer for an out tensor.
+    """
+    code = RULES.check(out, f.torch_dtype, shape)
+    if code == PLAIN:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise SchemaError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
+    with torch._C.DisableTorchFunction():  # the tensor's own dtype, shape, device
+        if code == _DTYPE:
+            why = f"out is {out.dtype}, field {f.name!r} is {f.dtype}"
+        elif code == _SHAPE:
+            why = f"out has shape {tuple(out.shape)}, needs {shape}"
+        elif code in (_NO_STORAGE, _SHORT_STORAGE):
+            why = "out's storage no longer holds its elements (freed or resized)"
+        elif code == _DEVICE or (code > 0 and code & _ON_GPU):
+            why = f"out must be a CPU tensor, got one on {out.device}"
+        elif code == _TOO_BIG:
+            why = f"out of shape {shape} has too many bytes"
+        else:
+            why = "out must be a plain, contiguous torch.Tensor (not lazily negated, no subclass)"
+    raise SchemaError(f"{what}: {why}")
 
 
 def _is_scalar_for(dtype: str, value: object) -> bool:

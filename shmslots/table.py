@@ -10,9 +10,12 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, NoReturn
+
+import torch
 
 from . import layout as L
 from ._atomic import AtomicView
@@ -22,6 +25,8 @@ from .errors import (
     CorruptTable,
     InvalidArgument,
     OwnershipError,
+    SchemaError,
+    ShmSlotsError,
     SlotsExhausted,
     TableClosed,
 )
@@ -30,7 +35,7 @@ from .leases import Lease, Reservation, WriteSlot, handle_core
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
 from .participants import Participant, Registry
 from .recovery import reap
-from .rows import Rows
+from .rows import Rows, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
@@ -109,6 +114,11 @@ class SlotTable:
             self.participant = index
             self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
+            self._inline = {  # what gather allocates: (dtype, shape) of each inline field
+                n: (fs.field.torch_dtype, fs.field.fixed_shape)
+                for n, fs in schema.slots.items()
+                if not fs.field.is_handle
+            }
             # the compiled handle steps
             self._core = handle_core(
                 self._own,
@@ -333,6 +343,128 @@ class SlotTable:
         if self._strict:
             self._verify_all(leases)
         return leases
+
+    def release_all(self, leases: Iterable[Lease]) -> None:
+        """Release every lease in one compiled call, each as `lease.release()` would."""
+        self._end_all(leases, True, "release")
+
+    def abort_all(self, leases: Iterable[Lease]) -> None:
+        """Abort every lease in one compiled call, each as `lease.abort()` would."""
+        self._end_all(leases, False, "abort")
+
+    def _end_all(self, leases: Iterable[Lease], release: bool, action: str) -> None:
+        """The list is checked whole first: an item that is not an open Lease of this table,
+        or one listed twice, is refused with nothing done.  An error part-way (a view check)
+        leaves the items before it handed back; see `_batch`."""
+        self._check_open()
+        items = leases if isinstance(leases, (list, tuple)) else list(leases)
+        bad = self._batch(lambda: self._core.end_all(items, release), action)
+        if bad is not None:
+            self._refuse_item(items, bad, Lease, action)
+
+    def claim_n(self, n: int, tag: int = 0) -> list[WriteSlot]:
+        """Up to `n` FREE slots to write, claimed in one compiled call; fewer (even none)
+        if fewer are free now: it never waits, as `poll` does not (`claim` waits)."""
+        self._check_open()
+        if type(n) is not int or n < 0:
+            raise InvalidArgument(f"n must be an int >= 0, got {n!r}")
+        _check_tag(tag)
+        if self._rows.schema.has_handles:
+            self._handles.collect_own()  # as claim: drop tensors whose consumers are done
+        return self._core.claim_n(self, n, tag)
+
+    def publish_all(self, write_slots: Iterable[WriteSlot], timeout: float = 1.0) -> None:
+        """Publish every write slot in one compiled call, each as `publish(timeout)` would.
+
+        Checked whole first: an item that is not an open WriteSlot of this table with
+        every field written, or one listed twice, is refused with nothing published.
+        """
+        self._check_open()
+        items = write_slots if isinstance(write_slots, (list, tuple)) else list(write_slots)
+        bad = self._batch(lambda: self._core.publish_all(items, timeout), "publish")
+        if bad is not None:
+            self._refuse_item(items, bad, WriteSlot, "publish")
+
+    @staticmethod
+    def _batch(run: Callable[[], int | None], action: str) -> int | None:
+        """Run a batch call; an error from item k (its own, as the one-handle call raises
+        it) says that items before k are done and k onwards still owned by their handles."""
+        try:
+            return run()
+        except BaseException as exc:
+            done = getattr(exc, "batch_done", None)
+            if isinstance(done, int):
+                exc.add_note(
+                    f"{action}_all stopped at item {done}: items 0..{done - 1} were "
+                    f"{action}{'d' if action.endswith('e') else 'ed'}, items {done} on are "
+                    "still owned by their handles"
+                )
+            raise
+
+    def _refuse_item(
+        self, items: Sequence[object], i: int, kind: type[Lease] | type[WriteSlot], action: str
+    ) -> NoReturn:
+        """Say why item i of a batch was refused (nothing was done)."""
+        item = items[i]
+        where = f"{action}_all: item {i}"
+        if not isinstance(item, kind) or item._table is not self:
+            raise InvalidArgument(
+                f"{where} is {item!r}, not a {kind.__name__} of table {self.name!r}; "
+                "nothing was done"
+            )
+        first = next(j for j, x in enumerate(items) if x is item)
+        if first != i:
+            raise InvalidArgument(f"{where} is item {first} again; nothing was done")
+        try:
+            item._check_open(action)
+            if isinstance(item, WriteSlot):
+                item._check_written()
+        except ShmSlotsError as exc:
+            exc.add_note(f"{where} was refused; nothing was done")
+            raise
+        raise InvalidArgument(f"{where} was refused; nothing was done")  # not reached
+
+    def gather(
+        self, leases: Iterable[Lease], field: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One inline field of every lease, row after row, as one tensor (n, *shape).
+
+        One compiled loop of copies, no view and no torch operation per row: the
+        way a batch is built.  `out` (a contiguous CPU tensor of that dtype and
+        shape) is filled instead of a new tensor.  Every lease must be open and
+        of this table; if anything is wrong, nothing is written.
+        """
+        items = leases if isinstance(leases, (list, tuple)) else list(leases)
+        if out is None:
+            spec = self._inline.get(field)
+            if spec is None:
+                raise self._not_inline(field)
+            out = torch.empty((len(items), *spec[1]), dtype=spec[0], device="cpu")
+        got = self._core.gather(items, field, out)
+        if got is not True:
+            self._gather_refused(items, field, out, got)
+        return out
+
+    def _not_inline(self, field: object) -> SchemaError:
+        fs = self.schema.slots.get(field) if isinstance(field, str) else None
+        kind = "a handle field: open each with lease.tensor()" if fs else "not a field"
+        return SchemaError(f"gather reads inline fields; {field!r} is {kind}")
+
+    def _gather_refused(
+        self, items: Sequence[Lease], field: str, out: object, got: bool | int
+    ) -> None:
+        """Why the compiled gather wrote nothing, in words; or, for the cases it leaves to
+        Python (a torch-function mode, a tensor subclass), the gather done with torch."""
+        self._check_open()
+        if type(got) is int:
+            self._refuse_item(items, got, Lease, "gather")
+        fs = self.schema.slots.get(field) if isinstance(field, str) else None
+        if fs is None or fs.field.is_handle:
+            raise self._not_inline(field)
+        check_out("gather", fs.field, out, (len(items), *fs.field.fixed_shape))
+        assert isinstance(out, torch.Tensor)
+        for i, lease in enumerate(items):
+            out[i].copy_(lease._views().tensors[field])
 
     def _verify_all(self, leases: list[Lease]) -> None:
         """Verify every lease of a strict poll; on any failure none stays owned here."""

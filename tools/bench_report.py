@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_common import KINDS, Spread, percentile, spread
-from bench_session import BY_NAME, SHM_BLOCK, SHM_BUSY, Session
+from bench_session import BY_NAME, SHM_BATCH, SHM_BLOCK, SHM_BUSY, Session
 
 BARE, QUEUE = "bare ring", "mp.Queue"
 IDLE_CPU_MAX = 1.0  # % of a core: "no measurable CPU", with getrusage's resolution in mind
@@ -182,6 +182,14 @@ def target_rows(r: dict[str, Any], figs: list[Figures]) -> list[Row]:
     rows.append(
         faster_row("one-way throughput, small", f(SHM_BLOCK, "small"), f(QUEUE, "small"), 8, "rate")
     )
+    for kind in ("small", "eagle"):
+        measure = f"one-way throughput, {kind}, batches of 64"
+        rows.append(faster_row(measure, f(SHM_BATCH, kind), f(QUEUE, kind), 8, "rate"))
+        rows.append(
+            floor_row(measure + ", vs floor", f(SHM_BATCH, kind), f(BARE, kind), 1.25, "rate")
+        )
+    if "gather" in r:
+        rows += gather_rows(r["gather"])
     one = r["one_process"]["claim_abort_ns"]
     rows.append(limit_row("claim+release, 1 process", one, "ns", "<= 1,000 ns", one.median <= 1000))
     two = r["contention"]["2 processes"]
@@ -205,6 +213,32 @@ def target_rows(r: dict[str, Any], figs: list[Figures]) -> list[Row]:
         )
     )  # fmt: skip
     return [row for row in rows if row is not None]
+
+
+def gather_rows(g: dict[str, Spread]) -> list[Row]:
+    """table.gather of 64 EAGLE hidden states against torch.cat of the same private bytes
+    (the target) and torch.stack of per-request clones (SGLang's way; reported)."""
+    mine = with_spread(g["gather_us"], "us")
+    cat = g["gather_us"].median / g["cat_us"].median
+    stack = g["stack_clones_us"].median / g["gather_us"].median
+    return [
+        Row(
+            "gather, 64 EAGLE hidden states",
+            f"gather: {mine}",
+            f"torch.cat: {with_spread(g['cat_us'], 'us')}",
+            f"gather / cat (time) = {cat:.2f}x",
+            "<= 1.5x",
+            met(cat <= 1.5),
+        ),
+        Row(
+            "gather, vs stack of clones",
+            f"gather: {mine}; into out=: {with_spread(g['gather_out_us'], 'us')}",
+            f"stack of clones: {with_spread(g['stack_clones_us'], 'us')}",
+            f"stack / gather (time) = {stack:.2f}x",
+            "-",
+            "-",
+        ),
+    ]
 
 
 def peer_rows(figs: list[Figures]) -> list[Row]:

@@ -35,7 +35,16 @@ from bench_common import (
     spread,
     unique_name,
 )
-from bench_session import BY_NAME, SHM_BLOCK, SHM_BUSY, TRANSPORTS, Plan, Session, run_session
+from bench_session import (
+    BY_NAME,
+    SHM_BATCH,
+    SHM_BLOCK,
+    SHM_BUSY,
+    TRANSPORTS,
+    Plan,
+    Session,
+    run_session,
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,13 @@ def measure_one_process(cfg: Config, pins: tuple[int, int] | None) -> dict[str, 
     """claim+abort and the full local cycle, in this process pinned to A's CPU."""
     with pinned(pins[0] if pins else None):
         runs = bench_shm.bench_one_process(cfg.one_process_ops, cfg.repeats)
+    return {name: spread(values) for name, values in runs.items()}
+
+
+def measure_gather(cfg: Config, pins: tuple[int, int] | None) -> dict[str, Spread]:
+    """µs per batch: gather of 64 EAGLE hidden states against cat and stack of clones."""
+    with pinned(pins[0] if pins else None):
+        runs = bench_shm.bench_gather(cfg.one_process_ops // 20, cfg.repeats)
     return {name: spread(values) for name, values in runs.items()}
 
 
@@ -232,6 +248,11 @@ def notes() -> list[str]:
         "(take(timeout)) for throughput; both modes appear in the tables.",
         "torch.mp Queue puts each tensor in fresh shared memory (one copy) and passes fds.",
         "Claim+release = claim() then abort() of the WriteSlot (the slot is FREE again).",
+        f"{SHM_BATCH}: claim_n + write each + publish_all out; poll + gather of the id + "
+        "release_all in; the round trip flushes a batch of one.",
+        "Gather: 64 EAGLE rows' hidden bf16[4096] (512 KiB) into one tensor, one process; "
+        "torch.cat reads the same bytes from 64 private (1, 4096) tensors; stack of clones "
+        "is lease.copy per request, then torch.stack (SGLang's way).",
         f"iceoryx2 {version('iceoryx2')}, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}.",
     ]
@@ -249,6 +270,9 @@ def run_all(cfg: Config, pins: tuple[int, int] | None) -> tuple[dict[str, Any], 
     started = time.perf_counter()
     r["one_process"] = measure_one_process(cfg, pins)
     step("one process", started)
+    started = time.perf_counter()
+    r["gather"] = measure_gather(cfg, pins)
+    step("gather", started)
     started = time.perf_counter()
     r["contention"] = measure_contention(cfg, pins)
     step("contention", started)

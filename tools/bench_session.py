@@ -47,6 +47,7 @@ from bench_common import (
 
 ROWS = (SMALL, EAGLE)
 SHM_BUSY, SHM_BLOCK = "shmslots busy", "shmslots blocking"
+SHM_BATCH = f"shmslots batch {bench_shm.BATCH}"  # claim_n/publish_all, poll/gather/release_all
 SESSION_S = 600.0  # the longest any session may take before it counts as hung
 
 
@@ -64,6 +65,7 @@ class Transport:
 TRANSPORTS = (
     Transport(SHM_BUSY, bench_shm.table_pair, bench_shm.open_busy, KINDS, True),
     Transport(SHM_BLOCK, bench_shm.table_pair, bench_shm.open_blocking, KINDS, False),
+    Transport(SHM_BATCH, bench_shm.table_pair, bench_shm.open_batch, ROWS, False),
     Transport("bare ring", bench_peers.bare_segment, bench_peers.open_bare, KINDS, True),
     Transport("iceoryx2 busy", bench_iceoryx.service_pair, bench_iceoryx.open_busy, ROWS, True),
     Transport(

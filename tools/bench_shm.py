@@ -10,7 +10,7 @@ Not run on its own; see tools/bench.py.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
@@ -42,6 +42,7 @@ from shmslots import Field, Lease, SlotTable
 
 ARENA_PAGE = 16384
 BLOCK_S = 1.0  # one blocking take(); repeated until STALL_S
+BATCH = 64  # rows per batch call
 
 SMALL_FIELDS = (Field("id", "int64"), Field("ints", "int64", (5,)), Field("vec", "float32", (64,)))
 EAGLE_FIELDS = (
@@ -201,6 +202,86 @@ def open_busy(names: tuple[str, str], kind: Kind, role: str) -> End:
 
 def open_blocking(names: tuple[str, str], kind: Kind, role: str) -> End:
     return ShmEnd(names, kind, role, BLOCK_S)
+
+
+class BatchEnd(ShmEnd):
+    """Rows moved BATCH at a time, each step one batch call: claim_n and publish_all out,
+    poll, gather of the id and release_all in.  Sends wait in a list until it is full, a
+    control message is sent, or this side is about to wait (so a round trip still answers)."""
+
+    def __init__(self, names: tuple[str, str], kind: Kind, role: str) -> None:
+        super().__init__(names, kind, role, BLOCK_S)
+        self._pending: list[int] = []
+        self._got: list[int] = []
+
+    def send(self, rid: int) -> None:
+        self._pending.append(rid)
+        if len(self._pending) == BATCH or rid < 0:  # a control message goes out at once
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        out = self._out
+        slots = out.claim_n(len(pending), tag=1)
+        while len(slots) < len(pending):  # the reader has not freed enough yet
+            slots.append(out.claim(tag=1, timeout=STALL_S))
+        for ws, rid in zip(slots, pending, strict=True):
+            ws.write(**{self._out_id: rid}, **self._values)
+        out.publish_all(slots)
+
+    def recv(self) -> int:
+        if not self._got:
+            self._flush()
+            leases = self._in.poll(BATCH) or [self._take()]
+            self._got = self._in.gather(leases, self._in_id).tolist()[::-1]
+            self._in.release_all(leases)
+        return self._got.pop()
+
+    def echo(self) -> int:
+        rid = self.recv()
+        self.send(rid)
+        return rid
+
+
+def open_batch(names: tuple[str, str], kind: Kind, role: str) -> End:
+    return BatchEnd(names, kind, role)
+
+
+def time_gather(table: SlotTable, leases: list[Lease], ops: int) -> dict[str, float]:
+    """µs per batch of the hidden states of `leases`: table.gather, torch.cat of the same
+    bytes from private memory, and torch.stack of per-request clones (SGLang's way)."""
+    private = [lease.copy("hidden").unsqueeze(0) for lease in leases]
+    out = torch.empty((len(leases), *private[0].shape[1:]), dtype=private[0].dtype)
+
+    def per_op(run: Callable[[], object]) -> float:
+        run()
+        start = time.perf_counter_ns()
+        for _ in range(ops):
+            run()
+        return (time.perf_counter_ns() - start) / ops / 1e3
+
+    return {
+        "gather_us": per_op(lambda: table.gather(leases, "hidden")),
+        "gather_out_us": per_op(lambda: table.gather(leases, "hidden", out)),
+        "cat_us": per_op(lambda: torch.cat(private)),
+        "stack_clones_us": per_op(lambda: torch.stack([lease.copy("hidden") for lease in leases])),
+    }
+
+
+def bench_gather(ops: int, repeats: int) -> dict[str, list[float]]:
+    """time_gather over BATCH EAGLE rows, repeated."""
+    with created_table(unique_name("gather"), EAGLE) as table:
+        values = record_values(EAGLE)
+        for i in range(BATCH):
+            table.claim(tag=1).write(**{id_field(EAGLE): i}, **values).publish()
+        leases = table.poll(BATCH)
+        try:
+            runs = [time_gather(table, leases, ops) for _ in range(repeats)]
+        finally:
+            table.release_all(leases)
+    return {name: [run[name] for run in runs] for name in runs[0]}
 
 
 # -- one process ------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Transferred requests are popped from the table (`pop_transferred`), wait in a
 queue for a random number of scheduler iterations, and are then consumed by
-`process_prebuilt`, which stacks their top-k and hidden state into batch
-tensors and verifies every row against its tag.  Some requests are aborted
-while they wait.
+`process_prebuilt`, which gathers their top-k and hidden state into batch
+tensors (`table.gather`, straight from the rows of held leases) and
+verifies every row against its tag.  Some requests are aborted while they
+wait.
 
 The consumption policy decides when the slot goes back:
 
@@ -144,7 +145,8 @@ class DecodeScheduler:
         self.report.handled_now()
 
     def process_prebuilt(self, batch: list[Request]) -> None:
-        """Stack the batch's draft state, verify every row, then release each slot."""
+        """Gather the batch's draft state, verify every row, then release the slots in one
+        call."""
         topk_p, topk_index, hidden = self._stack(batch)
         now = time.monotonic_ns()
         shape = self.config.shape
@@ -159,17 +161,17 @@ class DecodeScheduler:
             self.report.consumed.append(request.tag)
             self.report.latencies_us.append((now - request.commit_ns) / 1e3)
             request.draft = None
-            if request.lease is not None:
-                request.lease.release()
+        self.table.release_all([r.lease for r in batch if r.lease is not None])
         self.report.handled_now()
 
-    @staticmethod
-    def _stack(batch: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batch tensors; the row views used to build them die with this frame."""
-        parts = [
-            r.draft if r.draft is not None else {n: r.lease.view(n) for n in _DRAFT}  # type: ignore[union-attr]
-            for r in batch
-        ]
+    def _stack(self, batch: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch tensors: held leases are gathered straight from their rows (one compiled
+        copy loop per field, no view); copied drafts are stacked."""
+        leases = [r.lease for r in batch if r.lease is not None]
+        if len(leases) == len(batch):
+            topk_p, topk_index, hidden = (self.table.gather(leases, n) for n in _DRAFT)
+            return topk_p, topk_index, hidden
+        parts = [r.draft for r in batch if r.draft is not None]
         return (
             torch.stack([p["topk_p"] for p in parts]),
             torch.stack([p["topk_index"] for p in parts]),

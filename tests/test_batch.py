@@ -1,0 +1,271 @@
+"""Batch calls (claim_n, publish_all, release_all, abort_all, gather) and cheaper single rows.
+
+Each batch is one compiled call; a list with a bad item is refused whole, and an error
+part-way leaves what was done done (and says so) and the rest owned by its handles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SMALL, Children, small_row
+
+from shmslots import (
+    Field,
+    InvalidArgument,
+    LeakedViewError,
+    Lease,
+    SchemaError,
+    SlotTable,
+    StaleLeaseError,
+    WriteSlot,
+)
+
+SCALARS = (
+    Field("i64", "int64", (1,)),
+    Field("f16", "float16", (1,)),
+    Field("bf16", "bfloat16", (1, 1)),
+    Field("f32", "float32"),
+    Field("pair", "float32", (2,)),
+)
+
+
+def _publish(t: SlotTable, n: int, start: int = 0) -> None:
+    slots = t.claim_n(n, tag=7)
+    assert len(slots) == n
+    for i, ws in enumerate(slots):
+        ws.write(**small_row(start + i))
+    t.publish_all(slots)
+
+
+def _states(t: SlotTable) -> dict[str, int]:
+    return {k: v for k, v in t.stats().states.items() if v}
+
+
+def test_a_batch_round_trip_in_batch_calls(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=8) as t:
+        _publish(t, 6)
+        assert _states(t) == {"READY": 6, "FREE": 2}
+        leases = t.poll(8)
+        assert t.gather(leases, "id").tolist() == list(range(6))
+        h = t.gather(leases, "h")
+        assert h.shape == (6, 2, 8) and h.dtype == torch.bfloat16
+        assert torch.equal(h, torch.stack([x.copy("h") for x in leases]))
+        t.release_all(leases[:3])
+        t.abort_all(tuple(leases[3:]))
+        assert all(not x._open for x in leases)
+        assert _states(t) == {"FREE": 8} and t.stats().queued == 0
+
+
+def test_claim_n_takes_what_is_free_and_never_waits(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=4) as t:
+        assert t.claim_n(0) == []
+        first = t.claim_n(3, tag=1)
+        rest = t.claim_n(3, tag=2)
+        assert [type(x) for x in first + rest] == [WriteSlot] * 4
+        assert [x.tag for x in rest] == [2] and t.claim_n(1) == []
+        for bad in (-1, 1.0, True):
+            with pytest.raises(InvalidArgument, match="n must be"):
+                t.claim_n(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="tag"):
+            t.claim_n(1, tag=-1)
+        for ws in first + rest:
+            ws.abort()
+        assert _states(t) == {"FREE": 4}
+
+
+def test_a_list_with_a_bad_item_is_refused_whole(name: str) -> None:
+    with (
+        SlotTable.create(name, SMALL, slots=8) as t,
+        SlotTable.create(name + "-other", SMALL, slots=2) as other,
+    ):
+        _publish(t, 4)
+        leases = t.poll(4)
+        gone = leases.pop()
+        gone.release()
+        _publish(other, 1)
+        foreign = other.poll(1)[0]
+        cases: list[tuple[list[object], type[Exception], str]] = [
+            ([*leases, "x"], InvalidArgument, r"item 3 is 'x', not a Lease"),
+            ([*leases, foreign], InvalidArgument, "not a Lease of table"),
+            ([leases[0], *leases], InvalidArgument, "item 1 is item 0 again"),
+            ([*leases, gone], StaleLeaseError, "already handed back"),
+        ]
+        for items, error, match in cases:
+            for call in (t.release_all, t.abort_all):
+                with pytest.raises(error, match=match) as info:
+                    call(items)  # type: ignore[arg-type]
+                assert all(x._open for x in leases)
+                assert _states(t) == {"HELD": 3, "FREE": 5}
+            if error is StaleLeaseError:
+                assert "nothing was done" in info.value.__notes__[0]
+        for items, error, match in cases[:1]:
+            with pytest.raises(error, match=match):
+                t.gather(items, "id")  # type: ignore[arg-type]
+        with pytest.raises(StaleLeaseError, match="cannot gather"):
+            t.gather([*leases, gone], "id")
+        t.release_all(leases)
+        foreign.release()
+
+
+def test_publish_all_refuses_unwritten_rows_with_nothing_published(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=4) as t:
+        slots = t.claim_n(3)
+        for ws in slots[:2]:
+            ws.write(**small_row(1))
+        slots[2].write(id=1)
+        with pytest.raises(SchemaError, match=r"never written") as info:
+            t.publish_all(slots)
+        assert info.value.__notes__ == ["publish_all: item 2 was refused; nothing was done"]
+        assert _states(t) == {"WRITING": 3, "FREE": 1}
+        with pytest.raises(InvalidArgument, match="item 1 is 'x'"):
+            t.publish_all([slots[0], "x"])  # type: ignore[list-item]
+        slots[2].write(**small_row(2))
+        t.publish_all(iter(slots))  # any iterable
+        assert _states(t) == {"READY": 3, "FREE": 1}
+        t.abort_all(t.poll(3))
+
+
+def test_an_error_part_way_leaves_done_items_done_and_says_so(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=8, strict=True) as t:
+        _publish(t, 5)
+        leases = t.poll(5)
+        kept = leases[2].view("p")  # strict: releasing while it lives is refused
+        with pytest.raises(LeakedViewError) as info:
+            t.release_all(leases)
+        assert info.value.batch_done == 2  # type: ignore[attr-defined]
+        assert "items 0..1 were released, items 2 on are still owned" in info.value.__notes__[0]
+        assert [x._open for x in leases] == [False, False, True, True, True]
+        assert _states(t) == {"HELD": 3, "FREE": 5}
+        del kept
+        t.release_all(leases[2:])
+        assert _states(t) == {"FREE": 8}
+
+        slots = t.claim_n(3)
+        for i, ws in enumerate(slots):
+            ws.write(**small_row(i))
+        held = slots[1].view("p")
+        with pytest.raises(LeakedViewError) as info:
+            t.publish_all(slots)
+        assert info.value.batch_done == 1  # type: ignore[attr-defined]
+        assert "items 0..0 were published" in info.value.__notes__[0]
+        assert _states(t) == {"READY": 1, "WRITING": 2, "FREE": 5}
+        del held
+        t.publish_all(slots[1:])
+        leases = t.poll(3)
+        assert t.gather(leases, "id").tolist() == [0, 1, 2]
+        t.abort_all(leases)
+
+
+def test_gather_checks_field_and_out_and_writes_nothing_when_wrong(name: str) -> None:
+    fields = (*SMALL, Field("blob", "float32", (None,), kind="handle"))
+    with SlotTable.create(name, fields, slots=4, arena_bytes=1 << 16) as t:
+        for i, ws in enumerate(t.claim_n(3)):
+            ws.write(**small_row(i), blob=torch.zeros(3))
+            ws.publish()
+        leases = t.poll(3)
+        resized = torch.zeros(3, 4)
+        resized.untyped_storage().resize_(8)
+        bad_outs: list[tuple[object, str]] = [
+            (torch.zeros(3, 4, dtype=torch.float64), "out is torch.float64"),
+            (torch.zeros(2, 4), r"needs \(3, 4\)"),
+            (torch.zeros(4, 3).t(), "contiguous"),
+            (resized, "storage no longer holds"),
+            ([0.0] * 12, "must be a torch.Tensor"),
+        ]
+        for out, match in bad_outs:
+            before = out.clone() if isinstance(out, torch.Tensor) and out is not resized else None
+            with pytest.raises(SchemaError, match=match):
+                t.gather(leases, "p", out)  # type: ignore[arg-type]
+            if before is not None:
+                assert isinstance(out, torch.Tensor) and torch.equal(out, before)
+        for field, match in (("blob", "handle field"), ("nope", "not a field")):
+            with pytest.raises(SchemaError, match=match):
+                t.gather(leases, field)
+            with pytest.raises(SchemaError, match=match):
+                t.gather(leases, field, torch.zeros(3, 4))
+        batch = torch.full((5, 4), -1.0)
+        assert t.gather(leases, "p", batch[1:4]).data_ptr() == batch[1].data_ptr()
+        assert batch[:, 0].tolist() == [-1.0, 0.0, 1.0, 2.0, -1.0]
+        assert t.gather([], "p").shape == (0, 4)
+        t.release_all(leases)
+
+
+class _Passthrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def test_gather_and_copy_under_a_torch_function_mode_go_through_torch(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=4) as t:
+        _publish(t, 3)
+        leases = t.poll(3)
+        plain = t.gather(leases, "h")
+        with _Passthrough():
+            moded = t.gather(leases, "h")
+            one = leases[1].copy("p", out=torch.zeros(4))
+        assert torch.equal(plain, moded) and one.tolist() == [1.0] * 4
+        del plain, moded
+        t.release_all(leases)
+
+
+def test_copy_into_a_callers_buffer_and_item_of_one_element_fields(name: str) -> None:
+    with SlotTable.create(name, SCALARS, slots=2) as t:
+        ws = t.claim()
+        ws.write(
+            i64=torch.tensor([-(2**40)]),
+            f16=torch.tensor([0.1], dtype=torch.float16),
+            bf16=torch.tensor([[-3.25]], dtype=torch.bfloat16),
+            f32=0.5,
+            pair=torch.tensor([1.0, 2.0]),
+        )
+        ws.publish()
+        lease = t.take()
+        assert lease is not None
+        for field in ("i64", "f16", "bf16", "f32"):
+            got = lease.item(field)
+            assert type(got) is type(lease.copy(field).item()) and got == lease.copy(field).item()
+        with pytest.raises(SchemaError, match="one element"):
+            lease.item("pair")
+        rows = torch.zeros(3, 2)
+        assert lease.copy("pair", out=rows[1]).data_ptr() == rows[1].data_ptr()
+        assert rows.tolist() == [[0.0, 0.0], [1.0, 2.0], [0.0, 0.0]]
+        with pytest.raises(SchemaError, match="needs"):
+            lease.copy("pair", out=torch.zeros(3))
+        with pytest.raises(SchemaError, match="float16"):
+            lease.copy("f16", out=torch.zeros(1))
+        lease.release()
+        with pytest.raises(StaleLeaseError):
+            lease.copy("pair", out=rows[0])
+        assert rows[0].tolist() == [0.0, 0.0]
+
+
+def _batch_producer(name: str, batches: int, n: int) -> None:
+    with SlotTable.attach(name, "producer") as t:
+        for b in range(batches):
+            slots: list[WriteSlot] = []
+            while len(slots) < n:  # bounded by the consumer, which frees slots
+                slots += t.claim_n(n - len(slots), tag=b)
+            for i, ws in enumerate(slots):
+                ws.write(**small_row(b * n + i))
+            t.publish_all(slots, timeout=10.0)
+
+
+@pytest.mark.timeout(120)
+def test_batches_between_spawned_processes(name: str, children: Children) -> None:
+    batches, n = 20, 16
+    with SlotTable.create(name, SMALL, slots=2 * n) as t:
+        children.start(_batch_producer, name, batches, n)
+        seen: list[int] = []
+        while len(seen) < batches * n:
+            leases: list[Lease] = t.poll(n)
+            if not leases:  # the first wait covers the child's start (importing torch)
+                first = t.take(timeout=10.0 if seen else 60.0)
+                assert first is not None, "the producer stopped early"
+                leases = [first]
+            seen += t.gather(leases, "id").tolist()
+            assert torch.equal(t.gather(leases, "p")[:, 0], t.gather(leases, "id").float())
+            t.release_all(leases)
+        children.join_all(10.0)
+        assert seen == list(range(batches * n))
+        assert _states(t) == {"FREE": 2 * n}
