@@ -136,7 +136,7 @@ assert len(COUNTERS) * CACHE_LINE <= COUNTERS_SIZE
 
 # HISTOGRAMS: fixed buckets, upper bounds in ns (a 1-3-10 series, 1 µs .. 100 s, then +Inf).
 # Counts are per bucket (not cumulative), so an observation is one atomic add.
-HIST_BOUNDS_NS = tuple(m * 10**e for e in range(3, 11) for m in (1, 3)) + (10**11,)
+HIST_BOUNDS_NS: tuple[int, ...] = (*(m * 10**e for e in range(3, 11) for m in (1, 3)), 10**11)
 HIST_BUCKETS = len(HIST_BOUNDS_NS) + 1
 HIST_SIZE = 3 * CACHE_LINE  # one histogram: its buckets, on lines of its own
 HISTOGRAMS = ("held", "ready_wait")  # take -> release/abort; publish -> take
