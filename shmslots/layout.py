@@ -26,7 +26,7 @@
           ├──────────────────────────────────────────────────────────────┤
           │ READY RING    ring_capacity x u64 cells (position, slot)      │
           ├──────────────────────────────────────────────────────────────┤
-          │ SITES         participants x trace_sites x 128 B: the call    │
+          │ SITES         participants x trace_sites x 192 B: the call    │
           │               sites each participant's owners were made at   │
           │               (only on a table made with trace=True)         │
           ├──────────────────────────────────────────────────────────────┤ page aligned
@@ -172,14 +172,14 @@ SLOT_SITE_NS = 56  # u64 CLOCK_MONOTONIC ns of the recording
 NO_SITE = 0xFFFF_FFFF
 
 # SITES entry: one interned call site, written once, before any slot names it.
-SITE_ENTRY = 128
+SITE_ENTRY = 192
 SITE_LINE = 0  # u32
 SITE_FILE_LEN = 4  # u16
 SITE_FUNC_LEN = 6  # u16
-SITE_FUNC = 8  # 32 bytes, utf-8
-SITE_FILE = 40  # 88 bytes, utf-8: the path's tail when it is longer
-SITE_FUNC_MAX = 32
-SITE_FILE_MAX = 88
+SITE_FUNC = 8  # 64 bytes, utf-8
+SITE_FILE = 72  # 120 bytes, utf-8: the path's tail when it is longer
+SITE_FUNC_MAX = 64
+SITE_FILE_MAX = 120
 DEFAULT_TRACE_SITES = 32
 MAX_TRACE_SITES = 4096
 NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
