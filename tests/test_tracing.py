@@ -59,10 +59,12 @@ def holder(name: str, ready: Event, times: Queue[float], stop: Event) -> None:
         del writing, lease  # handed back by close()
 
 
-def _expect_sites(doc: dict[str, Any], claimed: float, taken: float, alive: bool) -> None:
+def _expect_sites(
+    doc: dict[str, Any], read_from: float, claimed: float, taken: float, alive: bool
+) -> None:
+    """`doc` is inspect's, read after `read_from`; the holder claimed and took at these times."""
     slots = {s["state"]: s for s in doc["slots"]}
     assert set(slots) == {"WRITING", "HELD"}
-    now = time.monotonic()
     for state, function, marker, since in (
         ("WRITING", "hold_writing", "site: claim", claimed),
         ("HELD", "hold_lease", "site: take", taken),
@@ -70,8 +72,8 @@ def _expect_sites(doc: dict[str, Any], claimed: float, taken: float, alive: bool
         s = slots[state]
         assert s["site"] == {"file": HERE, "line": _line_of(marker), "function": function}
         assert s["owner_role"] == "holder" and s["owner_alive"] is alive
-        # the age was read after `now` and before this line: it lies between the two
-        assert now - since - 0.05 <= s["age_s"] <= time.monotonic() - since + 0.05
+        # the age was read after `read_from` and before this line: it lies between the two
+        assert read_from - since - 0.05 <= s["age_s"] <= time.monotonic() - since + 0.05
     assert slots["WRITING"]["age_s"] - slots["HELD"]["age_s"] >= GAP_S - 0.05
     groups = {g["site"]["function"]: g for g in doc["by_site"]}
     assert set(groups) == {"hold_writing", "hold_lease"}
@@ -92,9 +94,10 @@ def test_inspect_attributes_slots_to_their_call_sites_alive_and_dead(
         assert ready.wait(WAIT_S), "holder did not get ready"
         claimed, taken = times.get(timeout=WAIT_S), times.get(timeout=WAIT_S)
 
+        read_from = time.monotonic()
         r = cli("inspect", name, "--json")
         assert r.returncode == 0, r.stderr
-        _expect_sites(json.loads(r.stdout), claimed, taken, alive=True)
+        _expect_sites(json.loads(r.stdout), read_from, claimed, taken, alive=True)
         grouped = cli("inspect", name, "--by-site")
         assert grouped.returncode == 0, grouped.stderr
         for function, marker in (("hold_writing", "site: claim"), ("hold_lease", "site: take")):
@@ -106,9 +109,10 @@ def test_inspect_attributes_slots_to_their_call_sites_alive_and_dead(
 
         os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
         proc.join(WAIT_S)
+        read_from = time.monotonic()
         dead = cli("inspect", name, "--json")
         assert dead.returncode == 1, dead.stderr  # a dead participant owns slots
-        _expect_sites(json.loads(dead.stdout), claimed, taken, alive=False)
+        _expect_sites(json.loads(dead.stdout), read_from, claimed, taken, alive=False)
         assert "(dead)" in cli("inspect", name, "--by-site").stdout
         table.reap()
 
