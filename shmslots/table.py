@@ -40,6 +40,10 @@ from .waiting import wait_for
 
 _CLAIM = int(Event.CLAIM)
 _RESERVE = int(Event.RESERVE)
+_WRITING = int(State.WRITING)
+_RESERVED = int(State.RESERVED)
+_HELD = int(State.HELD)
+_REDELIVER = int(Event.REDELIVER)
 _M64 = (1 << 64) - 1
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
@@ -264,7 +268,7 @@ class SlotTable:
             assert isinstance(got, WriteSlot)
             ws = got
         if self._sites is not None:
-            self._trace([ws], State.WRITING)
+            self._trace([ws], _WRITING)
         return ws
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
@@ -272,7 +276,7 @@ class SlotTable:
         got = self._acquire(_RESERVE, tag, timeout, "reserve")
         assert isinstance(got, Reservation)
         if self._sites is not None:
-            self._trace([got], State.RESERVED)
+            self._trace([got], _RESERVED)
         return got
 
     def open_reserved(self, slot: int, generation: int) -> WriteSlot:
@@ -288,7 +292,7 @@ class SlotTable:
                 f"(it is {describe_word(self._own.word(slot))})"
             )
         if self._sites is not None:
-            self._trace([ws], State.WRITING)
+            self._trace([ws], _WRITING)
         return ws
 
     def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
@@ -346,7 +350,7 @@ class SlotTable:
                 self._idle_check,
             )
         if lease is not None and self._sites is not None:
-            self._trace([lease], State.HELD)
+            self._trace([lease], _HELD)
         return lease
 
     def poll(self, max_n: int) -> list[Lease]:
@@ -362,7 +366,7 @@ class SlotTable:
         elif self._strict:
             self._verify_all(leases)
         if leases and self._sites is not None:
-            self._trace(leases, State.HELD)
+            self._trace(leases, _HELD)
         return leases
 
     def _verify_all(self, leases: list[Lease]) -> None:
@@ -380,18 +384,18 @@ class SlotTable:
             raise
 
     def _trace(
-        self, handles: list[WriteSlot] | list[Reservation] | list[Lease], state: State
+        self, handles: list[WriteSlot] | list[Reservation] | list[Lease], state: int
     ) -> None:
         """Record the caller as these new owners' call site.  Diagnostic data only: if an
         interrupt lands here, the handles are handed back (leases queued again) before it
         goes on, so it never leaves a slot owned without a handle."""
         assert self._sites is not None
         try:
-            self._sites.record(((h.slot, h.generation) for h in handles), state)
+            self._sites.record([(h.slot, h.generation) for h in handles], state)
         except BaseException:
             for h in handles:
                 if isinstance(h, Lease):
-                    h._hand_back(int(Event.REDELIVER))
+                    h._hand_back(_REDELIVER)
                 else:
                     h.abort()
             raise

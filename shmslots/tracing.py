@@ -26,12 +26,14 @@ from types import CodeType
 
 from . import layout as L
 from ._atomic import AtomicView
-from .states import GEN_MASK, State
+from .states import GEN_MASK
 
 TRACE_ENV = "SHMSLOTS_TRACE"
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SITE_HEAD = struct.Struct("<IHH")  # line, file length, function length
 _RECORD = struct.Struct("<QQQ")  # state word, site index, recorded at (monotonic ns)
+_SITE_NS = struct.Struct("<QQ")  # the record's last two words
+assert L.SLOT_SITE == L.SLOT_SITE_WORD + 8 and L.SLOT_SITE_NS == L.SLOT_SITE + 8
 
 
 def trace_from_env() -> bool:
@@ -67,14 +69,6 @@ def _clip(text: str, size: int, keep_tail: bool) -> bytes:
     return cut.decode("utf-8", "ignore").encode("utf-8")
 
 
-def _caller() -> tuple[CodeType, int]:
-    """The code and line of the first frame outside this package."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back
-    return frame.f_code, frame.f_lineno
-
-
 class SiteWriter:
     """One participant's call sites: interned here, written once each into its site table."""
 
@@ -84,36 +78,42 @@ class SiteWriter:
         self._layout = lay
         self._participant = participant
         self._owner = participant + 1
-        self._interned: dict[tuple[CodeType, int], int] = {}
+        self._records = lay.slot_states + L.SLOT_SITE  # slot 0's; one SLOT_ENTRY apart
+        # (file, line) -> site index: str hashes are cached, a code object's are not
+        self._interned: dict[tuple[str, int], int] = {}
 
-    def _site(self) -> int:
-        key = _caller()
-        index = self._interned.get(key)
-        if index is None:
-            index = len(self._interned)
-            if index >= self._layout.trace_sites:
-                return L.NO_SITE
-            code, line = key
-            base = self._layout.site_entry(self._participant, index)
-            file = _clip(code.co_filename, L.SITE_FILE_MAX, keep_tail=True)
-            func = _clip(code.co_qualname, L.SITE_FUNC_MAX, keep_tail=False)
-            _SITE_HEAD.pack_into(self._mv, base, line, len(file), len(func))
-            self._mv[base + L.SITE_FUNC : base + L.SITE_FUNC + len(func)] = func
-            self._mv[base + L.SITE_FILE : base + L.SITE_FILE + len(file)] = file
-            self._interned[key] = index  # only once written: an interrupt above rewrites it
+    def _intern(self, code: CodeType, line: int) -> int:
+        """A new site's index, its entry written first (NO_SITE once the table is full)."""
+        index = len(self._interned)
+        if index >= self._layout.trace_sites:
+            return L.NO_SITE
+        base = self._layout.site_entry(self._participant, index)
+        file = _clip(code.co_filename, L.SITE_FILE_MAX, keep_tail=True)
+        func = _clip(code.co_qualname, L.SITE_FUNC_MAX, keep_tail=False)
+        _SITE_HEAD.pack_into(self._mv, base, line, len(file), len(func))
+        self._mv[base + L.SITE_FUNC : base + L.SITE_FUNC + len(func)] = func
+        self._mv[base + L.SITE_FILE : base + L.SITE_FILE + len(file)] = file
+        self._interned[code.co_filename, line] = index  # last: an interrupt above rewrites it
         return index
 
-    def record(self, handles: Iterable[tuple[int, int]], state: State) -> None:
-        """Record the caller as the site of these (slot, generation) owners in `state`."""
-        site = self._site()
+    def record(self, handles: Iterable[tuple[int, int]], state: int) -> None:
+        """Record the first frame outside shmslots as the call site of these
+        (slot, generation) owners, now in `state` (an int: IntEnum's int() is slow)."""
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.startswith(_PACKAGE) and frame.f_back is not None:
+            frame = frame.f_back
+        code, line = frame.f_code, frame.f_lineno
+        site = self._interned.get((code.co_filename, line))
+        if site is None:
+            site = self._intern(code, line)
         now = time.monotonic_ns()
+        owner = self._owner << 16 | state
         for slot, generation in handles:
-            entry = self._layout.slot_entry(slot)
-            word = (generation & GEN_MASK) << 32 | self._owner << 16 | int(state)
-            self._a.store(entry + L.SLOT_SITE_WORD, 0)  # a reader never pairs old and new
-            self._a.store(entry + L.SLOT_SITE, site)
-            self._a.store(entry + L.SLOT_SITE_NS, now)
-            self._a.store(entry + L.SLOT_SITE_WORD, word)
+            at = self._records + slot * L.SLOT_ENTRY
+            # The old record's word names an ownership that has ended, so no reader pairs
+            # it with the current word; the new word goes in last.
+            _SITE_NS.pack_into(self._mv, at, site, now)
+            self._a.store(at - 8, (generation & GEN_MASK) << 32 | owner)
 
 
 def read_site(

@@ -29,7 +29,7 @@ def main() -> int:
     runs: dict[tuple[str, bool], list[float]] = {}
     tables = {
         traced: SlotTable.create(
-            unique_name("trace"), fields_for(SMALL), slots=SMALL.in_flight, trace=traced
+            unique_name(f"trace-{traced}"), fields_for(SMALL), slots=SMALL.in_flight, trace=traced
         )
         for traced in (False, True)
     }
