@@ -10,8 +10,10 @@
  *   open_reserved  RESERVED(anyone) -> WRITING(me)
  *   publish        WRITING -> READY, then queue it ("ready first": no reader ever
  *                  waits on a publisher's progress; see requeue_stranded)
- *   take           READY -> HELD of the oldest queued slot; counts the delivery
- *   free           owned -> RECLAIMING -> FREE (release, abort)
+ *   take           READY -> HELD of the oldest queued slot; counts the delivery and
+ *                  how long the row waited READY
+ *   free           owned -> RECLAIMING -> FREE (release, abort); a HELD slot's hold time
+ *                  goes into its histogram
  *   redeliver      HELD -> READY, queued again
  *   cancel         READY -> RECLAIMING -> FREE for every slot of a tag
  *   reclaim_owner  every slot of one owner: a closing table's own, or a dead one's
@@ -59,6 +61,7 @@
 #define NO_POS UINT64_MAX
 #define REG_ACTIVE 1
 #define REG_FREE 0
+#define HIST_MAX_BOUNDS 31
 
 /* The numbering of states.py, checked by ownership.py against STATES and EVENTS. */
 enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_COUNT };
@@ -94,6 +97,11 @@ typedef struct {
     Py_ssize_t release_seq, claimers_waiting, claimers_until;
     Py_ssize_t registry, reg_entry, reg_capacity, reg_state;
     Py_ssize_t counter[C_COUNT];
+    /* histograms: bucket i counts observations <= bounds[i] (and > bounds[i-1]); the
+     * bucket after the last bound counts the rest */
+    Py_ssize_t hist_held, hist_ready;
+    uint64_t bounds[HIST_MAX_BOUNDS];
+    int nbounds;
     uint64_t tail_mask;
     /* protocol */
     uint64_t me;
@@ -161,6 +169,16 @@ wake(HotPath *h, Py_ssize_t seq, Py_ssize_t waiting, Py_ssize_t until, uint64_t 
 static inline void wake_readers(HotPath *h, uint64_t now) { wake(h, h->publish_seq, h->readers_waiting, h->readers_until, now); }
 static inline void wake_claimers(HotPath *h, uint64_t now) { wake(h, h->release_seq, h->claimers_waiting, h->claimers_until, now); }
 static inline void count(HotPath *h, int which) { __atomic_fetch_add(w64(h, h->counter[which]), 1, __ATOMIC_SEQ_CST); }
+/* One observation: one atomic add on its bucket. */
+static inline void
+observe(HotPath *h, Py_ssize_t hist, uint64_t since, uint64_t now)
+{
+    uint64_t ns = now > since ? now - since : 0;
+    int i = 0;
+    while (i < h->nbounds && ns > h->bounds[i])
+        i++;
+    __atomic_fetch_add(w64(h, hist + 8 * i), 1, __ATOMIC_RELAXED);
+}
 static inline void set_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_or(w64(h, h->bitmap + 8 * (slot >> 6)), UINT64_C(1) << (slot & 63), __ATOMIC_SEQ_CST); }
 static inline void clear_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_and(w64(h, h->bitmap + 8 * (slot >> 6)), ~(UINT64_C(1) << (slot & 63)), __ATOMIC_SEQ_CST); }
 
@@ -340,10 +358,14 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
         return 0;
     if (!cas(h, entry, word, closing))
         return 0;
+    /* Read while RECLAIMING(me): once FREE, a claimer may stamp the slot first. */
+    uint64_t taken = ld(h, entry + h->stamp_off);
     clear_bit(h, slot);
     /* Nobody else may change RECLAIMING(me): this cannot fail. */
     cas(h, entry, closing, freed);
     uint64_t now = now_ns();
+    if (state_of(word) == S_HELD) /* its stamp is the take's */
+        observe(h, h->hist_held, taken, now);
     st(h, entry + h->stamp_off, now);
     wake_claimers(h, now);
     return 1;
@@ -610,7 +632,10 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
             if (state_of(word) == S_READY && transition(h, word, E_TAKE, h->me, &held) == 0 &&
                 cas(h, entry, word, held)) {
                 ring_pop(h, pos, slot);
-                st(h, entry + h->stamp_off, now_ns());
+                uint64_t now = now_ns();
+                /* The stamp is the publish's (or the redelivery's): the row's wait. */
+                observe(h, h->hist_ready, ld(h, entry + h->stamp_off), now);
+                st(h, entry + h->stamp_off, now);
                 /* Counted in the step that delivers: a second delivery always says so. */
                 uint64_t before = __atomic_fetch_add(w64(h, entry + h->deliveries_off), 1,
                                                      __ATOMIC_SEQ_CST);
@@ -845,19 +870,21 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         "tag_off", "stamp_off", "qpos_off", "deliveries_off", "ring", "ring_cap", "head",
         "tail", "publish_seq", "readers_waiting", "readers_until", "release_seq",
         "claimers_waiting", "claimers_until", "registry", "reg_entry", "reg_capacity",
-        "reg_state", "counters", "me", "transitions", "owner_checked", "corrupt", NULL,
+        "reg_state", "counters", "hist_held", "hist_ready", "hist_bounds", "me", "transitions",
+        "owner_checked", "corrupt", NULL,
     };
-    PyObject *obj, *counters, *corrupt;
+    PyObject *obj, *counters, *bounds, *corrupt;
     unsigned long long tail_mask, me;
     Py_buffer table;
     unsigned int owner_checked;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
+            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!nnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
             &tail_mask, &h->entries, &h->entry_size, &h->nslots, &h->tag_off, &h->stamp_off,
             &h->qpos_off, &h->deliveries_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
             &h->publish_seq, &h->readers_waiting, &h->readers_until, &h->release_seq,
             &h->claimers_waiting, &h->claimers_until, &h->registry, &h->reg_entry,
-            &h->reg_capacity, &h->reg_state, &PyTuple_Type, &counters, &me, &table,
+            &h->reg_capacity, &h->reg_state, &PyTuple_Type, &counters, &h->hist_held,
+            &h->hist_ready, &PyTuple_Type, &bounds, &me, &table,
             &owner_checked, &corrupt))
         return -1;
     int bad = table.len != NSTATES * NEVENTS;
@@ -875,12 +902,29 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "counters must be %d offsets", C_COUNT);
         return -1;
     }
+    Py_ssize_t nbounds = PyTuple_GET_SIZE(bounds);
+    if (nbounds > HIST_MAX_BOUNDS) {
+        PyErr_Format(PyExc_ValueError, "at most %d histogram bounds", HIST_MAX_BOUNDS);
+        return -1;
+    }
+    uint64_t bound[HIST_MAX_BOUNDS] = {0};
+    for (Py_ssize_t i = 0; i < nbounds; i++) {
+        bound[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(bounds, i));
+        if (PyErr_Occurred())
+            return -1;
+        if (i && bound[i] <= bound[i - 1]) {
+            PyErr_SetString(PyExc_ValueError, "histogram bounds must increase");
+            return -1;
+        }
+    }
     Py_ssize_t counter[C_COUNT];
     for (int i = 0; i < C_COUNT; i++)
         if ((counter[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(counters, i))) == -1 && PyErr_Occurred())
             return -1;
     Py_INCREF(corrupt);
     Py_XSETREF(h->corrupt, corrupt);
+    memcpy(h->bounds, bound, sizeof(bound));
+    h->nbounds = (int)nbounds;
     h->tail_mask = tail_mask;
     h->me = me & 0xFFFF;
     h->owner_checked = owner_checked;
@@ -912,6 +956,9 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         singles[9 + i] = h->counter[i] = counter[i];
     for (size_t i = 0; i < sizeof(singles) / sizeof(*singles); i++)
         ok = ok && singles[i] >= 0 && singles[i] % 8 == 0 && singles[i] + 8 <= len;
+    Py_ssize_t hists[] = {h->hist_held, h->hist_ready};
+    for (int i = 0; i < 2; i++)
+        ok = ok && hists[i] >= 0 && hists[i] % 8 == 0 && hists[i] + 8 * (nbounds + 1) <= len;
     if (!ok) {
         PyBuffer_Release(&h->buf);
         PyErr_SetString(PyExc_ValueError, "HotPath layout does not fit the buffer");

@@ -3,15 +3,18 @@
 Commands::
 
     shmslots ls [--json]                  every table on this machine (found by header magic)
-    shmslots inspect NAME [--older-than 5s] [--slot N] [--json]
+    shmslots inspect NAME [--older-than 5s] [--by-site] [--slot N] [--json]
     shmslots watch NAME [--interval S] [--count N]
-    shmslots metrics NAME [NAME ...]      Prometheus text (node exporter textfile collector)
+    shmslots metrics NAME [NAME ...] [--serve PORT [--bind ADDR]]
+                                          Prometheus text, printed or served over HTTP
     shmslots reap NAME                    reclaim the slots of dead participants now
     shmslots unlink NAME [--force]        remove a table; refused while participants live
     shmslots demo                         transfer -> decode workers, live view
 
 `ls`, `inspect`, `watch` and `metrics` only ever map a table read-only and never
 register as a participant (shmslots.snapshot.TableView): looking cannot change a table.
+`metrics` prints (or serves) the exposition of shmslots.metrics.TableCollector, the
+collector a server registers in its own prometheus_client registry.
 No command but `demo` imports torch (this module imports only torch-free ones, and
 `reap` attaches through shmslots.reaper), so each starts in about 0.1 s.
 
@@ -31,16 +34,22 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
 * `inspect NAME --json`: `{"json_version": 1, "name",
   "header": {"version", "total_size", "slots", "row_size", "created_ns", "created"
   (ISO 8601, UTC), "creator_pid", "creator_uid", "strict", "on_consumer_death",
-  "max_hold_s" (null if unset)},
+  "max_hold_s" (null if unset), "traced"},
   "schema": [{"name", "kind" ("inline" or "handle"), "dtype", "shape": [..], "nbytes"}],
   "participants": [{"index", "pid", "role", "name", "alive", "attach_ns", "attached_s",
   "last_seen_ns"}],
   "states": {"FREE": n, ..., "CHANGING": n}, "queued", "counters": {COUNTER: n},
-  "slots": [S...] (every slot that is not FREE), "older_than_s" (null if not given),
-  "problems": [str...]}`
+  "slots": [S...] (every slot that is not FREE; with --older-than, only those that old),
+  "by_site": [{"site": SITE, "count", "slots": [..], "oldest_s", "states": {STATE: n},
+  "owners": [{"index", "pid", "role", "alive"}]}...] (traced tables; most slots first),
+  "histograms": {"held" | "ready_wait": {"bounds_s": [..] (upper bounds; the last count is
+  beyond them), "counts": [..], "p50_s", "p99_s" (null when empty)}},
+  "older_than_s" (null if not given), "problems": [str...]}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
-  nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older"}`.
+  nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older",
+  "site" (SITE = {"file", "line", "function"}: the code that made the owner, first frame
+  outside shmslots; null when not traced, ownerless or not recorded)}`.
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
   "checksum_ok" (both read from the row as it is: they mean something only while the slot is
   READY or HELD), "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;
@@ -55,7 +64,9 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -110,24 +121,10 @@ def _has_magic(name: str) -> bool | None:
         return False
 
 
-def _dead_owned(view: TableView, snap: TableSnapshot) -> list[SlotSnapshot]:
-    """Slots owned by dead participants, each confirmed by a second read of its slot.
-
-    The slots are read before the registry; a participant that handed its slots back
-    and detached in between would otherwise look like a dead owner.
-    """
-    confirmed = []
-    for s in R.dead_owned(snap):
-        again = view.slot(s.slot)
-        if (again.state, again.generation, again.owner) == (s.state, s.generation, s.owner):
-            confirmed.append(s)
-    return confirmed
-
-
 def _look(name: str) -> tuple[TableSnapshot, list[SlotSnapshot]]:
     with TableView.open(name) as view:
         snap = view.snapshot()
-        return snap, _dead_owned(view, snap)
+        return snap, view.dead_owned(snap)
 
 
 def _print_json(doc: dict[str, Any]) -> None:
@@ -195,12 +192,14 @@ def _inspect(args: argparse.Namespace) -> int:
         if args.slot is not None:
             return _inspect_slot(view, args.slot, args.json)
         snap = view.snapshot()
-        dead = _dead_owned(view, snap)
+        dead = view.dead_owned(snap)
     older_than = args.older_than if args.older_than is not None else snap.max_hold_s
     if args.json:
-        _print_json(R.table_doc(snap, older_than, dead))
+        _print_json(R.table_doc(snap, older_than, dead, args.older_than))
+    elif args.by_site:
+        _console().print(R.by_site_view(snap, args.older_than, dead))
     else:
-        _console().print(R.inspect_view(snap, older_than, dead))
+        _console().print(R.inspect_view(snap, older_than, dead, args.older_than))
     return 1 if dead else 0
 
 
@@ -254,7 +253,35 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    sys.stdout.write(R.prometheus([_look(name) for name in args.names]))
+    from prometheus_client import generate_latest  # only this command pays for the import
+
+    from .metrics import registry_for
+
+    for name in args.names:  # a missing table is an error here, not a silent scrape error
+        _look(name)
+    registry = registry_for(*args.names)
+    if args.serve is None:
+        sys.stdout.write(generate_latest(registry).decode())
+        return 0
+    return _serve(registry, args.bind, args.serve)
+
+
+def _serve(registry: Any, bind: str, port: int) -> int:
+    """Serve /metrics until SIGINT or SIGTERM, then stop the server and return 0."""
+    from prometheus_client import start_http_server
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server, thread = start_http_server(port, addr=bind, registry=registry)
+    try:
+        bound = server.server_address[1]
+        print(f"serving metrics on http://{bind}:{bound}/metrics (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
     return 0
 
 
@@ -346,6 +373,12 @@ def _duration(text: str) -> float:
     return float(match[1]) * _UNIT_S[match[2] or "s"]
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
 def _positive(kind: type[int] | type[float]) -> Any:
     def parse(text: str) -> int | float:
         try:
@@ -418,7 +451,14 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than",
         type=_duration,
         metavar="AGE",
-        help="highlight slots this old (500ms, 5s, 2m; default: the table's max_hold_s)",
+        help="show only slots this old (500ms, 5s, 2m), highlighted; without it every slot "
+        "is shown and those older than the table's max_hold_s are highlighted",
+    )
+    inspect.add_argument(
+        "--by-site",
+        action="store_true",
+        help="who is holding the slots: owned slots per call site, oldest age of each "
+        "(tables made with trace=True)",
     )
     inspect.add_argument("--slot", type=int, metavar="N", help="decode the row of slot N")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -447,12 +487,27 @@ def _parser() -> argparse.ArgumentParser:
     metrics = _command(
         sub,
         "metrics",
-        "counters and gauges in Prometheus text format",
-        "Print every counter and gauge of the named tables in Prometheus text format (for the "
-        "node exporter's textfile collector, say).",
+        "counters, gauges and histograms in Prometheus text format",
+        "Print the named tables' counters, gauges per state, dead-owned slots, oldest age, "
+        "slots per call site and HELD / READY-wait histograms in Prometheus text format, or "
+        "serve them over HTTP with --serve for a sidecar scrape. The same figures come from "
+        "shmslots.metrics.TableCollector, for a server's own prometheus_client registry.",
         _metrics,
     )
     metrics.add_argument("names", nargs="+", type=_table_name, metavar="NAME", help=NAME_HELP)
+    metrics.add_argument(
+        "--serve",
+        type=_port,
+        metavar="PORT",
+        help="serve http://BIND:PORT/metrics until Ctrl-C or SIGTERM (0: any free port, "
+        "printed on the first line)",
+    )
+    metrics.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address to serve on (default: %(default)s, this machine only)",
+    )
 
     reap = _command(
         sub,

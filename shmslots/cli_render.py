@@ -1,4 +1,4 @@
-"""Rendering for the `shmslots` command line: rich tables, JSON documents, Prometheus text.
+"""Rendering for the `shmslots` command line: rich tables and JSON documents.
 
 Everything here is a pure function of snapshots taken by `shmslots.snapshot.TableView`;
 nothing here opens, maps or changes a table.  The JSON shapes are documented in
@@ -18,10 +18,20 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from .participants import Participant
+from .layout import HIST_BOUNDS_NS
 from .schema import Field
-from .snapshot import DecodedRow, SlotSnapshot, TableSnapshot
+from .snapshot import (
+    DecodedRow,
+    SlotSnapshot,
+    TableSnapshot,
+    by_index,
+    in_use,
+    oldest,
+    quantile,
+    snapshot_holdings,
+)
 from .states import State
+from .tracing import CallSite
 from .units import fmt_bytes, fmt_duration
 
 JSON_VERSION = 1
@@ -37,21 +47,6 @@ RATES: dict[str, tuple[str, ...]] = {
         "reclaimed_held_dropped",
         "redelivered",
     ),
-}
-COUNTER_HELP = {
-    "claims": "Slots claimed for writing (FREE -> WRITING).",
-    "reserves": "Slots reserved for a producer (FREE -> RESERVED).",
-    "publishes": "Rows published (WRITING -> READY).",
-    "takes": "Rows taken by a consumer (READY -> HELD).",
-    "releases": "Leases released after consumption (HELD -> FREE).",
-    "aborts": "Slots aborted by their owner (WRITING, RESERVED or HELD -> FREE).",
-    "cancels": "READY slots cancelled by request tag before pickup.",
-    "leaked_views": "Field views still referenced when their slot was handed back.",
-    "reclaimed_writing": "WRITING slots of dead participants returned to FREE.",
-    "reclaimed_reserved": "RESERVED slots of dead participants returned to FREE.",
-    "reclaimed_held_dropped": "HELD slots of dead consumers dropped (on_consumer_death=drop).",
-    "redelivered": "HELD slots of dead consumers queued again as READY.",
-    "participants_reaped": "Dead participants whose registry entries were reaped.",
 }
 MAIN_STATES = ("FREE", "RESERVED", "WRITING", "READY", "HELD")
 FIRST_VALUES = 8
@@ -81,30 +76,6 @@ def _titled(title: str) -> Table:
 
 
 # -- who owns what ---------------------------------------------------------------------
-def by_index(snap: TableSnapshot) -> dict[int, Participant]:
-    return {p.index: p for p in snap.participants}
-
-
-def in_use(snap: TableSnapshot) -> list[SlotSnapshot]:
-    """Every slot that is not FREE (a slot read mid-change included)."""
-    return [s for s in snap.slot_states if s.state is not State.FREE]
-
-
-def dead_owned(snap: TableSnapshot) -> list[SlotSnapshot]:
-    """Owned slots whose owner is not a live participant."""
-    parts = by_index(snap)
-    return [
-        s
-        for s in in_use(snap)
-        if s.state is not None and s.owner >= 0 and not (s.owner in parts and parts[s.owner].alive)
-    ]
-
-
-def oldest(snap: TableSnapshot) -> SlotSnapshot | None:
-    steady = [s for s in in_use(snap) if s.state is not None]
-    return max(steady, key=lambda s: s.age_s, default=None)
-
-
 def owner_text(snap: TableSnapshot, owner: int) -> Text:
     if owner < 0:
         return Text("-")
@@ -196,13 +167,23 @@ def counters_table(counters: Mapping[str, int]) -> Table:
     return t
 
 
-def slots_table(snap: TableSnapshot, older_than: float | None) -> Table | Text:
-    rows = in_use(snap)
+def shown_slots(snap: TableSnapshot, only_older: float | None) -> list[SlotSnapshot]:
+    """The slots `inspect` lists: every one not FREE, or only those `only_older` old."""
+    return [s for s in in_use(snap) if only_older is None or s.age_s >= only_older]
+
+
+def slots_table(
+    snap: TableSnapshot, older_than: float | None, only_older: float | None = None
+) -> Table | Text:
+    rows = shown_slots(snap, only_older)
     if not rows:
+        if only_older is not None:
+            return Text(f"no slot is {fmt_duration(only_older)} old or older")
         return Text(f"all {snap.slots} slots are FREE")
     t = _titled(f"slots not FREE ({len(rows)} of {snap.slots})")
     # "taken": how often this publication was taken (2 on a HELD slot: delivered twice)
-    for col in ("slot", "state", "gen", "owner", "tag", "age", "taken"):
+    columns = ["slot", "state", "gen", "owner", "tag", "age", "taken"]
+    for col in columns + ["call site"] * snap.traced:
         t.add_column(col, justify="right" if col in ("slot", "gen", "tag", "age") else "left")
     for s in rows:
         old = older_than is not None and s.age_s >= older_than
@@ -210,21 +191,101 @@ def slots_table(snap: TableSnapshot, older_than: float | None) -> Table | Text:
         state = Text(state_name(s), style="dim" if s.state is None else "")
         deliveries = str(s.deliveries) if s.deliveries else ""
         owner = owner_text(snap, s.owner)
-        t.add_row(str(s.slot), state, str(s.generation), owner, str(s.tag), age, deliveries)
+        cells: list[RenderableType] = [
+            str(s.slot),
+            state,
+            str(s.generation),
+            owner,
+            str(s.tag),
+            age,
+            deliveries,
+        ]
+        if snap.traced:
+            cells.append(Text(s.site.short if s.site else "-"))
+        t.add_row(*cells)
     return t
 
 
+def holdings_table(snap: TableSnapshot, only_older: float | None) -> Table | Text:
+    """Who is holding my slots: owned slots per call site, the oldest age of each."""
+    if not snap.traced:
+        return Text(
+            f"{snap.name} is not traced: create it with trace=True (or SHMSLOTS_TRACE=1 in the "
+            "creator's environment) to see the call sites of owners"
+        )
+    found = snapshot_holdings(snap, only_older)
+    if not found:
+        return Text("no owned slot has a recorded call site")
+    parts = by_index(snap)
+    t = _titled(f"slots held per call site ({sum(len(h.slots) for h in found)} slots)")
+    for col in ("slots", "oldest", "states", "owners", "call site"):
+        t.add_column(col, justify="right" if col in ("slots", "oldest") else "left")
+    for h in found:
+        owners = Text(", ".join(f"{o}" for o in sorted(h.owners)))
+        if any(o in parts and not parts[o].alive for o in h.owners):
+            owners.append(" (dead)", style="bold red")
+        t.add_row(
+            str(len(h.slots)),
+            fmt_duration(h.oldest_s),
+            state_counts(h.states),
+            owners,
+            Text(str(h.site)),
+        )
+    return t
+
+
+def _fmt_time(seconds: float) -> str:
+    """Hold and wait times reach down to microseconds: 3 significant digits in µs or ms."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g}ms"
+    return fmt_duration(seconds)
+
+
+def histogram_text(snap: TableSnapshot) -> str:
+    """`held p50 1.2ms p99 40ms (n 1,234)  ready wait p50 ...` since the table was made."""
+    out = []
+    for name, label in (("held", "held"), ("ready_wait", "ready wait")):
+        counts = snap.histograms[name]
+        p50, p99 = quantile(counts, 0.5), quantile(counts, 0.99)
+        if p50 is None or p99 is None:
+            out.append(f"{label} -")
+        else:
+            out.append(f"{label} p50 {_fmt_time(p50)} p99 {_fmt_time(p99)} (n {sum(counts):,})")
+    return "  ".join(out)
+
+
+def by_site_view(
+    snap: TableSnapshot, only_older: float | None, dead: Sequence[SlotSnapshot]
+) -> Group:
+    parts: list[RenderableType] = [
+        Text(f"{snap.name}: states {state_counts(snap.states)}  (queued {snap.queued})"),
+        Text(""),
+        holdings_table(snap, only_older),
+    ]
+    for line in problems(snap, dead):
+        parts.append(Text(f"problem: {line} (run `shmslots reap {snap.name}`)", style="bold red"))
+    return Group(*parts)
+
+
 def inspect_view(
-    snap: TableSnapshot, older_than: float | None, dead: Sequence[SlotSnapshot]
+    snap: TableSnapshot,
+    older_than: float | None,
+    dead: Sequence[SlotSnapshot],
+    only_older: float | None = None,
 ) -> Group:
     sections: list[RenderableType] = [
         header_table(snap),
         schema_table(snap),
         participants_table(snap),
         Text(f"states: {state_counts(snap.states)}  (queued {snap.queued})"),
+        Text(f"times:  {histogram_text(snap)}"),
         counters_table(snap.counters),
-        slots_table(snap, older_than),
+        slots_table(snap, older_than, only_older),
     ]
+    if snap.traced:
+        sections.append(holdings_table(snap, only_older))
     parts: list[RenderableType] = []
     for section in sections:
         parts += [section, Text("")]
@@ -349,11 +410,57 @@ def slot_doc(snap: TableSnapshot, s: SlotSnapshot, older_than: float | None) -> 
         "age_s": round(s.age_s, 6),
         "deliveries": s.deliveries,
         "older": older_than is not None and s.age_s >= older_than,
+        "site": site_doc(s.site) if s.site else None,
+    }
+
+
+def site_doc(site: CallSite) -> dict[str, Any]:
+    return {"file": site.file, "line": site.line, "function": site.function}
+
+
+def holdings_doc(snap: TableSnapshot, only_older: float | None) -> list[dict[str, Any]]:
+    parts = by_index(snap)
+    return [
+        {
+            "site": site_doc(h.site),
+            "count": len(h.slots),
+            "slots": sorted(h.slots),
+            "oldest_s": round(h.oldest_s, 6),
+            "states": dict(sorted(h.states.items())),
+            "owners": [
+                {
+                    "index": o,
+                    "pid": parts[o].pid if o in parts else None,
+                    "role": parts[o].role if o in parts else None,
+                    "alive": parts[o].alive if o in parts else False,
+                }
+                for o in sorted(h.owners)
+            ],
+        }
+        for h in snapshot_holdings(snap, only_older)
+    ]
+
+
+def histograms_doc(snap: TableSnapshot) -> dict[str, Any]:
+    def seconds(value: float | None) -> float | None:
+        return None if value is None else round(value, 9)
+
+    return {
+        name: {
+            "bounds_s": [ns / 1e9 for ns in HIST_BOUNDS_NS],  # the last bucket: beyond
+            "counts": counts,
+            "p50_s": seconds(quantile(counts, 0.5)),
+            "p99_s": seconds(quantile(counts, 0.99)),
+        }
+        for name, counts in snap.histograms.items()
     }
 
 
 def table_doc(
-    snap: TableSnapshot, older_than: float | None, dead: Sequence[SlotSnapshot]
+    snap: TableSnapshot,
+    older_than: float | None,
+    dead: Sequence[SlotSnapshot],
+    only_older: float | None = None,
 ) -> dict[str, Any]:
     now = time.time_ns()
     return {
@@ -371,6 +478,7 @@ def table_doc(
             "strict": snap.strict,
             "on_consumer_death": snap.on_consumer_death,
             "max_hold_s": snap.max_hold_s,
+            "traced": snap.traced,
         },
         "schema": [
             {
@@ -398,7 +506,9 @@ def table_doc(
         "states": dict(snap.states),
         "queued": snap.queued,
         "counters": dict(snap.counters),
-        "slots": [slot_doc(snap, s, older_than) for s in in_use(snap)],
+        "slots": [slot_doc(snap, s, older_than) for s in shown_slots(snap, only_older)],
+        "by_site": holdings_doc(snap, only_older),
+        "histograms": histograms_doc(snap),
         "older_than_s": older_than,
         "problems": problems(snap, dead),
     }
@@ -499,6 +609,7 @@ def watch_view(frame: Frame) -> Table:
     grid.add_row("states", f"{state_counts(snap.states)}  (queued {snap.queued})")
     grid.add_row("rates/s", _rates_text(frame.rates))
     grid.add_row("oldest", _oldest_text(snap))
+    grid.add_row("times", histogram_text(snap))
     grid.add_row("participants", _who(snap))
     return grid
 
@@ -512,51 +623,6 @@ def watch_text(frame: Frame) -> str:
             f"  states   {state_counts(snap.states)}",
             f"  rates/s  {_rates_text(frame.rates)}",
             f"  oldest   {_oldest_text(snap).plain}",
+            f"  times    {histogram_text(snap)}",
         ]
     )
-
-
-# -- Prometheus text exposition ----------------------------------------------------------
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_label(v)}"' for k, v in labels.items()) + "}"
-
-
-def prometheus(snaps: Sequence[tuple[TableSnapshot, Sequence[SlotSnapshot]]]) -> str:
-    """Counters and gauges of every table, grouped by metric family, ending in a newline."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
-
-    def sample(metric: str, kind: str, help_: str, value: float, **labels: str) -> None:
-        family = families.setdefault(metric, (kind, help_, []))
-        shown = str(value) if isinstance(value, int) else repr(float(value))
-        family[2].append(f"{metric}{_labels(**labels)} {shown}")
-
-    for snap, dead in snaps:
-        table = snap.name
-        for name, value in snap.counters.items():
-            help_ = COUNTER_HELP.get(name, f"shmslots counter {name}.")
-            sample(f"shmslots_{name}_total", "counter", help_, value, table=table)
-        for state, n in snap.states.items():
-            sample("shmslots_slots", "gauge", "Slots per state.", n, table=table, state=state)
-        sample("shmslots_slot_capacity", "gauge", "Slots in the table.", snap.slots, table=table)
-        sample("shmslots_queued", "gauge", "Published rows waiting.", snap.queued, table=table)
-        for alive in (True, False):
-            n = sum(p.alive is alive for p in snap.participants)
-            help_ = "Registered participants, by liveness."
-            sample(
-                "shmslots_participants", "gauge", help_, n, table=table, alive=str(alive).lower()
-            )
-        help_ = "Slots owned by participants that are no longer alive (run shmslots reap)."
-        sample("shmslots_dead_owned_slots", "gauge", help_, len(dead), table=table)
-        s = oldest(snap)
-        help_ = "Age of the oldest slot that is not FREE (0 if none)."
-        sample(
-            "shmslots_oldest_slot_age_seconds", "gauge", help_, s.age_s if s else 0.0, table=table
-        )
-    lines = []
-    for metric, (kind, help_, samples) in families.items():
-        lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}", *samples]
-    return "\n".join(lines) + "\n"

@@ -12,6 +12,9 @@
           │ COUNTERS      16 x 64 B, one u64 per cache line (claims,      │
           │               publishes, … see COUNTERS)                     │
     1536  ├──────────────────────────────────────────────────────────────┤
+          │ HISTOGRAMS    2 x 3 x 64 B: u64 counts per bucket of how long │
+          │               slots stay HELD and rows wait READY            │
+    1920  ├──────────────────────────────────────────────────────────────┤
           │ SCHEMA        msgpack field list, padded to 64 B              │
           ├──────────────────────────────────────────────────────────────┤
           │ REGISTRY      capacity x 128 B, one entry per participant     │
@@ -19,9 +22,13 @@
           │ BITMAP        ⌈slots/64⌉ x u64: bit i set ⇔ slot i owned      │
           ├──────────────────────────────────────────────────────────────┤
           │ SLOT STATES   slots x 64 B: state word, tag, stamp,           │
-          │               queue position, deliveries                     │
+          │               queue position, deliveries, call site record   │
           ├──────────────────────────────────────────────────────────────┤
           │ READY RING    ring_capacity x u64 cells (position, slot)      │
+          ├──────────────────────────────────────────────────────────────┤
+          │ SITES         participants x trace_sites x 192 B: the call    │
+          │               sites each participant's owners were made at   │
+          │               (only on a table made with trace=True)         │
           ├──────────────────────────────────────────────────────────────┤ page aligned
           │ ROWS          slots x row_size: 16 B row header (generation,  │
           │               checksum) + fields (schema.py)                 │
@@ -56,9 +63,10 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
+# 6: hold-time histograms, call-site tracing;
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
-VERSION = 5
+VERSION = 6
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -81,6 +89,7 @@ _HEADER_FIELDS = (
     ("max_hold_ns", "Q"),
     ("sync", "Q"),
     ("counters", "Q"),
+    ("histograms", "Q"),
     ("schema", "Q"),
     ("registry", "Q"),
     ("bitmap", "Q"),
@@ -91,6 +100,8 @@ _HEADER_FIELDS = (
     ("arena_pages", "I"),
     ("arena_table", "Q"),
     ("arena", "Q"),
+    ("trace_sites", "I"),
+    ("sites", "Q"),
 )
 HEADER = struct.Struct("<" + "".join(code for _, code in _HEADER_FIELDS))
 assert HEADER.size <= HEADER_SIZE
@@ -130,6 +141,16 @@ COUNTERS_SIZE = 16 * CACHE_LINE
 COUNTER_OFFSET = {name: i * CACHE_LINE for i, name in enumerate(COUNTERS)}
 assert len(COUNTERS) * CACHE_LINE <= COUNTERS_SIZE
 
+# HISTOGRAMS: fixed buckets, upper bounds in ns (a 1-3-10 series, 1 µs .. 100 s, then +Inf).
+# Counts are per bucket (not cumulative), so an observation is one atomic add.
+HIST_BOUNDS_NS: tuple[int, ...] = (*(m * 10**e for e in range(3, 11) for m in (1, 3)), 10**11)
+HIST_BUCKETS = len(HIST_BOUNDS_NS) + 1
+HIST_SIZE = 3 * CACHE_LINE  # one histogram: its buckets, on lines of its own
+HISTOGRAMS = ("held", "ready_wait")  # take -> release/abort; publish -> take
+HISTOGRAM_OFFSET = {name: i * HIST_SIZE for i, name in enumerate(HISTOGRAMS)}
+HISTOGRAMS_SIZE = len(HISTOGRAMS) * HIST_SIZE
+assert 8 * HIST_BUCKETS <= HIST_SIZE
+
 # REGISTRY entry (relative to the entry start).
 REGISTRY_ENTRY = 128
 REG_STATE = 0  # u64: 0 free, 1 active
@@ -150,6 +171,24 @@ SLOT_TAG = 8  # u64 request tag
 SLOT_STAMP = 16  # u64 CLOCK_MONOTONIC ns of the last transition
 SLOT_QUEUE_POS = 24  # u64 ready-ring position of the current publication
 SLOT_DELIVERIES = 32  # u64 times this publication was taken (counted by take itself)
+# Call site of the current owner (traced tables only), written by the owner after the step
+# that made it owner: valid while SLOT_SITE_WORD equals the slot's state word.
+SLOT_SITE_WORD = 40  # u64 the state word the site was recorded under
+SLOT_SITE = 48  # u64 index into the owner's site table (NO_SITE: its table was full)
+SLOT_SITE_NS = 56  # u64 CLOCK_MONOTONIC ns of the recording
+NO_SITE = 0xFFFF_FFFF
+
+# SITES entry: one interned call site, written once, before any slot names it.
+SITE_ENTRY = 192
+SITE_LINE = 0  # u32
+SITE_FILE_LEN = 4  # u16
+SITE_FUNC_LEN = 6  # u16
+SITE_FUNC = 8  # 64 bytes, utf-8
+SITE_FILE = 72  # 120 bytes, utf-8: the path's tail when it is longer
+SITE_FUNC_MAX = 64
+SITE_FILE_MAX = 120
+DEFAULT_TRACE_SITES = 32
+MAX_TRACE_SITES = 4096
 NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 
 # ROW header (relative to the row start); fields follow (schema.py).
@@ -199,6 +238,7 @@ class Layout:
     schema_len: int
     sync: int
     counters: int
+    histograms: int
     schema: int
     registry: int
     bitmap: int
@@ -210,6 +250,9 @@ class Layout:
     arena_table: int
     arena: int
     total_size: int
+    # sites per participant; 0: the table is not traced (the header's trace switch)
+    trace_sites: int = 0
+    sites: int = 0
 
     @property
     def bitmap_words(self) -> int:
@@ -224,6 +267,7 @@ class Layout:
         schema_len: int,
         arena_page_size: int = 0,
         arena_pages: int = 0,
+        trace_sites: int = 0,
     ) -> Layout:
         if not 1 <= slots <= MAX_SLOTS:
             raise InvalidArgument(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
@@ -237,22 +281,27 @@ class Layout:
             raise InvalidArgument(
                 f"arena page size must be a multiple of {PAGE} up to {MAX_ARENA_PAGE}"
             )
+        if not 0 <= trace_sites <= MAX_TRACE_SITES:
+            raise InvalidArgument(f"trace sites must be in 0..{MAX_TRACE_SITES}")
         ring_capacity = 2 * slots
         sync = HEADER_SIZE
         counters = sync + SYNC_SIZE
-        schema = counters + COUNTERS_SIZE
+        histograms = counters + COUNTERS_SIZE
+        schema = histograms + HISTOGRAMS_SIZE
         registry = _align(schema + schema_len, CACHE_LINE)
         bitmap = registry + registry_capacity * REGISTRY_ENTRY
         slot_states = _align(bitmap + 8 * ((slots + 63) // 64), CACHE_LINE)
         ring = slot_states + slots * SLOT_ENTRY
-        rows = _align(ring + 8 * ring_capacity, PAGE)
+        sites = _align(ring + 8 * ring_capacity, CACHE_LINE)
+        rows = _align(sites + registry_capacity * trace_sites * SITE_ENTRY, PAGE)
         arena_table = _align(rows + slots * row_size, CACHE_LINE)
         arena = _align(arena_table + 8 * arena_pages, PAGE)
         total = _align(arena + arena_pages * arena_page_size, PAGE)
         return cls(
             slots, row_size, registry_capacity, ring_capacity, schema_len,
-            sync, counters, schema, registry, bitmap, slot_states, ring, rows,
+            sync, counters, histograms, schema, registry, bitmap, slot_states, ring, rows,
             arena_page_size if arena_pages else 0, arena_pages, arena_table, arena, total,
+            trace_sites, sites,
         )  # fmt: skip
 
     def check_slot(self, slot: object) -> None:
@@ -268,6 +317,9 @@ class Layout:
 
     def registry_entry(self, index: int) -> int:
         return self.registry + index * REGISTRY_ENTRY
+
+    def site_entry(self, participant: int, site: int) -> int:
+        return self.sites + (participant * self.trace_sites + site) * SITE_ENTRY
 
     def pack_header(
         self, *, uid: int, pid: int, created_ns: int, flags: int, max_hold_ns: int, magic: bytes
@@ -289,6 +341,7 @@ class Layout:
             max_hold_ns,
             self.sync,
             self.counters,
+            self.histograms,
             self.schema,
             self.registry,
             self.bitmap,
@@ -299,6 +352,8 @@ class Layout:
             self.arena_pages,
             self.arena_table,
             self.arena,
+            self.trace_sites,
+            self.sites,
         )
 
 
@@ -358,12 +413,14 @@ def read_header(raw: bytes, segment_size: int) -> Header:
             values["schema_len"],
             values["arena_page_size"],
             values["arena_pages"],
+            values["trace_sites"],
         )
     except ValueError as exc:
         raise CorruptTable(f"impossible sizes in header: {exc}") from None
     for region in (
         "sync",
         "counters",
+        "histograms",
         "schema",
         "registry",
         "bitmap",
@@ -372,6 +429,7 @@ def read_header(raw: bytes, segment_size: int) -> Header:
         "rows",
         "arena_table",
         "arena",
+        "sites",
     ):
         if values[region] != getattr(layout, region):
             raise CorruptTable(

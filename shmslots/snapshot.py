@@ -25,6 +25,7 @@ from .participants import Participant, RegistryReader
 from .schema import ROW_HEADER_SIZE, Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, owner_of, state_of
+from .tracing import CallSite, Holding, holdings, site_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
 _ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries
@@ -42,6 +43,7 @@ class SlotSnapshot:
     tag: int
     age_s: float
     deliveries: int
+    site: CallSite | None = None  # the owner's call site, on a traced table
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class TableSnapshot:
     states: dict[str, int]
     queued: int
     slot_states: list[SlotSnapshot]
+    traced: bool = False
+    # per histogram (layout.HISTOGRAMS): the count of each bucket (layout.HIST_BOUNDS_NS)
+    histograms: dict[str, list[int]] = dataclass_field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,9 @@ class TableView:
             state: State | None = state_of(word) if steady else None
         except ValueError:
             state = None  # not a state this version knows: show as changing, not garbage
+        site = site_of(mm, self.layout, slot, word) if state is not None else None
         return SlotSnapshot(
-            slot, state, generation_of(word), owner_of(word) - 1, tag, age, deliveries
+            slot, state, generation_of(word), owner_of(word) - 1, tag, age, deliveries, site
         )
 
     def snapshot(self) -> TableSnapshot:
@@ -152,7 +158,29 @@ class TableView:
             states=states,
             queued=max(0, tail - head),
             slot_states=slots,
+            traced=bool(lay.trace_sites),
+            histograms={
+                name: list(
+                    struct.unpack_from(
+                        f"<{L.HIST_BUCKETS}Q", self._segment.mm, lay.histograms + offset
+                    )
+                )
+                for name, offset in L.HISTOGRAM_OFFSET.items()
+            },
         )
+
+    def dead_owned(self, snap: TableSnapshot) -> list[SlotSnapshot]:
+        """Slots owned by dead participants, each confirmed by a second read of its slot.
+
+        The slots are read before the registry; a participant that handed its slots back
+        and detached in between would otherwise look like a dead owner.
+        """
+        confirmed = []
+        for s in dead_owned(snap):
+            again = self.slot(s.slot)
+            if (again.state, again.generation, again.owner) == (s.state, s.generation, s.owner):
+                confirmed.append(s)
+        return confirmed
 
     def row(self, slot: int) -> DecodedRow:
         """The values of one row's fields and whether its checksum matches its seal."""
@@ -186,6 +214,58 @@ class TableView:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def by_index(snap: TableSnapshot) -> dict[int, Participant]:
+    return {p.index: p for p in snap.participants}
+
+
+def in_use(snap: TableSnapshot) -> list[SlotSnapshot]:
+    """Every slot that is not FREE (a slot read mid-change included)."""
+    return [s for s in snap.slot_states if s.state is not State.FREE]
+
+
+def dead_owned(snap: TableSnapshot) -> list[SlotSnapshot]:
+    """Owned slots whose owner is not a live participant."""
+    parts = by_index(snap)
+    return [
+        s
+        for s in in_use(snap)
+        if s.state is not None and s.owner >= 0 and not (s.owner in parts and parts[s.owner].alive)
+    ]
+
+
+def oldest(snap: TableSnapshot) -> SlotSnapshot | None:
+    steady = [s for s in in_use(snap) if s.state is not None]
+    return max(steady, key=lambda s: s.age_s, default=None)
+
+
+def snapshot_holdings(snap: TableSnapshot, older_than: float | None = None) -> list[Holding]:
+    """Owned slots (at least `older_than` old) grouped by the call site that took them."""
+    return holdings(
+        (s.slot, s.state.name, s.owner, s.site, s.age_s)
+        for s in in_use(snap)
+        if s.state is not None and (older_than is None or s.age_s >= older_than)
+    )
+
+
+def quantile(counts: list[int], q: float) -> float | None:
+    """The q-quantile in seconds of a histogram's bucket counts, interpolated inside its
+    bucket as Prometheus' histogram_quantile does; None if empty.  Past the last bound it
+    is that bound (the histogram cannot say more)."""
+    total = sum(counts)
+    if not total:
+        return None
+    rank = q * total
+    below = 0
+    for i, n in enumerate(counts):
+        if n and below + n >= rank:
+            if i == len(L.HIST_BOUNDS_NS):
+                return L.HIST_BOUNDS_NS[-1] / 1e9
+            low = L.HIST_BOUNDS_NS[i - 1] if i else 0
+            return (low + (L.HIST_BOUNDS_NS[i] - low) * (rank - below) / n) / 1e9
+        below += n
+    return L.HIST_BOUNDS_NS[-1] / 1e9
 
 
 def _decode(f: Field, buffer: Any, offset: int) -> list[int] | list[float]:

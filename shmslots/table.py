@@ -39,11 +39,16 @@ from .rows import Rows, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
+from .tracing import Holding, SiteWriter, describe_holders, holdings, site_of, trace_from_env
 from .validate import read_schema, read_valid_header
 from .waiting import wait_for
 
 _CLAIM = int(Event.CLAIM)
 _RESERVE = int(Event.RESERVE)
+_WRITING = int(State.WRITING)
+_RESERVED = int(State.RESERVED)
+_HELD = int(State.HELD)
+_REDELIVER = int(Event.REDELIVER)
 _M64 = (1 << 64) - 1
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
@@ -98,8 +103,10 @@ class SlotTable:
     ) -> None:
         self._segment = segment
         self._header = header
-        self._strict = bool(header.flags & L.FLAG_STRICT)  # read on every take
+        self._strict = bool(header.flags & L.FLAG_STRICT)
         self.layout = header.layout
+        # read on every take: a plain take returns its lease at once
+        self._plain_take = not self._strict and not self.layout.trace_sites
         self.schema = schema
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
@@ -113,6 +120,11 @@ class SlotTable:
             index, died_here = self._registry.register(role, name)
             self.participant = index
             self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
+            self._sites = (
+                SiteWriter(self._atomics, self._mv, self.layout, index)
+                if self.layout.trace_sites
+                else None
+            )
             self._rows = Rows(segment.mm, self.layout, schema, self._atomics)
             self._inline = {  # what gather allocates: (dtype, shape) of each inline field
                 n: (fs.field.torch_dtype, fs.field.fixed_shape)
@@ -155,6 +167,8 @@ class SlotTable:
         arena_bytes: int = 0,
         arena_page: int = 16384,
         role: str = "owner",
+        trace: bool | None = None,
+        trace_sites: int = L.DEFAULT_TRACE_SITES,
     ) -> SlotTable:
         """Create a new table (exclusive; mode 0600) and attach to it.
 
@@ -164,6 +178,9 @@ class SlotTable:
         (reported, never reclaimed: a leak on an abort path becomes visible).
         `arena_bytes` reserves an arena (pages of `arena_page` bytes) for the
         CPU tensors of handle fields.
+        `trace` makes every new owner record its call site in the table (None: as the
+        SHMSLOTS_TRACE environment variable says), for `shmslots inspect --by-site` and
+        SlotsExhausted; each participant keeps up to `trace_sites` distinct sites.
         """
         if max_hold_s is not None and not max_hold_s > 0:
             raise InvalidArgument(f"max_hold_s must be positive, got {max_hold_s!r}")
@@ -174,7 +191,13 @@ class SlotTable:
             raise InvalidArgument(f"slots must be an int, got {slots!r}")
         blob = schema.encode()
         pages = L.arena_pages(arena_bytes, arena_page)
-        lay = L.Layout.compute(slots, schema.row_size, participants, len(blob), arena_page, pages)
+        traced = trace_from_env() if trace is None else trace
+        if traced and not (isinstance(trace_sites, int) and 1 <= trace_sites <= L.MAX_TRACE_SITES):
+            raise InvalidArgument(f"trace_sites must be in 1..{L.MAX_TRACE_SITES}")
+        lay = L.Layout.compute(
+            slots, schema.row_size, participants, len(blob), arena_page, pages,
+            trace_sites if traced else 0,
+        )  # fmt: skip
         flags = (L.FLAG_STRICT if strict else 0) | (
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
         )
@@ -257,12 +280,16 @@ class SlotTable:
             got = self._acquire(_CLAIM, tag, timeout, "claim")
             assert isinstance(got, WriteSlot)
             ws = got
+        if self._sites is not None:
+            self._trace([ws], _WRITING)
         return ws
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
         """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
         got = self._acquire(_RESERVE, tag, timeout, "reserve")
         assert isinstance(got, Reservation)
+        if self._sites is not None:
+            self._trace([got], _RESERVED)
         return got
 
     def open_reserved(self, slot: int, generation: int) -> WriteSlot:
@@ -277,6 +304,8 @@ class SlotTable:
                 f"slot {slot} generation {generation} is not reserved "
                 f"(it is {describe_word(self._own.word(slot))})"
             )
+        if self._sites is not None:
+            self._trace([ws], _WRITING)
         return ws
 
     def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
@@ -308,6 +337,8 @@ class SlotTable:
                     f" ({occupancy['FREE']} FREE slots still have a cancelled or reclaimed entry "
                     "in the ready queue, behind a head that readers are not taking)"
                 )
+            if self._sites is not None:
+                why += f"; {describe_holders(self.holdings())}"
             raise SlotsExhausted(why, occupancy)
         return waited
 
@@ -317,7 +348,7 @@ class SlotTable:
         if self._closed:
             self._check_open()
         got = self._core.take(self)
-        if got is not None and not self._strict:  # taken, nothing to verify: most calls
+        if got is not None and self._plain_take:  # taken, nothing to verify: most calls
             return got
         lease = self._settle(got)
         if lease is None and timeout != 0.0:
@@ -330,6 +361,8 @@ class SlotTable:
                 own.readers_until,
                 timeout,
             )
+        if lease is not None and self._sites is not None:
+            self._trace([lease], _HELD)
         return lease
 
     def poll(self, max_n: int) -> list[Lease]:
@@ -342,6 +375,8 @@ class SlotTable:
         leases = self._core.poll(self, max_n)
         if self._strict:
             self._verify_all(leases)
+        if leases and self._sites is not None:
+            self._trace(leases, _HELD)
         return leases
 
     def release_all(self, leases: Iterable[Lease]) -> None:
@@ -371,7 +406,10 @@ class SlotTable:
         _check_tag(tag)
         if self._rows.schema.has_handles:
             self._handles.collect_own()  # as claim: drop tensors whose consumers are done
-        return self._core.claim_n(self, n, tag)
+        claimed = self._core.claim_n(self, n, tag)
+        if claimed and self._sites is not None:
+            self._trace(claimed, _WRITING)
+        return claimed
 
     def publish_all(self, write_slots: Iterable[WriteSlot], timeout: float = 1.0) -> None:
         """Publish every write slot in one compiled call, each as `publish(timeout)` would.
@@ -480,6 +518,23 @@ class SlotTable:
                     lease._hand_back(int(Event.REDELIVER))
             raise
 
+    def _trace(
+        self, handles: list[WriteSlot] | list[Reservation] | list[Lease], state: int
+    ) -> None:
+        """Record the caller as these new owners' call site.  Diagnostic data only: if an
+        interrupt lands here, the handles are handed back (leases queued again) before it
+        goes on, so it never leaves a slot owned without a handle."""
+        assert self._sites is not None
+        try:
+            self._sites.record([(h.slot, h.generation) for h in handles], state)
+        except BaseException:
+            for h in handles:
+                if isinstance(h, Lease):
+                    h._hand_back(_REDELIVER)
+                else:
+                    h.abort()
+            raise
+
     def _take_once(self) -> Lease | None:
         return self._settle(self._core.take(self))
 
@@ -559,6 +614,20 @@ class SlotTable:
                 tag = self._atomics.load(entry + L.SLOT_TAG)
                 late.append(SlotAge(slot, state_of(word), owner_of(word) - 1, tag, age / 1e9))
         return late
+
+    def holdings(self) -> list[Holding]:
+        """Owned slots grouped by the call site that took them (empty if not traced)."""
+        self._check_open()
+        now = time.monotonic_ns()
+        owned = []
+        for slot in range(self.slots):
+            entry = self._own.entry(slot)
+            word = self._atomics.load(entry)
+            site = site_of(self._mv, self.layout, slot, word)
+            if site is not None and word & 0xFFFF in KNOWN_STATES:
+                age = max(0, now - self._atomics.load(entry + L.SLOT_STAMP)) / 1e9
+                owned.append((slot, state_of(word).name, owner_of(word) - 1, site, age))
+        return holdings(owned)
 
     def participants(self) -> list[Participant]:
         self._check_open()

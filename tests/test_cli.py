@@ -19,6 +19,7 @@ import posix_ipc
 import pytest
 import torch
 from conftest import SMALL, SPAWN, Children, small_row
+from prometheus_client.parser import text_string_to_metric_families
 
 from shmslots import Field, SlotTable, TableNotFound
 from shmslots.cli import _duration
@@ -28,8 +29,6 @@ from shmslots.segment import unlink
 CLI_TIMEOUT = 60
 # Tags the worker leaves its slots under.
 STATE_BY_TAG = {1: "HELD", 2: "READY", 3: "WRITING", 4: "RESERVED"}
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\} (\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -119,22 +118,12 @@ def corrupt(name: str, offset: int, value: int) -> None:
 
 
 def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    typed: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            metric = line.split()[2]
-            assert metric not in typed, f"{metric} typed twice"
-            typed.add(metric)
-            continue
-        if line.startswith("#"):
-            continue
-        match = _SAMPLE.fullmatch(line)
-        assert match, f"not a sample line: {line!r}"
-        assert match[1] in typed, f"{match[1]} has no # TYPE before its samples"
-        labels = frozenset(_LABEL.findall(match[2]))
-        samples[match[1], labels] = float(match[3])
-    return samples
+    """Samples by (name, labels), parsed by prometheus_client's own text parser."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 # -- ls ----------------------------------------------------------------------------------
