@@ -1079,6 +1079,21 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return lease;
 }
 
+/* A batch that cannot be returned: hand back `one` (the handle that could not join it, or
+ * NULL) and every handle of `list` through `event`, keeping the error that got us here. */
+static void
+hand_back_all(PyObject *one, PyObject *list, PyObject *event)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (one && step((Handle *)one, event) == STEP_ERROR)
+        PyErr_WriteUnraisable(one);
+    for (Py_ssize_t j = 0; list && j < PyList_GET_SIZE(list); j++)
+        if (step((Handle *)PyList_GET_ITEM(list, j), event) == STEP_ERROR)
+            PyErr_WriteUnraisable(PyList_GET_ITEM(list, j));
+    PyErr_Restore(type, value, tb);
+}
+
 /* poll(table, max_n) -> [Lease, ...]: up to max_n READY slots in one call.  If the list cannot
  * be grown, every lease taken is handed back unread before the error is raised. */
 static PyObject *
@@ -1101,15 +1116,8 @@ core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         if (!lease || PyList_Append(leases, lease) < 0) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            if (lease && step((Handle *)lease, c->ev_redeliver) == STEP_ERROR)
-                PyErr_WriteUnraisable(lease);
+            hand_back_all(lease, leases, c->ev_redeliver);
             Py_XDECREF(lease);
-            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leases); j++)
-                if (step((Handle *)PyList_GET_ITEM(leases, j), c->ev_redeliver) == STEP_ERROR)
-                    PyErr_WriteUnraisable(PyList_GET_ITEM(leases, j));
-            PyErr_Restore(type, value, tb);
             Py_CLEAR(leases);
         } else {
             Py_DECREF(lease); /* the list holds it */
@@ -1236,19 +1244,6 @@ core_publish_all(Core *c, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* Hand back every handle of `list` through `event` (a batch that could not be returned),
- * keeping the error that got us here. */
-static void
-hand_back_all(PyObject *list, PyObject *event)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    for (Py_ssize_t j = 0; list && j < PyList_GET_SIZE(list); j++)
-        if (step((Handle *)PyList_GET_ITEM(list, j), event) == STEP_ERROR)
-            PyErr_WriteUnraisable(PyList_GET_ITEM(list, j));
-    PyErr_Restore(type, value, tb);
-}
-
 /* claim_n(table, n, tag) -> [WriteSlot, ...]: up to n FREE slots claimed now, in one call.
  * The tag must already be checked.  If the list cannot be grown, every slot claimed is
  * aborted before the error is raised. */
@@ -1270,10 +1265,8 @@ core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         if (!ws || PyList_Append(slots, ws) < 0) {
-            if (ws && step((Handle *)ws, c->ev_abort) == STEP_ERROR)
-                PyErr_WriteUnraisable(ws);
+            hand_back_all(ws, slots, c->ev_abort);
             Py_XDECREF(ws);
-            hand_back_all(slots, c->ev_abort);
             Py_CLEAR(slots);
         } else {
             Py_DECREF(ws);
