@@ -108,6 +108,7 @@ typedef struct {
     uint8_t next[NSTATES][NEVENTS];
     uint32_t owner_checked; /* bit e set: event e requires actor == owner */
     Py_ssize_t hint;
+    int left; /* leave() has run: this participant's registry entry is no longer ours */
     PyObject *corrupt; /* exception class for a segment that breaks the protocol's rules */
 } HotPath;
 
@@ -334,15 +335,18 @@ corrupt_ring(HotPath *h)
 /* -- the steps, for any caller inside this file ------------------------------------------ */
 
 /* Queue a slot that has just turned READY.  A full ring (only possible with stale entries
- * piling up in a race) leaves it stranded for requeue_stranded; 0, or RING_CORRUPT. */
+ * piling up in a race) leaves it stranded for requeue_stranded; 1 queued, 0 stranded, or
+ * RING_CORRUPT. */
 static int
 queue_ready(HotPath *h, Py_ssize_t slot, uint64_t now)
 {
     int64_t pushed = ring_push(h, slot);
     if (pushed == RING_CORRUPT)
         return RING_CORRUPT;
+    if (pushed < 0)
+        return 0;
     wake_readers(h, now);
-    return 0;
+    return 1;
 }
 
 /* Hand back a slot the caller may act for (its own, or a dead owner's under the reaper's
@@ -361,12 +365,12 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
     /* Read while RECLAIMING(me): once FREE, a claimer may stamp the slot first. */
     uint64_t taken = ld(h, entry + h->stamp_off);
     clear_bit(h, slot);
+    uint64_t now = now_ns();
+    st(h, entry + h->stamp_off, now); /* still ours: a later owner's stamp is never overwritten */
     /* Nobody else may change RECLAIMING(me): this cannot fail. */
     cas(h, entry, closing, freed);
-    uint64_t now = now_ns();
-    if (state_of(word) == S_HELD) /* its stamp is the take's */
+    if (state_of(word) == S_HELD) /* its stamp was the take's */
         observe(h, h->hist_held, taken, now);
-    st(h, entry + h->stamp_off, now);
     wake_claimers(h, now);
     return 1;
 }
@@ -448,8 +452,9 @@ reclaimed_tuple(Reclaimed *done)
 static int
 need(HotPath *h, Py_ssize_t nargs, Py_ssize_t want, const char *name)
 {
-    if (!h->held) {
-        PyErr_SetString(PyExc_ValueError, "HotPath is released");
+    if (!h->held || h->left) {
+        PyErr_SetString(PyExc_ValueError,
+                        h->left ? "this participant has left the table" : "HotPath is released");
         return 0;
     }
     if (nargs != want) {
@@ -563,7 +568,11 @@ hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     }
     if (slot < 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("(nK)", slot, (unsigned long long)gen);
+    PyObject *got = Py_BuildValue("(nK)", slot, (unsigned long long)gen);
+    if (!got) /* out of memory: the slot goes back rather than stay owned by nobody */
+        to_free(h, slot, owned_word(gen, h->me, event == E_RESERVE ? S_RESERVED : S_WRITING),
+                E_ABORT);
+    return got;
 }
 
 /* open_reserved(slot, generation) -> tag | None: RESERVED(anyone, generation) -> WRITING(me),
@@ -640,9 +649,12 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
                 uint64_t before = __atomic_fetch_add(w64(h, entry + h->deliveries_off), 1,
                                                      __ATOMIC_SEQ_CST);
                 count(h, C_TAKES);
-                return Py_BuildValue("(nKKK)", slot, (unsigned long long)(word >> 32),
-                                     (unsigned long long)ld(h, entry + h->tag_off),
-                                     (unsigned long long)before);
+                PyObject *got = Py_BuildValue("(nKKK)", slot, (unsigned long long)(word >> 32),
+                                              (unsigned long long)ld(h, entry + h->tag_off),
+                                              (unsigned long long)before);
+                if (!got) /* out of memory: back to READY rather than owned by nobody */
+                    redeliver(h, slot, held);
+                return got;
             }
             continue;
         }
@@ -785,6 +797,35 @@ hp_reap_entry(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* leave(fd, drop_held) -> (writing, reserved, held dropped, redelivered) | None: this
+ * participant detaches — its slots are handed back as if it had died, its registry entry
+ * marked free, its liveness lock dropped — in one call, once: a second call (a close()
+ * retried after an interrupt) does nothing, so it can never free an entry that another
+ * participant has taken since, and every other step is refused from then on, so nothing is
+ * taken under an owner id that may already be someone else's. */
+static PyObject *
+hp_leave(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (h->left) /* before need(), which refuses every other step from now on */
+        Py_RETURN_NONE;
+    if (!need(h, nargs, 2, "leave")) return NULL;
+    int fd = (int)PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    int drop_held = PyObject_IsTrue(args[1]);
+    if (drop_held < 0) return NULL;
+    Reclaimed done = {0};
+    if (reclaim_owner(h, h->me, drop_held, &done) < 0)
+        return NULL;
+    PyObject *counts = reclaimed_tuple(&done);
+    if (!counts)
+        return NULL;
+    Py_ssize_t index = (Py_ssize_t)h->me - 1;
+    st(h, h->registry + index * h->reg_entry + h->reg_state, REG_FREE);
+    entry_lock(fd, index, F_UNLCK); /* FREE first: ACTIVE always means locked or dead */
+    h->left = 1;
+    return counts;
+}
+
 /* requeue_stranded(min_age_ns) -> slots queued: READY slots that are in no ring entry and
  * have been READY at least `min_age_ns` (a publisher or reaper died, or is stopped, between
  * turning a slot READY and queueing it).  A queueing still in flight may be doubled; the
@@ -804,9 +845,10 @@ hp_requeue_stranded(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
         uint64_t stamp = ld(h, entry + h->stamp_off);
         if (now > stamp && now - stamp < min_age)
             continue;
-        if (queue_ready(h, slot, now) == RING_CORRUPT)
+        int done = queue_ready(h, slot, now);
+        if (done == RING_CORRUPT)
             return corrupt_ring(h);
-        queued++;
+        queued += done;
     }
     return PyLong_FromLong(queued);
 }
@@ -966,6 +1008,7 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     }
     h->held = 1;
     h->hint = 0;
+    h->left = 0;
     return 0;
 }
 
@@ -990,6 +1033,7 @@ static PyMethodDef hp_methods[] = {
     FAST("reclaim_owner", hp_reclaim_owner, "reclaim_owner(me, drop_held) -> counts"),
     FAST("reap_entry", hp_reap_entry, "reap_entry(fd, index, drop_held) -> counts | None"),
     FAST("requeue_stranded", hp_requeue_stranded, "requeue_stranded(min_age_ns) -> count"),
+    FAST("leave", hp_leave, "leave(fd, drop_held) -> counts | None (left already)"),
     FAST("transition", hp_transition, "transition(word, event, actor) -> word | None"),
     FAST("init_ring", hp_init_ring, "init_ring(): mark every ring cell empty"),
     FAST("queued", hp_queued, "queued() -> entries in the ready ring"),

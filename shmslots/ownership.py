@@ -145,9 +145,6 @@ class Ownership:
     def word(self, slot: int) -> int:
         return self.a.load(self._entries + slot * L.SLOT_ENTRY)
 
-    def counter_offset(self, name: str) -> int:
-        return self._counters + L.COUNTER_OFFSET[name]
-
     def count(self, name: str, n: int = 1) -> None:
         self.a.add(self._counters + L.COUNTER_OFFSET[name], n)
 

@@ -115,9 +115,6 @@ class Registry(RegistryReader):
             return False
         return True
 
-    def unlock(self, index: int) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_UNLCK, index))
-
     def register(self, role: str, name: str) -> tuple[int, bool]:
         """Lock a free entry and fill it; returns (index, previous holder died there).
 
@@ -148,14 +145,6 @@ class Registry(RegistryReader):
 
     def touch(self, index: int) -> None:
         self._a.store(self._layout.registry_entry(index) + L.REG_LAST_SEEN_NS, time.time_ns())
-
-    def mark_free(self, index: int) -> None:
-        self._a.store(self._layout.registry_entry(index) + L.REG_STATE, FREE)
-
-    def deregister(self, index: int) -> None:
-        """Mark the entry free, then drop its lock (the order keeps ACTIVE ⇒ locked-or-dead)."""
-        self.mark_free(index)
-        self.unlock(index)
 
 
 def _fit(text: str, size: int) -> bytes:

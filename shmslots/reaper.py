@@ -71,7 +71,9 @@ class Reaper:
         return self._own.word(slot) >> 32
 
     def close(self) -> None:
-        self._registry.deregister(self.participant)
+        """Detach once (a second call does nothing), as SlotTable.close does."""
+        if self._own.hot.leave(self._lock_fd, self._drop_held) is None:
+            return
         os.close(self._lock_fd)
         self._mv.release()
         self._atomics.release()

@@ -68,8 +68,6 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 
 KNOWN_STATES = frozenset(int(s) for s in State)
-# States in which the slot belongs to a participant (named in the word).
-OWNED = frozenset({State.RESERVED, State.WRITING, State.HELD, State.RECLAIMING})
 # Events by which a participant takes a slot that nobody owns (FREE or READY).
 _ACQUIRING = frozenset({Event.CLAIM, Event.TAKE, Event.CANCEL})
 # Events by which one participant acts on a slot another one owns: a producer opening a

@@ -506,6 +506,7 @@ class SlotTable:
 
     def _verify_all(self, leases: list[Lease]) -> None:
         """Verify every lease of a strict poll; on any failure none stays owned here."""
+        bad = None
         try:
             bad = next((x for x in leases if not self._row_intact(x.slot, x.generation)), None)
             if bad is not None:
@@ -666,8 +667,10 @@ class SlotTable:
         """Detach.  Slots still owned here are handed back as if this process had died."""
         if self._closed:
             return
-        self._own.reclaim_own(self.drop_on_consumer_death)
-        self._registry.deregister(self.participant)
+        # Slots handed back, entry freed, lock dropped: one compiled step that a retried
+        # close() (after an interrupt) does not repeat, so it never frees a reused entry;
+        # after it, the compiled steps refuse to act in this participant's name.
+        self._own.hot.leave(self._lock_fd, self.drop_on_consumer_death)
         self._closed = self._core.closed = True
         os.close(self._lock_fd)
         leaked = self._rows.close()
@@ -695,13 +698,13 @@ class SlotTable:
         """A table nobody closed: close it (its slots are handed back), and say so."""
         if getattr(self, "_closed", True):  # closed, or __init__ never finished
             return
+        self.close()  # first: a warning raised as an error must not keep the table open
         warnings.warn(
-            f"table {self.name!r} was garbage-collected without close(); closing it",
+            f"table {self.name!r} was garbage-collected without close(); it was closed",
             ResourceWarning,
             stacklevel=2,
             source=self,
         )
-        self.close()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None

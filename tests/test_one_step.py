@@ -10,6 +10,7 @@ import contextlib
 import gc
 import os
 import signal
+import sys
 import time
 import warnings
 from multiprocessing.synchronize import Event
@@ -208,3 +209,39 @@ def test_a_stopped_publisher_blocks_no_reader(name: str, children: Children) -> 
         assert time.monotonic() - started < 2.0
         os.kill(proc.pid or 0, signal.SIGKILL)
         os.kill(proc.pid or 0, signal.SIGCONT)
+
+
+def test_a_close_retried_after_an_interrupt_leaves_a_newcomer_alone(name: str) -> None:
+    """An interrupt between close()'s detach and its bookkeeping, then close() again: the
+    entry may have been taken by a new participant meanwhile, whose slots must stay its own."""
+    with SlotTable.create(name, SMALL, slots=2) as owner:
+        first = SlotTable.attach(name, "first")
+        first._own.hot.leave(first._lock_fd, False)  # what close() did before the interrupt
+        with pytest.raises(ValueError, match="left the table"):
+            first._own.hot.acquire(0, 1)  # nothing is taken in the old owner id's name
+        newcomer = SlotTable.attach(name, "newcomer")  # takes the freed entry, same owner id
+        assert newcomer.participant == first.participant
+        ws = newcomer.claim(tag=9).write(**small_row(9))
+        first.close()  # the retry
+        ws.publish()  # still the newcomer's
+        assert [p.role for p in owner.participants()] == ["owner", "newcomer"]
+        newcomer.close()
+        lease = owner.take(timeout=1.0)
+        assert lease is not None and lease.tag == 9
+        lease.release()
+
+
+def test_a_table_collected_unclosed_closes_even_if_its_warning_raises(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as owner:
+        dropped = SlotTable.attach(name, "dropped")
+        raised: list[object] = []
+        hook, sys.unraisablehook = sys.unraisablehook, raised.append  # __del__ cannot raise
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ResourceWarning)
+                del dropped
+                gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        assert len(raised) == 1  # the warning, raised as an error, was reported...
+        assert [p.role for p in owner.participants()] == ["owner"]  # ...after it closed
