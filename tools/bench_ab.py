@@ -28,7 +28,9 @@ HERE = Path(__file__).resolve().parent.parent
 
 # Runs in the checkout under test (its path first on sys.path); prints one JSON line.
 PROBE = """
-import json, statistics, sys
+import json, signal, statistics, sys
+# SIGTERM unwinds (SystemExit), so the probe's tables are unlinked and its children joined.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 sys.path[:0] = [{root!r}, {root!r} + "/tools"]
 import shmslots
 assert shmslots.__file__.startswith({root!r}), shmslots.__file__
@@ -52,18 +54,23 @@ if __name__ == "__main__":
 def measure(root: Path) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
-    done = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-c", PROBE.format(root=str(root))],
         env=env,
         cwd=root,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode:
-        raise SystemExit(f"probe in {root} failed:\n{done.stderr}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    ) as probe:
+        try:
+            out, err = probe.communicate(timeout=600)
+        except BaseException:  # interrupted or timed out: let the probe clean up, then go
+            probe.terminate()
+            probe.communicate(timeout=30)
+            raise
+    if probe.returncode:
+        raise SystemExit(f"probe in {root} failed:\n{err}")
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
     return result
 
 
