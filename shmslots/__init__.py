@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._rowcodec import row_hash
 from .errors import (
     CorruptTable,
     IncompatibleTable,
@@ -41,6 +42,7 @@ from .states import State
 
 if TYPE_CHECKING:
     from .leases import Lease, Reservation, WriteSlot
+    from .quarantine import Quarantine
     from .table import SlotAge, SlotTable, Stats
 
 # name -> the submodule that defines it; these import torch.
@@ -48,6 +50,7 @@ _LAZY = {
     "Lease": "leases",
     "Reservation": "leases",
     "WriteSlot": "leases",
+    "Quarantine": "quarantine",
     "SlotAge": "table",
     "SlotTable": "table",
     "Stats": "table",
@@ -79,6 +82,7 @@ __all__ = [
     "OutOfSharedMemory",
     "OwnershipError",
     "Participant",
+    "Quarantine",
     "RegistryFull",
     "Reservation",
     "RowRejected",
@@ -95,4 +99,5 @@ __all__ = [
     "TableNotFound",
     "TablePermissionError",
     "WriteSlot",
+    "row_hash",
 ]

@@ -10,6 +10,8 @@
  *   open_reserved  RESERVED(anyone) -> WRITING(me)
  *   publish        WRITING -> READY, then queue it ("ready first": no reader ever
  *                  waits on a publisher's progress; see requeue_stranded)
+ *   keep           WRITING -> HELD by the writer itself, never queued: a row landed
+ *                  for this process's own later use (committed where it is consumed)
  *   take           READY -> HELD of the oldest queued slot; counts the delivery and
  *                  how long the row waited READY
  *   free           owned -> RECLAIMING -> FREE (release, abort); a HELD slot's hold time
@@ -67,12 +69,12 @@
 enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_COUNT };
 enum {
     E_CLAIM, E_RESERVE, E_OPEN_RESERVED, E_PUBLISH, E_TAKE, E_RELEASE, E_ABORT, E_RECLAIM,
-    E_REDELIVER, E_FINISH, E_CANCEL, E_COUNT
+    E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_COUNT
 };
 static const char *state_names[] = {"FREE", "RESERVED", "WRITING", "READY", "HELD", "RECLAIMING"};
 static const char *event_names[] = {"CLAIM", "RESERVE", "OPEN_RESERVED", "PUBLISH", "TAKE",
                                     "RELEASE", "ABORT", "RECLAIM", "REDELIVER", "FINISH",
-                                    "CANCEL"};
+                                    "CANCEL", "KEEP"};
 /* Counters this file bumps, in the order of the `counters` offsets passed in. */
 enum {
     C_CLAIMS, C_RESERVES, C_PUBLISHES, C_TAKES, C_RELEASES, C_ABORTS, C_CANCELS,
@@ -622,6 +624,28 @@ hp_publish(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(0);
 }
 
+/* keep(slot, generation) -> 0 kept, -1 not this participant's WRITING slot (nothing changed).
+ * Counted as a publish and a take, so counters read as if it went through the ring. */
+static PyObject *
+hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t gen, held;
+    if (!need(h, nargs, 2, "keep") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
+        return NULL;
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t mine = owned_word(gen, h->me, S_WRITING);
+    if (ld(h, entry) != mine || transition(h, mine, E_KEEP, h->me, &held) != 0)
+        return PyLong_FromLong(-1);
+    st(h, entry + h->stamp_off, now_ns());
+    st(h, entry + h->deliveries_off, 1); /* delivered once: to its writer */
+    if (!cas(h, entry, mine, held))
+        return PyLong_FromLong(-1);
+    count(h, C_PUBLISHES);
+    count(h, C_TAKES);
+    return PyLong_FromLong(0);
+}
+
 /* take() -> (slot, generation, tag, deliveries before this one) | None (nothing ready). */
 static PyObject *
 hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
@@ -1026,6 +1050,7 @@ static PyMethodDef hp_methods[] = {
     FAST("acquire", hp_acquire, "acquire(event, tag) -> (slot, gen) | None"),
     FAST("open_reserved", hp_open_reserved, "open_reserved(slot, gen) -> tag | None"),
     FAST("publish", hp_publish, "publish(slot, gen) -> 0 | -1 not owner | -2 ring full"),
+    FAST("keep", hp_keep, "keep(slot, gen) -> 0 | -1 not owner"),
     FAST("take", hp_take, "take() -> (slot, gen, tag, deliveries) | None"),
     FAST("free", hp_free, "free(slot, gen, state, event) -> 0 | -1"),
     FAST("redeliver", hp_redeliver, "redeliver(slot, gen) -> 0 | -1"),

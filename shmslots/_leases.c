@@ -404,7 +404,7 @@ typedef struct {
     long long idle_due_ns;     /* CLOCK_MONOTONIC ns of the next such run */
     Py_ssize_t nfields;
     /* HotPath methods */
-    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved;
+    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved, *keep;
     PyObject *write, *seal, *read, *gather;  /* RowCodec methods */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
@@ -423,9 +423,9 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
                          "states", "nfields", "plain_claim", "strict", "redeliver_dropped",
                          "idle_every_ns", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
-                                      "open_reserved"};
+                                      "open_reserved", "keep"};
     static const char *codec_names[] = {"write", "seal", "read", "gather"};
-    enum { NHOT = 6, NMETHODS = 10 };
+    enum { NHOT = 7, NMETHODS = 11 };
     PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
         *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
@@ -460,8 +460,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         }
     }
     c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
-    c->redeliver = methods[4], c->open_reserved = methods[5];
-    c->write = methods[6], c->seal = methods[7], c->read = methods[8], c->gather = methods[9];
+    c->redeliver = methods[4], c->open_reserved = methods[5], c->keep = methods[6];
+    c->write = methods[7], c->seal = methods[8], c->read = methods[9], c->gather = methods[10];
     c->views = Py_NewRef(views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
@@ -486,7 +486,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
     {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
-     &(c)->open_reserved, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather, &(c)->views,     \
+     &(c)->open_reserved, &(c)->keep, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather, &(c)->views,     \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
      (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
      &(c)->ev_abort, &(c)->ev_redeliver, &(c)->ev_publish, &(c)->st_writing,                  \
@@ -832,6 +832,52 @@ ws_abort(Handle *h, PyObject *unused)
             Py_RETURN_NONE;
     }
     return slow((PyObject *)h, s_abort_slow, NULL, NULL);
+}
+
+/* _keep() -> Lease | None: seal the row, hold it oneself (WRITING -> HELD) and hand the
+ * ownership from this write slot to a new lease, in one call; None if the slot is not this
+ * handle's any more (nothing changed).  leases.WriteSlot.keep checks everything first. */
+static PyObject *
+ws_keep(Handle *h, PyObject *unused)
+{
+    if (!made(h))
+        return NULL;
+    if (!usable(h))
+        Py_RETURN_NONE;
+    Core *c = h->core;
+    PyObject *call[4] = {h->slot, h->generation, c->st_held, c->ev_abort}, *r;
+    if (!(r = PyObject_Vectorcall(c->seal, call, 2, NULL)))
+        return NULL;
+    Py_DECREF(r);
+    if (!(r = PyObject_Vectorcall(c->keep, call, 2, NULL)))
+        return NULL;
+    long code = PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (code != 0)
+        Py_RETURN_NONE;
+    h->open = 0;
+    Handle *lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag);
+    PyObject *before = lease ? PyLong_FromLong(0) : NULL;
+    if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *undone = PyObject_Vectorcall(c->free, call, 4, NULL);
+        if (!undone)
+            PyErr_WriteUnraisable(c->free);
+        Py_XDECREF(undone);
+        PyErr_Restore(type, value, tb);
+        if (lease)
+            lease->open = 0;
+        Py_XDECREF(lease);
+        return NULL;
+    }
+    lease->deliveries = before;
+    Py_ssize_t i = PyLong_AsSsize_t(h->slot); /* HotPath took it: in range */
+    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
+                                                                 : NULL;
+    if (watched && Py_TYPE(watched) == &WatchedType && ((Watched *)watched)->ready)
+        lease->watched = Py_NewRef(watched);
+    return (PyObject *)lease;
 }
 
 /* -- Lease ---------------------------------------------------------------------------------- */
@@ -1383,6 +1429,8 @@ static PyMethodDef ws_methods[] = {
     {"publish", (PyCFunction)(void (*)(void))ws_publish, METH_FASTCALL | METH_KEYWORDS,
      "publish(timeout=1.0): seal, queue and make READY"},
     {"abort", (PyCFunction)ws_abort, METH_NOARGS, "abort(): hand the slot back unpublished"},
+    {"_keep", (PyCFunction)ws_keep, METH_NOARGS,
+     "_keep() -> Lease | None: seal, hold the row oneself, hand ownership to a lease"},
     {NULL, NULL, 0, NULL},
 };
 

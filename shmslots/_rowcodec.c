@@ -25,7 +25,10 @@
 
 /* How a field is written from a Python number (`scalar`) and read as one (`item`); the
  * 16-bit floats are read only. */
-enum scalar { NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16 };
+enum scalar {
+    NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16,
+    S_UINT64, S_INT16, S_INT8, S_BOOL
+};
 
 /* -- the rules ------------------------------------------------------------------------------
  *
@@ -445,8 +448,10 @@ static PyTypeObject RulesType = {
 
 /* -- the codec ----------------------------------------------------------------------------- */
 
+/* A field's column: slot i's item is at column + item_len * i (schema.py's addressing
+ * rule); the item's first nbytes are the field's. */
 typedef struct {
-    Py_ssize_t offset, nbytes, itemsize;
+    Py_ssize_t column, item_len, nbytes, itemsize;
     int scalar, item;
     PyObject *dtype; /* borrowed from specs, which the codec keeps alive */
     PyObject *shape;
@@ -457,7 +462,7 @@ typedef struct {
     Py_buffer buf;
     int held;
     char *base;
-    Py_ssize_t rows, row_size, nslots, header;
+    Py_ssize_t seals, nslots; /* seals: slots x 16 bytes, generation u64 + checksum u32 */
     Py_ssize_t nfields;
     Spec spec[MAX_FIELDS];
     PyObject *specs; /* the tuple the Spec pointers borrow from */
@@ -493,11 +498,12 @@ static inline uint64_t mix(uint64_t a, uint64_t b)
     return (uint64_t)r ^ (uint64_t)(r >> 64);
 }
 
-static uint32_t
-row_hash(const char *p, Py_ssize_t n)
+/* One span folded into `seed`; a row chains its fields' items through it, in field order. */
+static uint64_t
+span_hash(const char *p, Py_ssize_t n, uint64_t seed)
 {
     size_t len = (size_t)n, i = len;
-    uint64_t seed = mix(S0, S1), a, b;
+    uint64_t a, b;
     if (len <= 16) {
         if (len >= 4) {
             a = (load32(p) << 32) | load32(p + ((len >> 3) << 2));
@@ -530,9 +536,11 @@ row_hash(const char *p, Py_ssize_t n)
         b = load64(p + i - 8);
     }
     unsigned __int128 r = (unsigned __int128)(a ^ S1) * (b ^ seed);
-    uint64_t h = mix((uint64_t)r ^ S0 ^ len, (uint64_t)(r >> 64) ^ S1);
-    return (uint32_t)(h ^ (h >> 32));
+    return mix((uint64_t)r ^ S0 ^ len, (uint64_t)(r >> 64) ^ S1);
 }
+
+static inline uint64_t hash_seed(void) { return mix(S0, S1); }
+static inline uint32_t hash_fold(uint64_t h) { return (uint32_t)(h ^ (h >> 32)); }
 
 /* -- construction -------------------------------------------------------------------------- */
 
@@ -540,21 +548,19 @@ static int
 rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
 {
     PyObject *buffer, *specs, *rules;
-    Py_ssize_t rows, row_size, nslots, header;
+    Py_ssize_t seals, nslots;
     if (r->specs) {
         PyErr_SetString(PyExc_RuntimeError, "RowCodec already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OnnnnO!O!", &buffer, &rows, &row_size, &nslots, &header,
-                          &PyTuple_Type, &specs, &RulesType, &rules))
+    if (!PyArg_ParseTuple(args, "OnnO!O!", &buffer, &seals, &nslots, &PyTuple_Type, &specs,
+                          &RulesType, &rules))
         return -1;
     if (!((Rules *)rules)->tensor_type) {
         PyErr_SetString(PyExc_ValueError, "Rules not initialized");
         return -1;
     }
-    /* 12 header bytes are sealed; sizes are checked by subtraction, so nothing overflows */
-    if (header < 12 || row_size < header || rows < 0 || nslots < 0 ||
-        (nslots && row_size > (PY_SSIZE_T_MAX - rows) / nslots)) {
+    if (seals < 0 || nslots < 0 || nslots > PY_SSIZE_T_MAX / 16) {
         PyErr_SetString(PyExc_ValueError, "bad row geometry");
         return -1;
     }
@@ -563,45 +569,38 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "too many fields");
         return -1;
     }
+    if (PyObject_GetBuffer(buffer, &r->buf, PyBUF_WRITABLE) < 0)
+        return -1;
+    Py_ssize_t len = r->buf.len;
     PyObject *index = PyDict_New();
     if (!index)
-        return -1;
+        goto fail;
+    if (seals > len - 16 * nslots) {
+        PyErr_SetString(PyExc_ValueError, "seals do not fit the buffer");
+        goto fail;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *at = NULL;
         Spec *s = &r->spec[i];
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnniiOO!", &name, &s->offset,
-                              &s->nbytes, &s->scalar, &s->item, &s->dtype, &PyTuple_Type,
-                              &s->shape) ||
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnnniiOO!", &name, &s->column,
+                              &s->item_len, &s->nbytes, &s->scalar, &s->item, &s->dtype,
+                              &PyTuple_Type, &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
             Py_XDECREF(at);
-            Py_DECREF(index);
-            return -1;
+            goto fail;
         }
         Py_DECREF(at);
-        if ((s->itemsize = itemsize_of(s->dtype)) < 0) {
-            Py_DECREF(index);
-            return -1;
+        if ((s->itemsize = itemsize_of(s->dtype)) < 0)
+            goto fail;
+        /* sizes are checked by division and subtraction, so nothing overflows */
+        if (s->column < 0 || s->nbytes < 0 || s->item_len < s->nbytes ||
+            (nslots && s->item_len > (len - s->column) / nslots) || s->column > len) {
+            PyErr_SetString(PyExc_ValueError, "a field's column does not fit the buffer");
+            goto fail;
         }
-        if (s->offset < header || s->nbytes < 0 || s->nbytes > row_size - s->offset) {
-            Py_DECREF(index);
-            PyErr_SetString(PyExc_ValueError, "field does not fit the row");
-            return -1;
-        }
     }
-    if (PyObject_GetBuffer(buffer, &r->buf, PyBUF_WRITABLE) < 0) {
-        Py_DECREF(index);
-        return -1;
-    }
-    if (rows + nslots * row_size > r->buf.len) {
-        PyBuffer_Release(&r->buf);
-        Py_DECREF(index);
-        PyErr_SetString(PyExc_ValueError, "rows do not fit the buffer");
-        return -1;
-    }
-    r->rows = rows;
-    r->row_size = row_size;
+    r->seals = seals;
     r->nslots = nslots;
-    r->header = header;
     r->base = r->buf.buf;
     r->nfields = n;
     r->specs = Py_NewRef(specs);
@@ -609,34 +608,54 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     r->rules = (Rules *)Py_NewRef(rules);
     r->held = 1;
     return 0;
+fail:
+    Py_XDECREF(index);
+    PyBuffer_Release(&r->buf);
+    return -1;
 }
 
-/* The row named by args[0] (a slot), after checking the argument count; NULL: error set. */
-static char *
-row_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
+static inline char *item_at(RowCodec *r, const Spec *s, Py_ssize_t slot)
+{
+    return r->base + s->column + slot * s->item_len;
+}
+
+/* The slot named by args[0], after checking the argument count; -1: error set. */
+static Py_ssize_t
+slot_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
 {
     if (nargs != want) {
         PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
+        return -1;
     }
     if (!r->held) {
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return NULL;
+        return -1;
     }
     Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
     if (slot == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
     if (slot < 0 || slot >= r->nslots) {
         PyErr_SetString(PyExc_IndexError, "slot out of range");
-        return NULL;
+        return -1;
     }
-    return r->base + r->rows + slot * r->row_size;
+    return slot;
+}
+
+/* The checksum of one slot's row: its fields' items, chained in field order. */
+static uint32_t
+row_checksum(RowCodec *r, Py_ssize_t slot)
+{
+    uint64_t h = hash_seed();
+    for (Py_ssize_t i = 0; i < r->nfields; i++)
+        h = span_hash(item_at(r, &r->spec[i], slot), r->spec[i].nbytes, h);
+    return hash_fold(h);
 }
 
 /* -- write --------------------------------------------------------------------------------- */
 
 typedef struct {
-    Py_ssize_t offset, nbytes;
+    char *dst;
+    Py_ssize_t nbytes;
     const void *src;
     union { int64_t i64; int32_t i32; uint8_t u8; float f32; } value;
 } Copy;
@@ -692,8 +711,8 @@ plain_number(Spec *s, PyObject *v, Copy *c)
 static PyObject *
 rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    char *row = row_arg(r, args, nargs, 2, "write(slot, fields: dict)");
-    if (!row)
+    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "write(slot, fields: dict)");
+    if (slot < 0)
         return NULL;
     PyObject *fields = args[1];
     if (!PyDict_Check(fields)) {
@@ -729,7 +748,7 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t j = 0; j < k; j++) {
         Spec *s = spec[j];
         Copy *c = &copies[j];
-        c->offset = s->offset;
+        c->dst = item_at(r, s, slot);
         c->nbytes = s->nbytes;
         total += s->nbytes;
         PyObject *v = held[j];
@@ -760,13 +779,13 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t j = 0; j < k; j++)
             if (copies[j].nbytes)
-                memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+                memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
         Py_END_ALLOW_THREADS
         PyBuffer_Release(&keep);
     } else {
         for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
             if (copies[j].nbytes)
-                memmove(row + copies[j].offset, copies[j].src, (size_t)copies[j].nbytes);
+                memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
     }
     result = Py_True;
 done:
@@ -782,8 +801,8 @@ done:
 static PyObject *
 rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *row = row_arg(r, args, nargs, 2, "read(slot, name)");
-    if (!row)
+    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "read(slot, name)");
+    if (slot < 0)
         return NULL;
     PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
     if (!i) {
@@ -792,11 +811,15 @@ rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-    const char *at = row + s->offset;
+    const char *at = item_at(r, s, slot);
     switch (s->item) {
     case S_INT64: { int64_t v; memcpy(&v, at, 8); return PyLong_FromLongLong(v); }
     case S_INT32: { int32_t v; memcpy(&v, at, 4); return PyLong_FromLong(v); }
     case S_UINT8: return PyLong_FromLong(*(const uint8_t *)at);
+    case S_UINT64: { uint64_t v; memcpy(&v, at, 8); return PyLong_FromUnsignedLongLong(v); }
+    case S_INT16: { int16_t v; memcpy(&v, at, 2); return PyLong_FromLong(v); }
+    case S_INT8: return PyLong_FromLong(*(const int8_t *)at);
+    case S_BOOL: return PyBool_FromLong(*(const uint8_t *)at != 0);
     case S_FLOAT32: { float v; memcpy(&v, at, 4); return PyFloat_FromDouble(v); }
     case S_FLOAT16: {
         double v = PyFloat_Unpack2(at, 1);
@@ -889,7 +912,7 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
                 PyMem_Free(src);
             return NULL;
         }
-        src[k] = r->rows + slot * r->row_size + s->offset;
+        src[k] = s->column + slot * s->item_len;
     }
     char *base = r->base;
     size_t nbytes = (size_t)s->nbytes;
@@ -921,38 +944,50 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 rc_checksum(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *row = row_arg(r, args, nargs, 1, "checksum(slot)");
-    if (!row)
+    Py_ssize_t slot = slot_arg(r, args, nargs, 1, "checksum(slot)");
+    if (slot < 0)
         return NULL;
-    return PyLong_FromUnsignedLong(row_hash(row + r->header, r->row_size - r->header));
+    return PyLong_FromUnsignedLong(row_checksum(r, slot));
 }
 
-/* Header: generation (u64), checksum (u32), as rows.py's _ROW_HEADER reads them. */
+/* The seal: generation (u64), checksum (u32), as layout.py's SEAL_* offsets place them. */
 static PyObject *
 rc_seal(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    char *row = row_arg(r, args, nargs, 2, "seal(slot, generation)");
-    if (!row)
+    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "seal(slot, generation)");
+    if (slot < 0)
         return NULL;
     unsigned long long generation = PyLong_AsUnsignedLongLong(args[1]);
     if (generation == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     uint64_t g = generation;
-    uint32_t sum = row_hash(row + r->header, r->row_size - r->header);
-    memcpy(row, &g, 8);
-    memcpy(row + 8, &sum, 4);
+    uint32_t sum = row_checksum(r, slot);
+    char *seal = r->base + r->seals + 16 * slot;
+    memcpy(seal, &g, 8);
+    memcpy(seal + 8, &sum, 4);
     Py_RETURN_NONE;
 }
 
+/* row_hash(items) -> the checksum of a row whose fields' items are `items`, in field order:
+ * what a row sealed from those bytes carries (the CLI and remote writers compute it so). */
 static PyObject *
 rc_hash(PyObject *module, PyObject *arg)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    PyObject *items = PySequence_Fast(arg, "row_hash takes a sequence of buffers");
+    if (!items)
         return NULL;
-    uint32_t sum = row_hash(view.buf, view.len);
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(sum);
+    uint64_t h = hash_seed();
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, i), &view, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        h = span_hash(view.buf, view.len, h);
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(items);
+    return PyLong_FromUnsignedLong(hash_fold(h));
 }
 
 static PyObject *
@@ -981,8 +1016,8 @@ static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
     FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
-    FAST("checksum", rc_checksum, "checksum(slot) -> the row payload's 32-bit checksum"),
-    FAST("seal", rc_seal, "seal(slot, generation): write the row header"),
+    FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
+    FAST("seal", rc_seal, "seal(slot, generation): write the row's seal"),
     {"release", (PyCFunction)rc_release, METH_NOARGS, "release the buffer export"},
     {NULL, NULL, 0, NULL},
 };
@@ -990,7 +1025,7 @@ static PyMethodDef rc_methods[] = {
 static PyTypeObject RowCodecType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmslots._rowcodec.RowCodec",
-    .tp_doc = "Plain-case row writes and row checksums over one buffer of rows.",
+    .tp_doc = "Plain-case row writes and row checksums over the columns of one buffer.",
     .tp_basicsize = sizeof(RowCodec),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -1000,7 +1035,7 @@ static PyTypeObject RowCodecType = {
 };
 
 static PyMethodDef module_methods[] = {
-    {"row_hash", rc_hash, METH_O, "row_hash(buffer) -> the 32-bit checksum of its bytes"},
+    {"row_hash", rc_hash, METH_O, "row_hash(items) -> the 32-bit checksum of a row of these items"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,10 +1,10 @@
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from typing_extensions import Buffer
 
-def row_hash(buffer: Buffer, /) -> int: ...
+def row_hash(items: Sequence[Buffer], /) -> int: ...
 
 class Rules:
     """The checks on a tensor before its bytes are copied into shared memory."""
@@ -30,16 +30,14 @@ class Rules:
     ) -> int: ...
 
 class RowCodec:
-    """Plain-case row writes and row checksums over one writable buffer of rows."""
+    """Plain-case row writes and row checksums over the columns of one writable buffer."""
 
     def __init__(
         self,
         buffer: Buffer,
-        rows: int,
-        row_size: int,
+        seals: int,
         slots: int,
-        header: int,
-        specs: tuple[tuple[str, int, int, int, int, torch.dtype, tuple[int, ...]], ...],
+        specs: tuple[tuple[str, int, int, int, int, int, torch.dtype, tuple[int, ...]], ...],
         rules: Rules,
         /,
     ) -> None: ...

@@ -26,12 +26,16 @@
           ├──────────────────────────────────────────────────────────────┤
           │ READY RING    ring_capacity x u64 cells (position, slot)      │
           ├──────────────────────────────────────────────────────────────┤
+          │ SEALS         slots x 16 B: generation and checksum each row   │
+          │               was published with (u64, u32)                  │
+          ├──────────────────────────────────────────────────────────────┤
           │ SITES         participants x trace_sites x 192 B: the call    │
           │               sites each participant's owners were made at   │
           │               (only on a table made with trace=True)         │
           ├──────────────────────────────────────────────────────────────┤ page aligned
-          │ ROWS          slots x row_size: 16 B row header (generation,  │
-          │               checksum) + fields (schema.py)                 │
+          │ COLUMNS       one per field, in schema order: slots x item_len │
+          │               bytes, slot i's item at column + item_len * i   │
+          │               (schema.py: item_len is a multiple of 64)      │
           ├──────────────────────────────────────────────────────────────┤
           │ ARENA TABLE   arena_pages x u64: (slot + 1, generation) that  │
           │               owns each page, 0 = free  (arena.py)            │
@@ -63,10 +67,12 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
+# 7: one column per field (rows are addressed as SGLang's metadata buffers), seals beside
+#    the slot states, uint64/int8/int16/bool fields;
 # 6: hold-time histograms, call-site tracing;
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
-VERSION = 6
+VERSION = 7
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -95,13 +101,14 @@ _HEADER_FIELDS = (
     ("bitmap", "Q"),
     ("slot_states", "Q"),
     ("ring", "Q"),
-    ("rows", "Q"),
+    ("columns", "Q"),
     ("arena_page_size", "I"),
     ("arena_pages", "I"),
     ("arena_table", "Q"),
     ("arena", "Q"),
     ("trace_sites", "I"),
     ("sites", "Q"),
+    ("seals", "Q"),
 )
 HEADER = struct.Struct("<" + "".join(code for _, code in _HEADER_FIELDS))
 assert HEADER.size <= HEADER_SIZE
@@ -191,9 +198,10 @@ DEFAULT_TRACE_SITES = 32
 MAX_TRACE_SITES = 4096
 NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 
-# ROW header (relative to the row start); fields follow (schema.py).
-ROW_GENERATION = 0  # u64 generation the row was published under
-ROW_CHECKSUM = 8  # u32 checksum of the payload (_rowcodec.c)
+# SEALS entry (relative to the entry start).
+SEAL_ENTRY = 16
+SEAL_GENERATION = 0  # u64 generation the row was published under
+SEAL_CHECKSUM = 8  # u32 checksum of the row's items (_rowcodec.c)
 
 MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index
 MAX_ARENA_PAGES = 1 << 24
@@ -244,7 +252,8 @@ class Layout:
     bitmap: int
     slot_states: int
     ring: int
-    rows: int
+    seals: int
+    columns: int
     arena_page_size: int
     arena_pages: int
     arena_table: int
@@ -292,14 +301,16 @@ class Layout:
         bitmap = registry + registry_capacity * REGISTRY_ENTRY
         slot_states = _align(bitmap + 8 * ((slots + 63) // 64), CACHE_LINE)
         ring = slot_states + slots * SLOT_ENTRY
-        sites = _align(ring + 8 * ring_capacity, CACHE_LINE)
-        rows = _align(sites + registry_capacity * trace_sites * SITE_ENTRY, PAGE)
-        arena_table = _align(rows + slots * row_size, CACHE_LINE)
+        seals = _align(ring + 8 * ring_capacity, CACHE_LINE)
+        sites = _align(seals + slots * SEAL_ENTRY, CACHE_LINE)
+        columns = _align(sites + registry_capacity * trace_sites * SITE_ENTRY, PAGE)
+        arena_table = _align(columns + slots * row_size, CACHE_LINE)
         arena = _align(arena_table + 8 * arena_pages, PAGE)
         total = _align(arena + arena_pages * arena_page_size, PAGE)
         return cls(
             slots, row_size, registry_capacity, ring_capacity, schema_len,
-            sync, counters, histograms, schema, registry, bitmap, slot_states, ring, rows,
+            sync, counters, histograms, schema, registry, bitmap, slot_states, ring, seals,
+            columns,
             arena_page_size if arena_pages else 0, arena_pages, arena_table, arena, total,
             trace_sites, sites,
         )  # fmt: skip
@@ -312,8 +323,12 @@ class Layout:
     def slot_entry(self, slot: int) -> int:
         return self.slot_states + slot * SLOT_ENTRY
 
-    def row(self, slot: int) -> int:
-        return self.rows + slot * self.row_size
+    def column(self, before: int) -> int:
+        """Where the column of a field with `before` item bytes ahead of it starts."""
+        return self.columns + self.slots * before
+
+    def seal(self, slot: int) -> int:
+        return self.seals + slot * SEAL_ENTRY
 
     def registry_entry(self, index: int) -> int:
         return self.registry + index * REGISTRY_ENTRY
@@ -347,13 +362,14 @@ class Layout:
             self.bitmap,
             self.slot_states,
             self.ring,
-            self.rows,
+            self.columns,
             self.arena_page_size,
             self.arena_pages,
             self.arena_table,
             self.arena,
             self.trace_sites,
             self.sites,
+            self.seals,
         )
 
 
@@ -426,7 +442,8 @@ def read_header(raw: bytes, segment_size: int) -> Header:
         "bitmap",
         "slot_states",
         "ring",
-        "rows",
+        "seals",
+        "columns",
         "arena_table",
         "arena",
         "sites",
@@ -440,7 +457,7 @@ def read_header(raw: bytes, segment_size: int) -> Header:
         raise CorruptTable("ring capacity or total size does not match the layout")
     if values["arena_page_size"] != layout.arena_page_size:
         raise CorruptTable("arena page size is set for a table without an arena")
-    if values["row_size"] % 64 or values["row_size"] < 64:
+    if values["row_size"] % CACHE_LINE or values["row_size"] < CACHE_LINE:
         raise CorruptTable(f"row size {values['row_size']} is not a positive multiple of 64")
     return Header(
         values["version"],

@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -273,29 +273,41 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _views(self) -> WatchedTensors:
         return self._watched if self._watched is not None else self._table._rows.views(self.slot)
 
-    def write_packed(self, row: memoryview) -> WriteSlot:
-        """Copy in a whole row packed by another process (a remote writer), header included.
+    def written_in_place(self, checksum: int | None = None) -> WriteSlot:
+        """Take the row as written by a writer that knows only its addresses (a transfer
+        engine or a memmove through `table.buffer_infos()`): every field counts as written.
 
-        The copy is checked, not the source (which a late remote write may still
-        change): unless the copied header carries this slot's generation and the
-        payload matches its checksum, RowRejected is raised and nothing is published.
+        With `checksum` — what `shmslots.row_hash` gave the writer for the items it sent —
+        the row must hash to it, or RowRejected is raised and nothing is published: a torn,
+        partial or foreign transfer is refused, not delivered.
         """
         self._check_open("write")
         rows = self._table._rows
-        if row.nbytes != rows.schema.row_size:
-            raise SchemaError(f"packed row is {row.nbytes} bytes, rows are {rows.schema.row_size}")
         if rows.schema.has_handles:
-            raise SchemaError("rows with handle fields cannot be packed by another process")
-        rows.fill(self.slot, row)
-        generation, checksum = rows.sealed(self.slot)
-        if generation != self.generation or checksum != rows.checksum(self.slot):
+            raise SchemaError("handle fields cannot be written by address")
+        if checksum is not None and rows.checksum(self.slot) != checksum:
             raise RowRejected(
-                f"slot {self.slot}: packed row carries generation {generation} and "
-                f"{'a matching' if checksum == rows.checksum(self.slot) else 'a wrong'} "
-                f"checksum; the reservation is generation {self.generation}"
+                f"slot {self.slot} (generation {self.generation}): the row written in place "
+                f"does not match the writer's checksum {checksum:#010x}"
             )
         self._written.update(rows.schema.slots)
         return self
+
+    def keep(self) -> Lease:
+        """Seal the row and hold it oneself: WRITING -> HELD, never queued for other readers.
+
+        For a row landed for this process's own later use — a transfer committed where it
+        will be consumed (SGLang's decode side) — so it stays owned, and its views valid,
+        until the lease is released.  Needs every field written, as publish() does.
+        """
+        self._check_open("keep")
+        self._check_written()
+        if self._viewed:
+            self._check_views("keep")
+        lease = self._keep()
+        if lease is None:
+            raise self._table._own.not_mine(self.slot, self.generation, _WRITING)
+        return cast(Lease, lease)
 
     def _publish_slow(self, timeout: float) -> None:
         """publish() with fields unwritten, views alive, or a full ready ring; every error."""

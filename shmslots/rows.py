@@ -21,7 +21,9 @@ from ._atomic import AtomicView
 from ._leases import WatchedTensors
 from ._rowcodec import RowCodec, Rules, row_hash
 from .errors import SchemaError
-from .schema import ROW_HEADER_SIZE, Field, RowSchema
+from .layout import SEAL_ENTRY
+from .schema import Field, RowSchema
+from .segment import address_of
 
 # The checks on a tensor before its bytes are copied into shared memory, in one place
 # (_rowcodec.c): every path asks them, the compiled write included; this file words them.
@@ -37,9 +39,10 @@ PLAIN = 0
 _STRIDED, _ON_GPU = 1, 4  # 2: lazily negated, 8: a subclass of torch.Tensor
 _NOT_TENSOR, _DTYPE, _SHAPE, _DEVICE, _NO_STORAGE, _SHORT_STORAGE, _TOO_BIG = range(-1, -8, -1)
 # struct codes for scalar fast paths; bfloat16 has none and goes through torch.
-_SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B"}
-_INT_DTYPES = frozenset({"int32", "int64", "uint8"})
-_ROW_HEADER = struct.Struct("<QI")
+_SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B",
+                 "uint64": "<Q", "int16": "<h", "int8": "<b", "bool": "<?"}  # fmt: skip
+_INT_DTYPES = frozenset({"int32", "int64", "uint8", "uint64", "int16", "int8"})
+_SEAL = struct.Struct("<QI")
 
 
 def mapped_tensor(
@@ -66,31 +69,41 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class RowRegion(Protocol):
-    """Where rows lie in a buffer: a table's `Layout`, or a `RowBlock`."""
+    """Where a buffer's columns and seals lie: a table's `Layout`, or a `ColumnBlock`."""
 
     @property
-    def rows(self) -> int: ...
-    @property
-    def row_size(self) -> int: ...
-    @property
     def slots(self) -> int: ...
-    def row(self, slot: int) -> int: ...
+    @property
+    def seals(self) -> int: ...
+    def column(self, before: int) -> int: ...
+    def seal(self, slot: int) -> int: ...
 
 
 @dataclass(frozen=True)
-class RowBlock:
-    """Rows packed back to back in a private buffer (a remote writer's staging cells)."""
+class ColumnBlock:
+    """Columns and seals of `slots` rows in a private buffer (a remote writer's staging)."""
 
-    rows: int
-    row_size: int
     slots: int
+    row_size: int
 
-    def row(self, slot: int) -> int:
-        return self.rows + slot * self.row_size
+    @property
+    def seals(self) -> int:
+        return self.slots * self.row_size
+
+    def column(self, before: int) -> int:
+        return self.slots * before
+
+    def seal(self, slot: int) -> int:
+        return self.seals + slot * SEAL_ENTRY
+
+    @property
+    def size(self) -> int:
+        return self.seals + self.slots * SEAL_ENTRY
 
 
 class Rows:
-    """The rows of one buffer; a table's and a remote writer's are packed by the same code."""
+    """The rows of one buffer, one column per field; a table's and a remote writer's are
+    packed by the same code."""
 
     def __init__(
         self, mm: mmap.mmap, lay: RowRegion, schema: RowSchema, atomics: AtomicView | None = None
@@ -99,29 +112,45 @@ class Rows:
         self._mv = memoryview(mm)
         self._layout = lay
         self.schema = schema
-        self._offsets = {name: fs.offset for name, fs in schema.slots.items()}
+        # name -> (column, item_len): slot i's item of the field is at column + item_len * i
+        self._items = {
+            name: (lay.column(fs.before), fs.item_len) for name, fs in schema.slots.items()
+        }
         # name -> (field, packer for a Python number or None): built once, since property
         # lookups per field and write add up on the hot path
         self._specs = {name: _spec(fs.field) for name, fs in schema.slots.items()}
         self._views: list[WatchedTensors | None] = [None] * lay.slots
-        self._payload = (ROW_HEADER_SIZE, schema.row_size)
         # Compiled plain-case writes and the checksum; None on a read-only mapping (no
         # atomics: a mapping nobody writes through).
         self._codec = (
-            RowCodec(mm, lay.rows, lay.row_size, lay.slots, ROW_HEADER_SIZE, _codec_specs(schema),
-                     RULES)
+            RowCodec(mm, lay.seals, lay.slots, _codec_specs(schema, self._items), RULES)
             if atomics is not None
             else None
-        )  # fmt: skip
+        )
+
+    def item(self, slot: int, name: str) -> int:
+        """Where field `name` of `slot` starts in the buffer."""
+        column, item_len = self._items[name]
+        return column + item_len * slot
+
+    def buffer_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """(ptrs, data_lens, item_lens) of every column in this process, in field order:
+        what SGLang's MetadataBuffers.get_buf_infos() gives a transfer engine."""
+        address, slots = address_of(self._mm), self._layout.slots
+        ptrs, data_lens, item_lens = [], [], []
+        for column, item_len in self._items.values():
+            ptrs.append(address + column)
+            data_lens.append(item_len * slots)
+            item_lens.append(item_len)
+        return ptrs, data_lens, item_lens
 
     def views(self, slot: int) -> WatchedTensors:
         cached = self._views[slot]
         if cached is None:
-            base = self._layout.row(slot)
             cached = self._views[slot] = WatchedTensors(
                 {
                     name: mapped_tensor(
-                        self._mm, base + fs.offset, fs.field.torch_dtype, fs.field.fixed_shape
+                        self._mm, self.item(slot, name), fs.field.torch_dtype, fs.field.fixed_shape
                     )
                     for name, fs in self.schema.slots.items()
                     if not fs.field.is_handle
@@ -160,10 +189,8 @@ class Rows:
 
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
         """Copy a checked plan in; handle fields must already be encoded to bytes."""
-        base = self._layout.rows + slot * self._layout.row_size
-        offsets = self._offsets
         for name, value in plan:
-            off = base + offsets[name]
+            off = self.item(slot, name)
             if type(value) is bytes:
                 self._mv[off : off + len(value)] = value
             else:  # admitted by prepare(); asked again, since another thread may resize it
@@ -172,33 +199,31 @@ class Rows:
                 if code != PLAIN:
                     raise SchemaError(refusal(f, value, code))
 
-    def fill(self, slot: int, packed: memoryview) -> None:
-        """Copy a whole row packed elsewhere (header included) over this slot's row."""
-        base = self._layout.row(slot)
-        self._mv[base : base + self._layout.row_size] = packed
-
     def field_bytes(self, slot: int, name: str) -> bytes:
         """A copy of the field's bytes in the row (handles are decoded from these)."""
-        fs = self.schema.slots[name]
-        off = self._layout.row(slot) + fs.offset
-        return bytes(self._mv[off : off + fs.field.nbytes])
+        off = self.item(slot, name)
+        return bytes(self._mv[off : off + self.schema.slots[name].field.nbytes])
 
     def checksum(self, slot: int) -> int:
         if self._codec is not None:
             return self._codec.checksum(slot)
-        base = self._layout.row(slot)
-        start, end = self._payload
-        return row_hash(self._mv[base + start : base + end])
+        return row_hash(
+            [
+                self._mv[off : off + fs.field.nbytes]
+                for fs in self.schema.slots.values()
+                for off in (self.item(slot, fs.field.name),)
+            ]
+        )
 
     def seal(self, slot: int, generation: int) -> None:
-        """Record the generation and payload checksum a row is published with."""
+        """Record the generation and checksum a row is published with."""
         if self._codec is None:
             raise ValueError("rows of a read-only mapping cannot be sealed")
         self._codec.seal(slot, generation)
 
     def sealed(self, slot: int) -> tuple[int, int]:
-        """(generation, checksum) stored in the row header."""
-        gen, crc = _ROW_HEADER.unpack_from(self._mv, self._layout.row(slot))
+        """(generation, checksum) stored in the row's seal."""
+        gen, crc = _SEAL.unpack_from(self._mv, self._layout.seal(slot))
         return gen, crc
 
     def close(self) -> list[str]:
@@ -216,13 +241,16 @@ class Rows:
 
 _CODEC_SCALARS = {"int64": 1, "int32": 2, "uint8": 3, "float32": 4}  # enum scalar in the C file
 _CODEC_HANDLE = 5
-_CODEC_ITEMS = {**_CODEC_SCALARS, "float16": 6, "bfloat16": 7}  # read as a number only
+# read as a number only
+_CODEC_ITEMS = {**_CODEC_SCALARS, "float16": 6, "bfloat16": 7, "uint64": 8, "int16": 9,
+                "int8": 10, "bool": 11}  # fmt: skip
 
 
 def _codec_specs(
-    schema: RowSchema,
-) -> tuple[tuple[str, int, int, int, int, torch.dtype, tuple[int, ...]], ...]:
-    """(name, offset, nbytes, write kind, read kind, dtype, shape) per field, for RowCodec.
+    schema: RowSchema, items: dict[str, tuple[int, int]]
+) -> tuple[tuple[str, int, int, int, int, int, torch.dtype, tuple[int, ...]], ...]:
+    """(name, column, item_len, nbytes, write kind, read kind, dtype, shape) per field, for
+    RowCodec.
 
     Only shape () is written from a Python number; any field of one element reads as one.
     """
@@ -234,7 +262,8 @@ def _codec_specs(
         else:
             kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
             item = _CODEC_ITEMS.get(f.dtype, 0) if math.prod(f.fixed_shape) == 1 else 0
-        specs.append((name, fs.offset, f.nbytes, kind, item, f.torch_dtype, f.fixed_shape))
+        column, item_len = items[name]
+        specs.append((name, column, item_len, f.nbytes, kind, item, f.torch_dtype, f.fixed_shape))
     return tuple(specs)
 
 
@@ -340,6 +369,8 @@ def check_out(what: str, f: Field, out: object, shape: tuple[int, ...]) -> None:
 
 
 def _is_scalar_for(dtype: str, value: object) -> bool:
+    if dtype == "bool":
+        return isinstance(value, bool)
     if isinstance(value, bool):
         return False
     if dtype in _INT_DTYPES:

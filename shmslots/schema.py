@@ -29,11 +29,16 @@ DTYPE_SIZES: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "uint8": 1,
+    "uint64": 8,  # SGLang's bootstrap rooms and KV checksums
+    "int8": 1,
+    "int16": 2,
+    "bool": 1,
 }
 
-ROW_HEADER_SIZE = 16  # generation u64, checksum u32, pad u32 — see layout.py
-FIELD_ALIGN = 16
-ROW_ALIGN = 64
+# A field's item (its bytes for one slot) is padded to a multiple of this: every slot's
+# item starts on its own cache line, and a small field takes at least 64 bytes a row, as
+# SGLang pads its metadata buffers for RDMA.
+ITEM_ALIGN = 64
 MAX_DIMS = 4
 MAX_ROW_SIZE = 64 * 1024 * 1024
 MAX_ELEMENTS = MAX_ROW_SIZE  # per field: 64 Mi elements
@@ -177,17 +182,23 @@ def _is_dim(d: object) -> bool:
 
 @dataclass(frozen=True)
 class FieldSlot:
-    """Where a field lives inside a row."""
+    """Where a field lives: its own column, one item per slot.
+
+    In a table of N slots the column starts `N * before` bytes into the columns region
+    (layout.py), and slot i's item is at `column + item_len * i`: the addressing rule
+    transfer engines use for SGLang's metadata buffers.
+    """
 
     field: Field
-    offset: int  # from the start of the row
+    before: int  # item bytes of the fields ahead of this one (one slot's worth)
+    item_len: int  # the field's bytes padded to ITEM_ALIGN: the column's stride
 
 
 class RowSchema:
-    """An ordered set of fields laid out in a fixed-size, aligned row.
+    """An ordered set of fields, each stored as a column of fixed-size items.
 
-    Row = 16-byte header (published generation, payload checksum) + fields,
-    each at a 16-byte aligned offset; the row size is a multiple of 64 bytes.
+    A row is a slot's item in every column; `row_size` is its bytes over all columns.
+    The row's seal (generation, checksum) is kept beside the slot's state (layout.py).
     """
 
     def __init__(self, fields: list[Field] | tuple[Field, ...]) -> None:
@@ -201,13 +212,13 @@ class RowSchema:
         if len(set(names)) != len(names):
             raise SchemaError(f"duplicate field names in {names}")
         self.fields = tuple(fields)
-        offset = ROW_HEADER_SIZE
+        before = 0
         slots: dict[str, FieldSlot] = {}
         for f in self.fields:
-            offset = _round_up(offset, FIELD_ALIGN)
-            slots[f.name] = FieldSlot(f, offset)
-            offset += f.nbytes
-        self.row_size = _round_up(offset, ROW_ALIGN)
+            item_len = _round_up(f.nbytes, ITEM_ALIGN)
+            slots[f.name] = FieldSlot(f, before, item_len)
+            before += item_len
+        self.row_size = before
         self.has_handles = any(f.is_handle for f in self.fields)
         if self.row_size > MAX_ROW_SIZE:
             raise SchemaError(f"row of {self.row_size} bytes exceeds the {MAX_ROW_SIZE} limit")

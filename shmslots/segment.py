@@ -7,6 +7,7 @@ another process created nor warn about one at exit.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -31,6 +32,12 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 
 class OutOfSharedMemory(ShmSlotsError, MemoryError):
     """/dev/shm has too little space left for the segment."""
+
+
+def address_of(mm: mmap.mmap) -> int:
+    """Where a writable mapping starts in this process (the temporary export is gone before
+    this returns, so the mapping can still be closed)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
 def validate_name(name: str) -> str:

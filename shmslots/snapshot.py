@@ -22,16 +22,17 @@ from ._rowcodec import row_hash
 from .errors import CorruptTable
 from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader
-from .schema import ROW_HEADER_SIZE, Field, RowSchema
+from .schema import Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, owner_of, state_of
 from .tracing import CallSite, Holding, holdings, site_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
 _ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries
-_SEAL = struct.Struct("<QI")  # the row header: generation, checksum
+_SEAL = struct.Struct("<QI")  # a row's seal: generation, checksum (layout.SEAL_*)
 # struct codes of the dtypes; bfloat16 is read as the top half of a float32
-_CODES = {"int32": "i", "int64": "q", "float32": "f", "float16": "e", "uint8": "B", "bfloat16": "H"}
+_CODES = {"int32": "i", "int64": "q", "float32": "f", "float16": "e", "uint8": "B", "bfloat16": "H",
+          "uint64": "Q", "int16": "h", "int8": "b", "bool": "?"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -185,25 +186,27 @@ class TableView:
     def row(self, slot: int) -> DecodedRow:
         """The values of one row's fields and whether its checksum matches its seal."""
         self.layout.check_slot(slot)
-        base = self.layout.row(slot)
         mm = self._segment.mm
         values: dict[str, list[int] | list[float]] = {}
         handles: dict[str, dict[str, Any]] = {}
+        items = []
         for name, fs in self.schema.slots.items():
-            f, start = fs.field, base + fs.offset
+            f = fs.field
+            start = self.layout.column(fs.before) + fs.item_len * slot
+            items.append(memoryview(mm)[start : start + f.nbytes])
             if f.is_handle:
                 try:
-                    handles[name] = decode_handle(bytes(mm[start : start + f.nbytes]))
+                    handles[name] = decode_handle(bytes(items[-1]))
                 except CorruptTable as exc:
                     handles[name] = {"error": str(exc)}
                 continue
             values[name] = _decode(f, mm, start)
-        generation, crc = _SEAL.unpack_from(mm, base)
-        payload = memoryview(mm)[base + ROW_HEADER_SIZE : base + self.layout.row_size]
+        generation, crc = _SEAL.unpack_from(mm, self.layout.seal(slot))
         try:
-            ok = crc == row_hash(payload)
+            ok = crc == row_hash(items)
         finally:
-            payload.release()
+            for item in items:
+                item.release()
         return DecodedRow(slot, values, generation, ok, handles)
 
     def close(self) -> None:

@@ -42,6 +42,7 @@ class Event(IntEnum):
     REDELIVER = 8  # a HELD slot goes back to READY (its consumer died or dropped it)
     FINISH = 9  # RECLAIMING -> FREE, by the one who began it
     CANCEL = 10  # a READY slot's request was cancelled before pickup
+    KEEP = 11  # a writer holds its own row, unqueued (a transfer committed where it is read)
 
 
 # (state, event) -> next state.  Absent pairs are illegal.  Every way back to FREE passes
@@ -54,6 +55,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.RESERVED, Event.OPEN_RESERVED): State.WRITING,
     (State.WRITING, Event.PUBLISH): State.READY,
     (State.READY, Event.TAKE): State.HELD,
+    (State.WRITING, Event.KEEP): State.HELD,
     (State.HELD, Event.REDELIVER): State.READY,
     (State.RESERVED, Event.ABORT): State.RECLAIMING,
     (State.WRITING, Event.ABORT): State.RECLAIMING,

@@ -269,6 +269,18 @@ class SlotTable:
     def created_here(self) -> bool:
         return self._segment.created
 
+    def buffer_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """(ptrs, data_lens, item_lens) of the table's columns in this process, in field
+        order, as SGLang's `MetadataBuffers.get_buf_infos()` gives them to a transfer engine.
+
+        Field i of slot s is the `item_lens[i]` bytes at `ptrs[i] + item_lens[i] * s` (the
+        field's own bytes first, then padding).  A writer that knows only these fills a
+        reservation; its owner then takes the row with `open_reserved(...).written_in_place()`.
+        The addresses are this process's: each process asks its own table.
+        """
+        self._check_open()
+        return self._rows.buffer_infos()
+
     # -- writer side ------------------------------------------------------------------
     def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""

@@ -21,6 +21,17 @@ SPAWN = mp.get_context("spawn")
 SMALL = (Field("id", "int64"), Field("p", "float32", (4,)), Field("h", "bfloat16", (2, 8)))
 
 
+def row_bytes(t: Any, slot: int) -> bytes:
+    """Every byte of a slot's row as the table stores it: each column's item, in field order,
+    padding included (what "nothing changed" compares)."""
+    mm = t._segment.mm
+    return b"".join(
+        bytes(mm[at : at + fs.item_len])
+        for name, fs in t.schema.slots.items()
+        for at in (t._rows.item(slot, name),)
+    )
+
+
 def small_row(i: int) -> dict[str, Any]:
     return {
         "id": i,

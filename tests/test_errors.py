@@ -13,7 +13,7 @@ from pathlib import Path
 import posix_ipc
 import pytest
 import torch
-from conftest import SMALL, small_row
+from conftest import SMALL, row_bytes, small_row
 
 from shmslots import (
     CorruptTable,
@@ -35,8 +35,7 @@ from shmslots.states import Event, next_word, pack
 
 
 def _row_bytes(t: SlotTable, slot: int) -> bytes:
-    start = t.layout.row(slot)
-    return bytes(t._segment.mm[start : start + t.layout.row_size])
+    return row_bytes(t, slot) + bytes(t._segment.mm[t.layout.seal(slot) : t.layout.seal(slot) + 16])
 
 
 @pytest.mark.parametrize(
@@ -84,7 +83,7 @@ def test_publish_refuses_unwritten_fields(name: str) -> None:
     [
         ([], "at least one"),
         ([Field("a", "int64"), Field("a", "int32")], "duplicate"),
-        ([Field("a", "int64", (1 << 12, 1 << 11))], "exceeds"),
+        ([Field("a", "int64", (1 << 12, (1 << 11) + 8))], "exceeds"),
     ],
 )
 def test_bad_schemas_are_refused_and_create_nothing(

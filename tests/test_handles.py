@@ -9,7 +9,7 @@ from multiprocessing.queues import Queue
 import msgpack
 import pytest
 import torch
-from conftest import SPAWN, Children
+from conftest import SPAWN, Children, row_bytes
 
 from shmslots import (
     CorruptTable,
@@ -146,11 +146,10 @@ def test_bad_handle_tensors_change_nothing(
 ) -> None:
     with _table(name) as t:
         ws = t.claim()
-        row = t.layout.row(ws.slot)
-        before = bytes(t._segment.mm[row : row + t.layout.row_size])
+        before = row_bytes(t, ws.slot)
         with pytest.raises(error, match=message):
             ws.write(id=3, hidden=hidden(3, 1), blob=value)
-        assert bytes(t._segment.mm[row : row + t.layout.row_size]) == before
+        assert row_bytes(t, ws.slot) == before
         assert t.stats().arena_bytes_used == 0
         ws.abort()
 
@@ -191,7 +190,7 @@ def test_corrupt_handles_are_refused_not_followed(name: str) -> None:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
         lease = t.take()
         assert lease is not None
-        off = t.layout.row(lease.slot) + t._rows.schema.slots["blob"].offset
+        off = t._rows.item(lease.slot, "blob")
         bad = msgpack.packb(
             {
                 "b": "shm",

@@ -709,7 +709,7 @@ def test_refusals_leak_nothing(name: str) -> None:
         SlotTable.create(corrupt, TINY, slots=1) as c,
         SlotTable.create(taken, TINY, slots=1),
     ):
-        _poke(corrupt, _OFFSETS["rows"], struct.pack("<Q", c.layout.rows + 64))
+        _poke(corrupt, _OFFSETS["columns"], struct.pack("<Q", c.layout.columns + 64))
         shm = posix_ipc.SharedMemory("/" + foreign, posix_ipc.O_CREX, mode=0o600, size=4096)
         os.close(shm.fd)
         _poke(foreign, 0, b"NOTSHMSL")
@@ -717,7 +717,7 @@ def test_refusals_leak_nothing(name: str) -> None:
 
             def cycle(i: int) -> None:
                 for opener in (SlotTable.attach, TableView.open):
-                    with pytest.raises(CorruptTable, match="rows offset"):
+                    with pytest.raises(CorruptTable, match="columns offset"):
                         opener(corrupt)
                     with pytest.raises(IncompatibleTable, match="not a shmslots table"):
                         opener(foreign)

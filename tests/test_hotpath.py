@@ -35,5 +35,5 @@ def test_compiled_transitions_match_states_next_word() -> None:
 
 def test_hot_path_refuses_a_layout_that_does_not_fit() -> None:
     lay = L.Layout.compute(4, 64, 4, 64)
-    with mmap.mmap(-1, lay.rows) as mm, pytest.raises(ValueError, match="does not fit"):
+    with mmap.mmap(-1, lay.columns) as mm, pytest.raises(ValueError, match="does not fit"):
         hot_path(mm, L.Layout.compute(4096, 64, 4, 64), me=1)

@@ -113,7 +113,7 @@ def test_a_strict_poll_that_fails_leaves_nothing_owned(name: str) -> None:
         for tag in (1, 2, 3):
             t.claim(tag=tag).write(**small_row(tag)).publish()
         bad = next(s for s in range(3) if t.slot_info(s)[3] == 2)
-        t._segment.mm[t.layout.row(bad) + 64] ^= 0xFF  # corrupt the second row's payload
+        t._segment.mm[t._rows.item(bad, next(iter(t.schema.slots)))] ^= 0xFF  # corrupt its row
         with pytest.raises(CorruptTable, match=f"slot {bad}"):
             t.poll(3)
         states = {t.slot_info(s)[3]: t.slot_info(s)[0] for s in range(3)}

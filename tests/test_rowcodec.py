@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import row_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -72,8 +73,9 @@ def test_compiled_and_python_writes_agree(name: str) -> None:
         def agree(fields: dict[str, Any]) -> None:
             fast, slow = table.claim(), table.claim()
             for ws in (fast, slow):  # same starting bytes: residue of earlier examples differs
-                base = table.layout.row(ws.slot)
-                rows._mv[base : base + table.layout.row_size] = bytes(table.layout.row_size)
+                for f, fs in table.schema.slots.items():
+                    at = rows.item(ws.slot, f)
+                    rows._mv[at : at + fs.item_len] = bytes(fs.item_len)
             try:
                 fast_outcome = _outcome(lambda: fast.write(**fields))
                 slow_outcome = _outcome(lambda: rows.write(slow.slot, rows.prepare(fields)))
@@ -123,26 +125,35 @@ def test_a_refused_write_changes_no_byte(name: str) -> None:
 def test_the_checksum_sees_every_byte(name: str) -> None:
     with SlotTable.create(name, FIELDS, slots=1) as table:
         rows = table._rows
-        base = table.layout.row(0)
-        payload = rows._mv[base + 16 : base + table.layout.row_size]
-        assert rows.checksum(0) == row_hash(payload)
+        items = [
+            rows._mv[at : at + fs.field.nbytes]
+            for f, fs in table.schema.slots.items()
+            for at in (rows.item(0, f),)
+        ]
+        assert rows.checksum(0) == row_hash(items)
         seen = {rows.checksum(0)}
-        for i in range(payload.nbytes):
-            for bit in (0x01, 0x80):
-                payload[i] ^= bit
-                seen.add(rows.checksum(0))
-                payload[i] ^= bit
-        assert len(seen) == 1 + 2 * payload.nbytes  # every single-bit flip changes it
-        payload.release()
+        for item in items:
+            for i in range(item.nbytes):
+                for bit in (0x01, 0x80):
+                    item[i] ^= bit
+                    seen.add(rows.checksum(0))
+                    item[i] ^= bit
+        nbytes = sum(item.nbytes for item in items)
+        assert len(seen) == 1 + 2 * nbytes  # every single-bit flip of a field's bytes changes it
+        for item in items:
+            item.release()
 
 
 def test_the_checksum_sees_where_bytes_are() -> None:
     words = [i.to_bytes(8, "little") for i in range(1, 1 + 8192 // 8)]  # an EAGLE-sized row
-    seen = {row_hash(b"".join(words))}
+    seen = {row_hash([b"".join(words)])}
     for i in range(len(words) - 1):  # swap each word with the next: same bytes, new places
         swapped = [*words[:i], words[i + 1], words[i], *words[i + 2 :]]
-        seen.add(row_hash(b"".join(swapped)))
+        seen.add(row_hash([b"".join(swapped)]))
     assert len(seen) == len(words)
+    # the same bytes split between fields differently are another row
+    whole = b"".join(words)
+    assert row_hash([whole[:8], whole[8:]]) != row_hash([whole[:16], whole[16:]])
 
 
 def test_the_codec_refuses_a_slot_outside_its_rows(name: str) -> None:
@@ -212,13 +223,12 @@ def test_the_compiled_path_refuses_a_storage_resized_down(name: str) -> None:
     landed in a row every process can read (a segfault at a few million elements)."""
     with SlotTable.create(name, SHRUNK_FIELDS, slots=1) as table:
         ws = table.claim()
-        row = table.layout.row(ws.slot)
-        before = bytes(table._rows._mv[row : row + table.layout.row_size])
+        before = row_bytes(table, ws.slot)
         shrunk = _shrunk(1 << 16)
         assert not table._rows.write_plain(ws.slot, {"i": 1, "v": shrunk})
         with pytest.raises(SchemaError, match="no longer holds its elements"):
             ws.write(i=1, v=shrunk)
-        assert bytes(table._rows._mv[row : row + table.layout.row_size]) == before
+        assert row_bytes(table, ws.slot) == before
         ws.abort()
 
 

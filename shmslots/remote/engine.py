@@ -7,14 +7,15 @@ is handled in one place.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InvalidArgument, ShmSlotsError
+from ..segment import address_of
+
+__all__ = ["Engine", "EngineError", "RemoteUnavailable", "address_of"]
 
 MAX_NOTIFY = 64 * 1024  # Mooncake drops notify messages near 1 MiB without telling the sender
 
@@ -38,11 +39,6 @@ def _mooncake() -> Any:
             "`pip install shmslots[remote]` and Debian's libibverbs1 (needed even for TCP)"
         ) from exc
     return engine
-
-
-def address_of(mm: mmap.mmap) -> int:
-    """Base address of a mapping (the temporary export is gone before this returns)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
 class Engine:

@@ -1,0 +1,234 @@
+"""The column layout: rows written by address, as transfer engines write SGLang's buffers.
+
+A writer that knows only `buffer_infos()` and a slot index fills a reservation with plain
+memmoves (as an RDMA engine or a TCP receiver would), in a process of its own; its owner
+commits the row in place, with no copy, and a reader elsewhere takes it zero-copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from multiprocessing.queues import Queue
+from typing import Any
+
+import pytest
+import torch
+from conftest import SPAWN, Children
+
+from shmslots import (
+    Field,
+    Quarantine,
+    RowRejected,
+    SchemaError,
+    SlotsExhausted,
+    SlotTable,
+    StaleLeaseError,
+    State,
+    row_hash,
+)
+from shmslots.snapshot import TableView
+
+FIELDS = (
+    Field("output_id", "int32", (16,)),
+    Field("topk_p", "float32", (16,)),
+    Field("topk_index", "int64", (16,)),
+    Field("hidden", "bfloat16", (256,)),
+    Field("room", "uint64", (8,)),
+    Field("flag", "bool"),
+    Field("small", "int8", (3,)),
+    Field("mid", "int16", (5,)),
+)
+
+
+def request(i: int) -> dict[str, torch.Tensor]:
+    """Field values for request i, every byte a function of i."""
+    return {
+        "output_id": torch.full((16,), i, dtype=torch.int32),
+        "topk_p": torch.arange(16, dtype=torch.float32) / (i + 1),
+        "topk_index": torch.arange(16, dtype=torch.int64) + 1000 * i,
+        "hidden": torch.full((256,), float(i % 200), dtype=torch.bfloat16),
+        "room": torch.full((8,), 2**63 + i, dtype=torch.uint64),
+        "flag": torch.tensor(i % 2 == 1),
+        "small": torch.tensor([-i % 100, 1, 2], dtype=torch.int8),
+        "mid": torch.full((5,), -i, dtype=torch.int16),
+    }
+
+
+def write_by_address(infos: tuple[list[int], list[int], list[int]], slot: int, i: int) -> int:
+    """Fill `slot` knowing only the table's addresses, as an engine does; returns the
+    checksum of what was sent (shmslots.row_hash over the fields' bytes, in field order)."""
+    ptrs, _, item_lens = infos
+    sent = []
+    for k, value in enumerate(request(i).values()):
+        src = value.contiguous()
+        ctypes.memmove(ptrs[k] + item_lens[k] * slot, src.data_ptr(), src.nbytes)
+        sent.append(src.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return row_hash(sent)
+
+
+def remote_writer(name: str, jobs: Queue[Any], done: Queue[Any]) -> None:
+    """A writer process: attaches, reads the addresses from its own mapping, fills slots."""
+    with SlotTable.attach(name, "engine") as table:
+        infos = table.buffer_infos()
+        while (job := jobs.get(timeout=30)) is not None:
+            slot, i = job
+            done.put((slot, write_by_address(infos, slot, i)))
+
+
+def reader(name: str, n: int, out: Queue[Any]) -> None:
+    """A reader process: takes n rows, checks each zero-copy view against its request."""
+    with SlotTable.attach(name, "decode") as table:
+        ptrs, _, item_lens = table.buffer_infos()
+        for _ in range(n):
+            lease = table.take(timeout=10)
+            assert lease is not None
+            i = lease.tag
+            lease.verify()
+            for k, (field, want) in enumerate(request(i).items()):
+                view = lease.view(field)
+                assert view.data_ptr() == ptrs[k] + item_lens[k] * lease.slot  # zero copy
+                assert torch.equal(view, want), (field, i)
+                del view
+            lease.release()
+            out.put(i)
+
+
+def test_buffer_infos_follow_sglangs_addressing_rule(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=5) as t:
+        ptrs, data_lens, item_lens = t.buffer_infos()
+        assert len(ptrs) == len(FIELDS)
+        for k, f in enumerate(FIELDS):
+            assert item_lens[k] % 64 == 0 and item_lens[k] >= max(f.nbytes, 64)
+            assert data_lens[k] == item_lens[k] * 5
+            if k:  # columns lie back to back, in field order
+                assert ptrs[k] == ptrs[k - 1] + data_lens[k - 1]
+        ws = t.claim()
+        ws.write(**request(3))
+        for k, f in enumerate(FIELDS):
+            view = ws.view(f.name)
+            assert view.data_ptr() == ptrs[k] + item_lens[k] * ws.slot
+            del view
+        ws.abort()
+
+
+@pytest.mark.timeout(120)
+def test_rows_written_by_address_reach_another_process_zero_copy(
+    name: str, children: Children
+) -> None:
+    jobs, done, seen = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    n = 40
+    with SlotTable.create(name, FIELDS, slots=4) as t:
+        children.start(remote_writer, name, jobs, done)
+        children.start(reader, name, n, seen)
+        for i in range(n):
+            reservation = t.reserve(tag=i, timeout=10)
+            jobs.put((reservation.slot, i))
+            slot, checksum = done.get(timeout=30)
+            assert slot == reservation.slot
+            ws = t.open_reserved(slot, reservation.generation)
+            ws.written_in_place(checksum).publish()
+        jobs.put(None)
+        assert sorted(seen.get(timeout=30) for _ in range(n)) == list(range(n))
+        children.join_all(timeout=30)
+        assert t.check_consistency() == []
+        assert t.stats().owned == 0
+
+
+def test_a_row_that_does_not_match_the_writers_checksum_is_not_published(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=2) as t:
+        reservation = t.reserve(tag=7)
+        checksum = write_by_address(t.buffer_infos(), reservation.slot, 7)
+        ptrs, _, item_lens = t.buffer_infos()
+        ctypes.memset(ptrs[3] + item_lens[3] * reservation.slot, 0x55, 2)  # torn hidden state
+        ws = t.open_reserved(reservation.slot, reservation.generation)
+        with pytest.raises(RowRejected, match="checksum"):
+            ws.written_in_place(checksum)
+        with pytest.raises(SchemaError, match="never written"):
+            ws.publish()  # the refusal marked nothing as written
+        ws.abort()
+        assert t.stats().counters["publishes"] == 0 and t.take() is None
+
+
+def test_keep_holds_a_row_for_its_writer_without_queueing_it(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=2) as t:
+        reservation = t.reserve(tag=5)
+        write_by_address(t.buffer_infos(), reservation.slot, 5)
+        ws = t.open_reserved(reservation.slot, reservation.generation)
+        lease = ws.written_in_place().keep()
+        assert (lease.slot, lease.generation, lease.tag, lease.deliveries) == (
+            reservation.slot, reservation.generation, 5, 0,
+        )  # fmt: skip
+        assert t.slot_info(lease.slot)[0] is State.HELD
+        assert t.take() is None  # nobody else can take it
+        lease.verify()
+        assert torch.equal(lease.view("topk_index"), request(5)["topk_index"])
+        with pytest.raises(StaleLeaseError):
+            ws.publish()  # the write slot handed its ownership to the lease
+        lease.release()
+        assert t.slot_info(lease.slot)[0] is State.FREE
+        counters = t.stats().counters
+        assert counters["publishes"] == counters["takes"] == counters["releases"] == 1
+        with pytest.raises(SchemaError, match="never written"):
+            t.claim().keep()  # the same rule as publish
+        assert t.check_consistency() == []
+
+
+def test_new_dtypes_round_trip_through_numbers_tensors_and_the_cli(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        values: dict[str, Any] = dict(request(9))
+        values["flag"] = True  # a Python bool for a bool scalar
+        t.claim(tag=1).write(**values).publish()
+        lease = t.take()
+        assert lease is not None
+        assert lease.item("flag") is True
+        assert torch.equal(lease.view("room"), request(9)["room"])
+        assert lease.copy("small").tolist() == [91, 1, 2]
+        with TableView.open(name) as view:
+            row = view.row(lease.slot)
+            assert row.checksum_ok
+            assert row.values["room"] == [2**63 + 9] * 8
+            assert row.values["mid"] == [-9] * 5 and row.values["flag"] == [True]
+        lease.release()
+        with t.claim() as ws:
+            for bad in ({"flag": 2}, {"small": torch.zeros(3)}, {"room": torch.zeros(8)}):
+                with pytest.raises(SchemaError, match=next(iter(bad))):
+                    ws.write(**bad)
+            ws.abort()
+
+
+@pytest.mark.parametrize("window_s", [0.0, 0.4])
+def test_a_late_write_into_an_aborted_reservation_never_reaches_a_later_owner(
+    name: str, window_s: float
+) -> None:
+    """A slow engine writes into a reservation after its request was aborted.  With the
+    quarantine's window the slot is owned by no one else meanwhile, and the next owner's
+    row is its own; with no window (the bug) the late bytes land in the next owner's row."""
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        infos = t.buffer_infos()
+        quarantine = Quarantine(window_s)
+        first = t.reserve(tag=1)
+        quarantine.hold(first)  # request 1 aborted; its transfer is still in flight
+        if window_s:
+            with pytest.raises(SlotsExhausted):
+                t.reserve(tag=2, timeout=0.05)  # the slot is held back, not reused
+        deadline = time.monotonic() + window_s
+        while quarantine.sweep() == 0 and time.monotonic() < deadline + 1:
+            time.sleep(0.01)
+        second = t.reserve(tag=2) if not len(quarantine) else None
+        assert second is not None and second.slot == first.slot
+        checksum = write_by_address(infos, second.slot, 2)  # request 2's own transfer
+        if not window_s:
+            write_by_address(infos, first.slot, 1)  # request 1's late write lands now
+        ws = t.open_reserved(second.slot, second.generation)
+        if not window_s:
+            with pytest.raises(RowRejected):  # the writer's checksum catches it here...
+                ws.written_in_place(checksum)
+            lease = ws.written_in_place().keep()  # ...and without one, it is delivered
+            assert lease.view("topk_index")[0].item() == 1000  # request 1's bytes
+            lease.release()
+            return
+        lease = ws.written_in_place(checksum).keep()
+        assert torch.equal(lease.view("topk_index"), request(2)["topk_index"])
+        lease.release()
+        assert quarantine.released == 1 and len(quarantine) == 0
