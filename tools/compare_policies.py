@@ -1,34 +1,43 @@
 """The three decode consumption policies on the same traffic, side by side.
 
     python tools/compare_policies.py [--requests 20000] [--slots 64] [--hidden 4096]
+    python tools/compare_policies.py --flow sglang [--requests 5000] [--slots 32]
 
 hold: the request owns its slot until process_prebuilt; clone: copy at
 commit, release at once; early-release: keep views, release at commit (the
 bug). Prints throughput, p99 commit->consume latency, peak slots owned,
-copies per row and corrupted rows.
+copies per row and corrupted rows.  `--flow sglang` runs SGLang's own calls
+on `shmslots.sglang` (workers/sglang_flow.py): a prefill process writing by
+address, the decode side's alloc / get_buf / free / process_prebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
-from workers import eagle
+from workers import eagle, sglang_flow
 from workers.decode import POLICIES
 from workers.launcher import FlowConfig, run_flow
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--flow", choices=("workers", "sglang"), default="workers")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--slots", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=eagle.DEFAULT_HIDDEN)
     parser.add_argument("--burst", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.flow == "sglang":
+        return sglang_policies(args.requests or 5_000, args.slots or 32, args.hidden, args.seed)
+    args.requests = args.requests or 20_000
+    args.slots = args.slots or 64
     table = Table(
         "policy",
         "rows/s",
@@ -65,6 +74,42 @@ def main() -> int:
     print(
         f"{args.requests:,} requests, 2 transfer + 2 decode workers, {args.slots} slots, "
         f"hidden bf16[{args.hidden}], bursts of {args.burst}"
+    )
+    return 0
+
+
+def sglang_policies(requests: int, slots: int, hidden: int, seed: int) -> int:
+    table = Table(
+        "policy",
+        "rows/s",
+        "p99 commit→consume ms",
+        "peak slots owned",
+        "copies/row",
+        "corrupted rows",
+        "deferred frees",
+        "leaked views",
+        title="SGLang's calls on shmslots.sglang, same traffic",
+    )
+    for policy in sglang_flow.POLICIES:
+        cfg = sglang_flow.FlowConfig(
+            requests=requests, slots=slots, hidden=hidden, policy=policy, seed=seed
+        )
+        r = sglang_flow.run(cfg, f"shmslots-policies-{os.getpid()}-{policy}")
+        table.add_row(
+            policy,
+            f"{r.rate:,.0f}",
+            f"{r.latency_us(0.99) / 1e3:.2f}",
+            str(r.peak_owned),
+            f"{r.copies / max(r.consumed, 1):.1f}",
+            f"{r.corrupted:,}",
+            f"{r.deferred_frees:,}",
+            f"{r.leaked_views:,}",
+        )
+    Console().print(table)
+    print(
+        f"{requests:,} requests, 1 prefill process writing by address + the decode side, "
+        f"{slots} slots, hidden bf16[{hidden}], {sglang_flow.FlowConfig.abort_in_flight:.0%} "
+        "aborted in flight (their writes land late)"
     )
     return 0
 

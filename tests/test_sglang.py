@@ -1,0 +1,261 @@
+"""`shmslots.sglang` holds SGLang's contract: its addressing, field table and calls, in order.
+
+The rules are a copy of SGLang 0.5.23's (`sglang/srt/disaggregation/utils.py`, `decode.py`),
+not SGLang itself: field i of index s at `ptrs[i] + item_lens[i] * s`, the fields and their
+item lengths, alloc / get_buf / clear_slot / free / release, abort at every stage.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import SPAWN, Children
+
+from shmslots import InvalidSlot, OwnershipError, SchemaError, State
+from shmslots.sglang import (
+    SGLANG_VERSION,
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+    metadata_fields,
+)
+from workers import sglang_flow
+from workers.sglang_flow import HIDDEN, ROOM, TOPK, TOPK_INDEX, TOPK_P, prefill_request
+
+HIDDEN_SIZE = 256
+# SGLang's buffers, in get_buf_infos() order, with one row's bytes each
+SGLANG_ITEM_LENS = {
+    "output_ids": 64,
+    "cached_tokens": 64,
+    "output_token_logprobs_val": 64,
+    "output_token_logprobs_idx": 64,
+    "output_top_logprobs_val": 512,
+    "output_top_logprobs_idx": 512,
+    "output_topk_p": 64,
+    "output_topk_index": 128,
+    "output_hidden_states": 2 * HIDDEN_SIZE,
+    "bootstrap_room": 64,
+}
+
+
+def _decode_side(
+    name: str, size: int = 4, window_s: float = 0.3
+) -> tuple[MetadataBuffers, ReqToMetadataIdxAllocator]:
+    buffers = MetadataBuffers(size, HIDDEN_SIZE, torch.bfloat16, table_name=name)
+    return buffers, ReqToMetadataIdxAllocator(size, buffers, late_write_window_s=window_s)
+
+
+def _transfer(name: str, idx: int, rid: int) -> None:
+    """The prefill side of one request, in a process of its own: set_buf by address."""
+    with MetadataBuffers.attach(name) as prefill:
+        prefill.set_buf(prefill_request(rid, idx, HIDDEN_SIZE))
+
+
+def _intact(buf: tuple[torch.Tensor, ...], rid: int) -> bool:
+    want = prefill_request(rid, -1, HIDDEN_SIZE)
+    return (
+        torch.equal(buf[TOPK_P][:TOPK], want.output_topk_p)
+        and torch.equal(buf[TOPK_INDEX][:TOPK], want.output_topk_index)
+        and torch.equal(buf[HIDDEN], want.hidden_states_tensor)
+        and int(buf[ROOM][0]) == rid + 1
+    )
+
+
+class Req:
+    def __init__(self, rid: int, idx: int) -> None:
+        self.rid, self.metadata_buffer_index = rid, idx
+
+
+def test_the_module_imports_without_sglang_and_names_its_version() -> None:
+    code = (
+        "import sys, shmslots.sglang as s; assert 'sglang' not in sys.modules; "
+        "print(s.SGLANG_VERSION)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == SGLANG_VERSION == "0.5.23"
+
+
+def test_buffer_infos_are_sglangs_fields_in_order_with_its_item_lengths(name: str) -> None:
+    buffers, allocator = _decode_side(name, size=5)
+    with buffers:
+        ptrs, data_lens, item_lens = buffers.get_buf_infos()
+        assert item_lens == list(SGLANG_ITEM_LENS.values())
+        assert data_lens == [5 * n for n in item_lens]
+        idx = allocator.alloc()
+        assert idx is not None
+        _transfer(name, idx, 41)
+        buf = buffers.get_buf(idx)
+        for k, view in enumerate(buf):  # every view is the engine's address for (field, idx)
+            assert view.data_ptr() == ptrs[k] + item_lens[k] * idx
+        assert [t.dtype for t in buf] == [torch.int32, torch.int32, torch.float32, torch.int32,
+                                          torch.float32, torch.int32, torch.float32, torch.int64,
+                                          torch.bfloat16, torch.uint64]  # fmt: skip
+        del buf, view
+        allocator.release(idx)
+    assert [f.name for f in metadata_fields(16, torch.float32)] == list(SGLANG_ITEM_LENS)
+    with pytest.raises(SchemaError, match="multiple of 64"):
+        metadata_fields(100, torch.bfloat16)  # 200-byte rows: SGLang's engines would disagree
+
+
+@pytest.mark.timeout(120)
+def test_sglangs_calls_in_order_keep_the_draft_state_until_it_is_consumed(
+    name: str, children: Children
+) -> None:
+    """alloc, transfer by address, the gate, get_buf, room check, clear_slot + free right after
+    commit, wait while later transfers reuse indices, consume in a batch, release."""
+    jobs, done = SPAWN.Queue(), SPAWN.Queue()
+    buffers, allocator = _decode_side(name, size=4)
+    with buffers:
+        children.start(sglang_flow.prefill, name, HIDDEN_SIZE, jobs, done)
+        parked: list[tuple[Req, tuple[torch.Tensor, ...]]] = []
+        for rid in range(12):
+            idx = allocator.alloc()
+            while idx is None:  # every slot is owned by a waiting request: consume a batch
+                batch, parked = parked[:2], parked[2:]
+                assert all(_intact(buf, req.rid) for req, buf in batch)  # still its own
+                consumed = [req for req, _ in batch]
+                del batch  # the batch drops its views
+                allocator.release_consumed(consumed)  # the one call SGLang lacks
+                assert all(req.metadata_buffer_index == -1 for req in consumed)
+                idx = allocator.alloc()
+            assert buffers.bootstrap_room[idx, 0] == 0  # the gate: not arrived yet
+            jobs.put((idx, rid))  # the index goes to prefill, which writes by address
+            assert done.get(timeout=30) == rid  # the engine says the transfer is done
+            assert buffers.bootstrap_room[idx, 0] == rid + 1  # arrived
+            buf = buffers.get_buf(idx)  # commit, in place
+            assert int(buf[ROOM][0]) == rid + 1  # SGLang's room check
+            buffers.clear_slot(idx)
+            allocator.free(idx)  # right after commit, as SGLang does: deferred
+            assert buffers.table.slot_info(idx)[0] is State.HELD
+            parked.append((Req(rid, idx), buf))
+        del buf
+        jobs.put(None)
+        assert all(_intact(buf, req.rid) for req, buf in parked)
+        leases = [allocator._held[req.metadata_buffer_index] for req, _ in parked]
+        assert all(lease.verify() for lease in leases)
+        del leases
+        reqs = [req for req, _ in parked]
+        parked.clear()
+        allocator.release_consumed(reqs)
+        assert allocator.available_size() == 4
+        assert allocator.stats.deferred_frees == 12 and allocator.stats.released == 12
+        assert buffers.table.stats().counters["leaked_views"] == 0
+        assert buffers.table.check_consistency() == []
+
+
+def test_misuse_raises_instead_of_corrupting_the_free_list(name: str) -> None:
+    buffers, allocator = _decode_side(name, size=2)
+    with buffers:
+        a, b = allocator.alloc(), allocator.alloc()
+        assert a is not None and b is not None and allocator.alloc() is None  # full: None
+        with pytest.raises(InvalidSlot):
+            allocator.free(99)  # SGLang accepts it
+        with pytest.raises(InvalidSlot):
+            allocator.free(True)
+        with pytest.raises(OwnershipError, match="no committed row"):
+            allocator.release(a)  # nothing was committed
+        _transfer(name, a, 1)
+        buffers.get_buf(a)  # committed; the views are dropped at once
+        allocator.free(a)
+        with pytest.raises(OwnershipError, match="double free"):
+            allocator.free(a)  # SGLang would hand a out twice
+        allocator.release(a)
+        with pytest.raises(OwnershipError):
+            allocator.release(a)
+        with pytest.raises(OwnershipError, match="not allocated"):
+            buffers.get_buf(a)
+        allocator.free(b)  # before commit: aborted (quarantined)
+        with pytest.raises(OwnershipError, match="double free"):
+            allocator.free(b)
+        assert allocator.available_size() == 1  # b waits out its late-write window
+        with pytest.raises(OwnershipError, match="already"):
+            ReqToMetadataIdxAllocator(2, buffers)
+        with pytest.raises(SchemaError, match="size"):
+            ReqToMetadataIdxAllocator(3, buffers)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", ["before transfer", "during transfer", "after commit",
+                                   "after consumption"])  # fmt: skip
+def test_abort_at_every_stage(name: str, stage: str) -> None:
+    buffers, allocator = _decode_side(name, size=1, window_s=0.3)
+    with buffers:
+        idx = allocator.alloc()
+        assert idx is not None
+        req = Req(0, idx)
+        if stage == "before transfer":
+            allocator.abort_request(req)
+        elif stage == "during transfer":
+            allocator.abort_request(req)
+            _transfer(name, idx, 0)  # the engine was slow: its write lands after the abort
+        else:
+            _transfer(name, idx, 0)
+            buf = buffers.get_buf(idx)
+            allocator.free(idx)
+            if stage == "after consumption":
+                assert _intact(buf, 0)
+                del buf
+                allocator.release_consumed([req])
+            else:
+                del buf
+            allocator.abort_request(req)  # after consumption: nothing left to do
+            assert allocator.available_size() == 1  # released at once
+            assert req.metadata_buffer_index == -1
+            allocator.abort_request(req)  # a second abort is no second release
+            return
+        assert req.metadata_buffer_index == -1
+        assert allocator.available_size() == 0 and allocator.alloc() is None  # quarantined
+        assert buffers.table.slot_info(idx)[0] is State.RESERVED
+        deadline = time.monotonic() + 5
+        while allocator.available_size() == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert allocator.available_size() == 1 and allocator.quarantine.released == 1
+        again = allocator.alloc()
+        assert again == idx and buffers.bootstrap_room[idx, 0] == 0  # the gate is closed
+
+
+@pytest.mark.timeout(60)
+def test_a_late_write_from_an_aborted_transfer_never_reaches_the_next_request(
+    name: str, children: Children
+) -> None:
+    """Request 0's transfer is aborted while its engine is slow; the index is asked for again
+    at once.  Were it handed out, request 1's transfer would land and request 0's late write
+    after it; in quarantine the late write lands where no request reads."""
+    buffers, allocator = _decode_side(name, size=1, window_s=0.5)
+    with buffers:
+        first = allocator.alloc()
+        assert first is not None
+        allocator.abort(first)
+        second = allocator.alloc()  # an index freed at once would be reused here
+        if second is not None:
+            _transfer(name, second, 1)
+        children.start(_transfer, name, first, 0).join(30)  # request 0's late write
+        while second is None:
+            time.sleep(0.02)
+            if (second := allocator.alloc()) is not None:
+                _transfer(name, second, 1)
+        buf = buffers.get_buf(second)
+        assert _intact(buf, 1)  # request 1's own row
+        del buf
+        allocator.release(second)
+
+
+@pytest.mark.timeout(120)
+def test_the_sglang_flow_holds_under_hold_and_clone_and_breaks_under_early_release(
+    name: str,
+) -> None:
+    results: dict[str, Any] = {}
+    for policy in sglang_flow.POLICIES:
+        cfg = sglang_flow.FlowConfig(requests=600, slots=8, hidden=64, policy=policy)
+        results[policy] = sglang_flow.run(cfg, f"{name}-{policy}")
+    hold, clone, early = (results[p] for p in sglang_flow.POLICIES)
+    assert hold.corrupted == clone.corrupted == 0
+    assert hold.leaked_views == clone.leaked_views == 0 and hold.copies == 0 < clone.copies
+    assert hold.deferred_frees > 0
+    assert early.corrupted > 0 and early.leaked_views > 0  # the bug, seen and reported
+    for r in results.values():
+        assert r.consumed + r.aborted == 600
