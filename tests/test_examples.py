@@ -46,6 +46,14 @@ def test_strict_leak_check(name: str) -> None:
     assert out[1] == "with block: leaked_views = 1"
 
 
+def test_sglang_decode(name: str) -> None:
+    out = run_example(ROOT / "examples/sglang_decode.py", name).splitlines()
+    assert out == [
+        "after free: 3 of 4 free, row still held",
+        "token 1234 draft ([0.5, 0.25], [17, 42], 0.25); after release: 4 of 4 free",
+    ]
+
+
 def test_every_example_is_tested_and_shown_in_the_readme_as_it_is() -> None:
     tested = set(re.findall(r'ROOT / "(examples/\w+\.py)"', Path(__file__).read_text()))
     assert tested == {f"examples/{p.name}" for p in EXAMPLES}

@@ -105,7 +105,7 @@ def sglang_policies(requests: int, slots: int, hidden: int, seed: int) -> int:
             f"{r.deferred_frees:,}",
             f"{r.leaked_views:,}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     print(
         f"{requests:,} requests, 1 prefill process writing by address + the decode side, "
         f"{slots} slots, hidden bf16[{hidden}], {sglang_flow.FlowConfig.abort_in_flight:.0%} "
