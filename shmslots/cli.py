@@ -35,7 +35,8 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   "header": {"version", "total_size", "slots", "row_size", "created_ns", "created"
   (ISO 8601, UTC), "creator_pid", "creator_uid", "strict", "on_consumer_death",
   "max_hold_s" (null if unset), "traced"},
-  "schema": [{"name", "kind" ("inline" or "handle"), "dtype", "shape": [..], "nbytes"}],
+  "schema": [{"name", "kind" ("inline" or "handle"), "dtype", "shape": [..], "nbytes",
+              "item_len" (its bytes a row in its column: nbytes padded to 64)}],
   "participants": [{"index", "pid", "role", "name", "alive", "attach_ns", "attached_s",
   "last_seen_ns"}],
   "states": {"FREE": n, ..., "CHANGING": n}, "queued", "counters": {COUNTER: n},

@@ -125,10 +125,10 @@ def header_table(snap: TableSnapshot) -> Table:
 
 def schema_table(snap: TableSnapshot) -> Table:
     t = _titled("schema")
-    for col in ("field", "kind", "dtype", "shape", "bytes"):
-        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for col in ("field", "kind", "dtype", "shape", "bytes", "item"):  # item: the column stride
+        t.add_column(col, justify="right" if col in ("bytes", "item") else "left")
     for f in snap.fields:
-        t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), str(f.nbytes))
+        t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), str(f.nbytes), str(f.item_len))
     return t
 
 
@@ -487,6 +487,7 @@ def table_doc(
                 "dtype": f.dtype,
                 "shape": list(f.shape),
                 "nbytes": f.nbytes,
+                "item_len": f.item_len,
             }
             for f in snap.fields
         ],

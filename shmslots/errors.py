@@ -72,4 +72,4 @@ class SchemaError(ShmSlotsError, ValueError):
 
 
 class RowRejected(ShmSlotsError):
-    """A row packed elsewhere does not carry the slot's generation or fails its checksum."""
+    """A row written elsewhere (by address, by a remote writer) fails the writer's checksum."""

@@ -166,6 +166,11 @@ class Field:
         return math.prod(d or 1 for d in self.shape) * self.itemsize
 
     @property
+    def item_len(self) -> int:
+        """Bytes the field takes a row in its column: nbytes padded to ITEM_ALIGN."""
+        return _round_up(self.nbytes, ITEM_ALIGN)
+
+    @property
     def fixed_shape(self) -> tuple[int, ...]:
         """The shape of an inline field (no variable dimension)."""
         return tuple(d or 1 for d in self.shape)
@@ -215,9 +220,8 @@ class RowSchema:
         before = 0
         slots: dict[str, FieldSlot] = {}
         for f in self.fields:
-            item_len = _round_up(f.nbytes, ITEM_ALIGN)
-            slots[f.name] = FieldSlot(f, before, item_len)
-            before += item_len
+            slots[f.name] = FieldSlot(f, before, f.item_len)
+            before += f.item_len
         self.row_size = before
         self.has_handles = any(f.is_handle for f in self.fields)
         if self.row_size > MAX_ROW_SIZE:

@@ -113,7 +113,8 @@ class MetadataBuffers:
                 hidden_size, hidden_states_dtype, max_top_logprobs_num, kv_checksum=kv_checksum
             )
             name = table_name or f"sglang-metadata-{os.getpid()}-{next(_names)}"
-            table = SlotTable.create(name, fields, slots=size)
+            # a dead decode side's rows are dropped: no other reader would ever take them
+            table = SlotTable.create(name, fields, slots=size, on_consumer_death="drop")
         self.table = table
         self._allocator: ReqToMetadataIdxAllocator | None = None  # the decode side's
         self._names = list(table.schema.slots)

@@ -259,3 +259,34 @@ def test_the_sglang_flow_holds_under_hold_and_clone_and_breaks_under_early_relea
     assert early.corrupted > 0 and early.leaked_views > 0  # the bug, seen and reported
     for r in results.values():
         assert r.consumed + r.aborted == 600
+
+
+def _decode_that_dies(name: str, ready: Any) -> None:
+    """A decode side holding a committed row and a reservation when it is SIGKILLed."""
+    buffers = MetadataBuffers.attach(name, role="decode")
+    allocator = ReqToMetadataIdxAllocator(buffers.size, buffers)
+    held, _reserved = allocator.alloc(), allocator.alloc()
+    assert held is not None
+    buffers.set_buf(prefill_request(5, held, HIDDEN_SIZE))
+    buf = buffers.get_buf(held)  # noqa: F841 (the request holds its views)
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_decode_sides_slots_all_come_back(name: str, children: Children) -> None:
+    """Its committed rows are dropped, not queued for a reader that will never come, and its
+    reservations freed: the table is whole again after a reap."""
+    buffers = MetadataBuffers(4, HIDDEN_SIZE, torch.bfloat16, table_name=name)
+    with buffers:
+        ready = SPAWN.Event()
+        proc = children.start(_decode_that_dies, name, ready)
+        assert ready.wait(30)
+        stats = buffers.table.stats()
+        assert stats.states["HELD"] == 1 and stats.states["RESERVED"] == 1
+        proc.kill()
+        proc.join(10)
+        buffers.table.reap()
+        stats = buffers.table.stats()
+        assert stats.owned == 0 and stats.states["READY"] == 0 and stats.queued == 0
+        assert buffers.table.check_consistency() == []
