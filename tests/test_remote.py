@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from conftest import SMALL, small_row
+from conftest import SMALL, row_bytes, small_row
 
 from shmslots import Field, SchemaError, SlotsExhausted, SlotTable, TableClosed, row_hash
 from shmslots.remote import (
@@ -102,17 +102,18 @@ def _poll_until(
         b"",
         b"\xc1",
         b"\x93\x01\x02\x03",
-        Grant("h:1", (1,), (2,), 3, 4, 5, 6, 7).encode()[:-1],
-        msgpack.packb(["h:1", [1], [2], 3, 2**32, 5, 6, 7]),  # generation out of range
-        msgpack.packb(["h:1", [-1], [2], 3, 4, 5, 6, 7]),
-        msgpack.packb(["h:1", [1], [2], 3, 4, 5, 6, True]),
-        msgpack.packb(["h:1", 1, 2, 3, 4, 5, 6, 7]),  # one address, not one per field
-        msgpack.packb(["h:1", [], [], 3, 4, 5, 6, 7]),  # no field
-        msgpack.packb(["h:1", [1, 2], [2], 3, 4, 5, 6, 7]),  # lengths for fewer fields
-        msgpack.packb(["h:1", [2**64 - 4], [8], 3, 4, 5, 6, 7]),  # past the address space
-        msgpack.packb(["h:1", [1], [2**27], 3, 4, 5, 6, 7]),  # longer than any row
-        msgpack.packb(["h:1", [1] * 65, [2] * 65, 3, 4, 5, 6, 7]),  # more fields than a schema
-        msgpack.packb(["h:1", [1.0], [2], 3, 4, 5, 6, 7]),
+        Grant("h:1", (1,), (64,), (2,), 3, 4, 5, 6, 7).encode()[:-1],
+        msgpack.packb(["h:1", [1], [64], [2], 3, 2**32, 5, 6, 7]),  # generation out of range
+        msgpack.packb(["h:1", [-1], [64], [2], 3, 4, 5, 6, 7]),
+        msgpack.packb(["h:1", [1], [64], [2], 3, 4, 5, 6, True]),
+        msgpack.packb(["h:1", 1, 64, 2, 3, 4, 5, 6, 7]),  # one column, not a list of them
+        msgpack.packb(["h:1", [], [], [], 3, 4, 5, 6, 7]),  # no field
+        msgpack.packb(["h:1", [1, 2], [64, 64], [2], 3, 4, 5, 6, 7]),  # lengths for fewer fields
+        msgpack.packb(["h:1", [1], [64], [65], 3, 4, 5, 6, 7]),  # a field longer than its item
+        msgpack.packb(["h:1", [2**64 - 255], [64], [8], 3, 4, 5, 6, 7]),  # slot 3 past 64 bits
+        msgpack.packb(["h:1", [1], [2**27], [2**27], 3, 4, 5, 6, 7]),  # longer than any row
+        msgpack.packb(["h:1", [1] * 65, [64] * 65, [2] * 65, 3, 4, 5, 6, 7]),  # too many fields
+        msgpack.packb(["h:1", [1.0], [64], [2], 3, 4, 5, 6, 7]),
     ],
 )
 def test_a_malformed_grant_is_refused(blob: bytes) -> None:
@@ -123,8 +124,9 @@ def test_a_malformed_grant_is_refused(blob: bytes) -> None:
 def test_a_grant_survives_its_encoding() -> None:
     grant = Grant(
         "10.0.0.1:15000",
-        (0x7F00_0000_1000, 0x7F00_0000_9000, 2**64 - 64),
-        (8, 16, 64),
+        (0x7F00_0000_1000, 0x7F00_0000_9000, 2**64 - 256),
+        (64, 128, 64),
+        (8, 128, 64),
         3,
         2**32 - 1,
         2**64 - 1,
@@ -132,6 +134,7 @@ def test_a_grant_survives_its_encoding() -> None:
         2**63,
     )
     assert Grant.decode(grant.encode()) == grant
+    assert grant.targets == (0x7F00_0000_1000 + 192, 0x7F00_0000_9000 + 384, 2**64 - 64)
     assert grant.commit(0xABC) == f"3:{2**32 - 1}:{2**63:016x}:00000abc"
 
 
@@ -187,8 +190,8 @@ def test_a_remote_row_lands_in_place_exactly_as_packed(
     with served(name, engines, slots=4) as (table, server, writer):
         ptrs, _, item_lens = table.buffer_infos()
         grants = [server.grant(tag) for tag in (11, 12, 13)]
-        for g in grants:  # each field's item in the reserved slot, its own bytes only
-            assert g.targets == tuple(p + n * g.slot for p, n in zip(ptrs, item_lens, strict=True))
+        for g in grants:  # the table's columns; each field's own bytes, not the padding
+            assert (list(g.ptrs), list(g.item_lens)) == (ptrs, item_lens)
             assert g.lengths == tuple(f.nbytes for f in SMALL)
         writer.write([(g, small_row(g.tag)) for g in grants])
         settled = _poll_until(server, lambda s, got: len(got.published) == 3)
@@ -207,6 +210,32 @@ def test_a_remote_row_lands_in_place_exactly_as_packed(
 
 
 @needs_engine
+def test_rows_in_adjacent_slots_each_land_in_their_own_row(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """Rows in slots side by side go as one engine entry per field, padding and all: each
+    still lands in its own row, in whatever order they were given, and a slot between two
+    runs that this batch does not write keeps its bytes."""
+    with served(name, engines, slots=6, batch=8) as (table, server, writer):
+        grants = [server.grant(tag) for tag in range(1, 7)]
+        assert [g.slot for g in grants] == list(range(6))
+        skipped = grants.pop(2)
+        before = row_bytes(table, skipped.slot)
+        writer.write([(g, small_row(g.tag)) for g in reversed(grants)])  # runs 0-1 and 3-5
+        settled = _poll_until(server, lambda s, got: len(got.published) == 5)
+        assert sorted(settled.published) == [1, 2, 4, 5, 6]
+        assert row_bytes(table, skipped.slot) == before
+        for _ in grants:
+            lease = table.take()
+            assert lease is not None
+            with lease:
+                assert lease.verify() and lease.item("id") == lease.tag
+                assert torch.equal(lease.view("p"), small_row(lease.tag)["p"])
+                assert torch.equal(lease.view("h"), small_row(lease.tag)["h"])
+        assert server.abort(skipped)
+
+
+@needs_engine
 def test_a_writer_checks_every_row_before_sending(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -214,11 +243,13 @@ def test_a_writer_checks_every_row_before_sending(
         good, other = server.grant(1), server.grant(2)
         foreign = Grant(**{**good.__dict__, "fingerprint": good.fingerprint ^ 1})
         shorter = Grant(**{**good.__dict__, "lengths": (*good.lengths[:-1], 16)})
+        strided = Grant(**{**good.__dict__, "item_lens": (*good.item_lens[:-1], 128)})
         bad_dtype = {**small_row(2), "p": torch.zeros(4, dtype=torch.float64)}
         missing = {k: v for k, v in small_row(2).items() if k != "h"}
         for rows, error in [
             ([(good, small_row(1)), (foreign, small_row(1))], GrantError),
             ([(good, small_row(1)), (shorter, small_row(1))], GrantError),
+            ([(good, small_row(1)), (strided, small_row(1))], GrantError),
             ([(good, small_row(1)), (other, bad_dtype)], SchemaError),
             ([(good, small_row(1)), (other, missing)], SchemaError),
         ]:

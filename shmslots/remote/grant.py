@@ -28,15 +28,16 @@ class GrantError(ShmSlotsError, ValueError):
 class Grant:
     """One reserved row, as the remote writer must address it.
 
-    `targets[i]` is where field i (in schema order) of the reserved slot lies in the
-    owner's table, as mapped there, and `lengths[i]` its bytes (the field's own, not the
-    column's padding): the writer writes each field straight into the row.  `nonce` is
-    random per grant: a commit must name it, so a stray or guessed commit cannot use up a
-    grant it did not write.
+    `ptrs`, `item_lens` are the owner's `table.buffer_infos()` (each column's address, as
+    mapped there, and its stride), and `lengths[i]` field i's own bytes (not the column's
+    padding): field i of the row is the `lengths[i]` bytes at `ptrs[i] + item_lens[i] *
+    slot`, which the writer writes straight into.  `nonce` is random per grant: a commit
+    must name it, so a stray or guessed commit cannot use up a grant it did not write.
     """
 
     session: str  # the owner's engine, "host:port"
-    targets: tuple[int, ...]
+    ptrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
     lengths: tuple[int, ...]
     slot: int
     generation: int
@@ -46,8 +47,8 @@ class Grant:
 
     def encode(self) -> bytes:
         blob: bytes = msgpack.packb(
-            [self.session, list(self.targets), list(self.lengths), self.slot,
-             self.generation, self.tag, self.fingerprint, self.nonce]
+            [self.session, list(self.ptrs), list(self.item_lens), list(self.lengths),
+             self.slot, self.generation, self.tag, self.fingerprint, self.nonce]
         )  # fmt: skip
         return blob
 
@@ -59,21 +60,26 @@ class Grant:
             raise GrantError(f"grant is not valid msgpack: {exc}") from None
         if not (
             isinstance(parts, list)
-            and len(parts) == 8
+            and len(parts) == 9
             and isinstance(parts[0], str)
-            and _fields_in_range(parts[1], parts[2])
             and all(
                 type(p) is int and 0 <= p < bound
-                for p, bound in zip(parts[3:], _BOUNDS, strict=True)
+                for p, bound in zip(parts[4:], _BOUNDS, strict=True)
             )
+            and _fields_in_range(parts[1], parts[2], parts[3], parts[4])
         ):
             raise GrantError(
-                "grant is not [session, targets, lengths, slot, generation, tag, fingerprint, "
-                f"nonce] with 1..{MAX_FIELDS} fields, each field's bytes within 64 bits of "
-                "address space, and each number in range"
+                "grant is not [session, ptrs, item_lens, lengths, slot, generation, tag, "
+                f"fingerprint, nonce] with 1..{MAX_FIELDS} fields, each field's bytes within "
+                "its item and 64 bits of address space, and each number in range"
             )
-        session, targets, lengths, *numbers = parts
-        return cls(session, tuple(targets), tuple(lengths), *numbers)
+        session, ptrs, item_lens, lengths, *numbers = parts
+        return cls(session, tuple(ptrs), tuple(item_lens), tuple(lengths), *numbers)
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        """Where each field of the row lies in the owner's memory."""
+        return tuple(p + n * self.slot for p, n in zip(self.ptrs, self.item_lens, strict=True))
 
     @property
     def commit_key(self) -> str:
@@ -85,17 +91,20 @@ class Grant:
         return f"{self.commit_key}:{checksum:08x}"
 
 
-def _fields_in_range(targets: object, lengths: object) -> bool:
-    """Per-field addresses and byte counts: as many of each, every field inside 64 bits."""
+def _fields_in_range(ptrs: object, item_lens: object, lengths: object, slot: int) -> bool:
+    """Per-field columns, strides and byte counts: as many of each, each field's bytes
+    inside its item and the row's item inside 64 bits."""
     return (
-        isinstance(targets, list)
+        isinstance(ptrs, list)
+        and isinstance(item_lens, list)
         and isinstance(lengths, list)
-        and 1 <= len(targets) == len(lengths) <= MAX_FIELDS
+        and 1 <= len(ptrs) == len(item_lens) == len(lengths) <= MAX_FIELDS
         and all(
-            type(t) is int and type(n) is int and 0 <= n <= MAX_ROW_SIZE and 0 <= t <= _U64 - n
-            for t, n in zip(targets, lengths, strict=True)
+            type(p) is int and type(i) is int and type(n) is int
+            and 0 <= n <= i <= MAX_ROW_SIZE and 0 <= p <= _U64 - i * (slot + 1)
+            for p, i, n in zip(ptrs, item_lens, lengths, strict=True)
         )
-    )
+    )  # fmt: skip
 
 
 def parse_commit(entry: str) -> tuple[str, int] | None:

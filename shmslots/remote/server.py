@@ -97,7 +97,7 @@ class RemoteServer:
         self._timeout_s = commit_timeout_s
         self.stats = RemoteStats()
         self._fingerprint = schema.fingerprint
-        self._columns = list(zip(ptrs, item_lens, strict=True))
+        self._ptrs, self._item_lens = tuple(ptrs), tuple(item_lens)
         self._lengths = tuple(fs.field.nbytes for fs in schema.slots.values())
         # the columns lie back to back: one registration covers every row
         self._base = ptrs[0]
@@ -134,12 +134,12 @@ class RemoteServer:
             raise TableClosed("this RemoteServer is closed")
         self._quarantine.sweep()
         reservation = self.table.reserve(tag, timeout)
-        slot = reservation.slot
         grant = Grant(
             self.engine.session,
-            tuple(ptr + item_len * slot for ptr, item_len in self._columns),
+            self._ptrs,
+            self._item_lens,
             self._lengths,
-            slot,
+            reservation.slot,
             reservation.generation,
             tag,
             self._fingerprint,

@@ -37,17 +37,15 @@ class RemoteWriter:
         self.engine = engine
         self.schema = schema
         self.batch = batch
+        self._item_lens = tuple(fs.item_len for fs in schema.slots.values())
         self._lengths = tuple(fs.field.nbytes for fs in schema.slots.values())
         block = ColumnBlock(batch, schema.row_size)
         self._staging = mmap.mmap(-1, block.size)
         self._atomics = AtomicView(self._staging)
         self._rows = Rows(self._staging, block, schema, self._atomics)
         self._base = address_of(self._staging)
-        # where each staging row's fields lie, in field order: one engine entry per field
-        self._sources = [
-            [self._base + self._rows.item(cell, name) for name in schema.slots]
-            for cell in range(batch)
-        ]
+        # where each staging column starts, in field order (strides: the table's item_lens)
+        self._columns = [self._base + self._rows.item(0, name) for name in schema.slots]
         try:
             engine.register(self._base, len(self._staging))
         except BaseException:
@@ -71,10 +69,15 @@ class RemoteWriter:
                 self._send(session, planned[start : start + self.batch], commit)
 
     def _check(self, grant: Grant, values: Mapping[str, Any]) -> None:
-        if grant.fingerprint != self.schema.fingerprint or grant.lengths != self._lengths:
+        if (
+            grant.fingerprint != self.schema.fingerprint
+            or grant.item_lens != self._item_lens
+            or grant.lengths != self._lengths
+        ):
             raise GrantError(
-                f"grant for slot {grant.slot} is for another row layout "
-                f"(fingerprint {grant.fingerprint:#x}, field bytes {list(grant.lengths)})"
+                f"grant for slot {grant.slot} is for another row layout (fingerprint "
+                f"{grant.fingerprint:#x}, items {list(grant.item_lens)}, field bytes "
+                f"{list(grant.lengths)})"
             )
         missing = self.schema.slots.keys() - values.keys()
         if missing:
@@ -83,17 +86,30 @@ class RemoteWriter:
     def _send(
         self, session: str, planned: list[tuple[Grant, list[tuple[str, Any]]]], commit: bool
     ) -> None:
+        """One engine call for these rows: each field of each run of rows whose slots lie
+        side by side goes as one entry (their staging rows lie side by side too, and so do
+        the items' paddings between them)."""
+        planned.sort(key=lambda row: row[0].slot)  # slots granted in a row, rows in a run
         rows = self._rows
+        entries = []
+        runs: list[tuple[int, Grant, int]] = []  # (first staging row, its grant, rows)
+        for cell, (grant, plan) in enumerate(planned):
+            rows.write(cell, plan)
+            entries.append(grant.commit(rows.checksum(cell)))
+            if runs and _follows(runs[-1][1], runs[-1][2], grant):
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((cell, grant, 1))
         sources: list[int] = []
         targets: list[int] = []
         lengths: list[int] = []
-        entries = []
-        for cell, (grant, plan) in enumerate(planned):
-            rows.write(cell, plan)
-            sources += self._sources[cell]
-            targets += grant.targets
-            lengths += grant.lengths
-            entries.append(grant.commit(rows.checksum(cell)))
+        for i, (column, item_len, nbytes) in enumerate(
+            zip(self._columns, self._item_lens, self._lengths, strict=True)
+        ):
+            for cell, first, n in runs:
+                sources.append(column + item_len * cell)
+                targets.append(first.ptrs[i] + item_len * first.slot)
+                lengths.append(item_len * (n - 1) + nbytes)
         self.engine.write(
             session, sources, targets, lengths, (COMMIT, ";".join(entries)) if commit else None
         )
@@ -114,3 +130,8 @@ class RemoteWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _follows(first: Grant, n: int, grant: Grant) -> bool:
+    """Whether `grant`'s row lies right after the `n` rows from `first`'s, in the same table."""
+    return grant.slot == first.slot + n and grant.ptrs == first.ptrs
