@@ -25,8 +25,9 @@ class RemoteWriter:
 
     Rows are packed by the table's own row code into a registered staging buffer laid out
     as the table is (one column per field), then written field by field straight into the
-    granted slot's items; the commit carries each row's checksum (`row_hash` of the fields'
-    bytes), which the owner checks in place before it publishes.
+    granted slot's items, one engine entry per field for rows of adjacent slots (each entry
+    costs a round of its own over TCP); the commit carries each row's checksum (`row_hash`
+    of the fields' bytes), which the owner checks in place before it publishes.
     """
 
     def __init__(self, engine: Engine, schema: RowSchema, *, batch: int = 64) -> None:
