@@ -3,6 +3,7 @@ network namespaces.  Skipped, with the reason, only where the engine cannot be i
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import sys
 import time
@@ -13,11 +14,12 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from conftest import SMALL, small_row
+from conftest import SMALL, row_bytes, small_row
 
-from shmslots import Field, SchemaError, SlotTable
+from shmslots import Field, SchemaError, SlotsExhausted, SlotTable, TableClosed, row_hash
 from shmslots.remote import (
     Engine,
+    EngineError,
     Grant,
     GrantError,
     GrantListener,
@@ -29,6 +31,7 @@ from shmslots.remote import (
 )
 from shmslots.remote.engine import _mooncake
 from shmslots.remote.grant import COMMIT
+from shmslots.schema import RowSchema
 from workers.netns import Namespace, NamespaceUnavailable, veth_namespace
 from workers.remote_flow import (
     RemoteFlowConfig,
@@ -59,13 +62,19 @@ def served(
     *,
     slots: int,
     commit_timeout_s: float = 10.0,
+    late_write_window_s: float = 10.0,
     batch: int = 64,
 ) -> Iterator[tuple[SlotTable, RemoteServer, RemoteWriter]]:
     """A table, its RemoteServer on the owner engine, and a RemoteWriter on the other."""
     owner, remote = engines
     with (
         SlotTable.create(name, SMALL, slots=slots) as table,
-        RemoteServer(table, owner, commit_timeout_s=commit_timeout_s) as server,
+        RemoteServer(
+            table,
+            owner,
+            commit_timeout_s=commit_timeout_s,
+            late_write_window_s=late_write_window_s,
+        ) as server,
         RemoteWriter(remote, table.schema, batch=batch) as writer,
     ):
         yield table, server, writer
@@ -93,10 +102,18 @@ def _poll_until(
         b"",
         b"\xc1",
         b"\x93\x01\x02\x03",
-        Grant("h:1", 1, 2, 3, 4, 5, 6, 7).encode()[:-1],
-        msgpack.packb(["h:1", 1, 2, 3, 2**32, 5, 6, 7]),  # generation out of range
-        msgpack.packb(["h:1", -1, 2, 3, 4, 5, 6, 7]),
-        msgpack.packb(["h:1", 1, 2, 3, 4, 5, 6, True]),
+        Grant("h:1", (1,), (64,), (2,), 3, 4, 5, 6, 7).encode()[:-1],
+        msgpack.packb(["h:1", [1], [64], [2], 3, 2**32, 5, 6, 7]),  # generation out of range
+        msgpack.packb(["h:1", [-1], [64], [2], 3, 4, 5, 6, 7]),
+        msgpack.packb(["h:1", [1], [64], [2], 3, 4, 5, 6, True]),
+        msgpack.packb(["h:1", 1, 64, 2, 3, 4, 5, 6, 7]),  # one column, not a list of them
+        msgpack.packb(["h:1", [], [], [], 3, 4, 5, 6, 7]),  # no field
+        msgpack.packb(["h:1", [1, 2], [64, 64], [2], 3, 4, 5, 6, 7]),  # lengths for fewer fields
+        msgpack.packb(["h:1", [1], [64], [65], 3, 4, 5, 6, 7]),  # a field longer than its item
+        msgpack.packb(["h:1", [2**64 - 255], [64], [8], 3, 4, 5, 6, 7]),  # slot 3 past 64 bits
+        msgpack.packb(["h:1", [1], [2**27], [2**27], 3, 4, 5, 6, 7]),  # longer than any row
+        msgpack.packb(["h:1", [1] * 65, [64] * 65, [2] * 65, 3, 4, 5, 6, 7]),  # too many fields
+        msgpack.packb(["h:1", [1.0], [64], [2], 3, 4, 5, 6, 7]),
     ],
 )
 def test_a_malformed_grant_is_refused(blob: bytes) -> None:
@@ -105,8 +122,20 @@ def test_a_malformed_grant_is_refused(blob: bytes) -> None:
 
 
 def test_a_grant_survives_its_encoding() -> None:
-    grant = Grant("10.0.0.1:15000", 0x7F00_0000_1000, 8256, 3, 2**32 - 1, 2**64 - 1, 12345, 2**63)
+    grant = Grant(
+        "10.0.0.1:15000",
+        (0x7F00_0000_1000, 0x7F00_0000_9000, 2**64 - 256),
+        (64, 128, 64),
+        (8, 128, 64),
+        3,
+        2**32 - 1,
+        2**64 - 1,
+        12345,
+        2**63,
+    )
     assert Grant.decode(grant.encode()) == grant
+    assert grant.targets == (0x7F00_0000_1000 + 192, 0x7F00_0000_9000 + 384, 2**64 - 64)
+    assert grant.commit(0xABC) == f"3:{2**32 - 1}:{2**63:016x}:00000abc"
 
 
 def test_a_link_takes_only_a_peer_with_its_token() -> None:
@@ -155,19 +184,55 @@ def test_handle_fields_cannot_be_written_remotely(
 
 
 @needs_engine
-def test_a_remote_row_arrives_exactly_as_packed(name: str, engines: tuple[Engine, Engine]) -> None:
+def test_a_remote_row_lands_in_place_exactly_as_packed(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
     with served(name, engines, slots=4) as (table, server, writer):
+        ptrs, _, item_lens = table.buffer_infos()
         grants = [server.grant(tag) for tag in (11, 12, 13)]
+        for g in grants:  # the table's columns; each field's own bytes, not the padding
+            assert (list(g.ptrs), list(g.item_lens)) == (ptrs, item_lens)
+            assert g.lengths == tuple(f.nbytes for f in SMALL)
         writer.write([(g, small_row(g.tag)) for g in grants])
         settled = _poll_until(server, lambda s, got: len(got.published) == 3)
         assert settled.published == [11, 12, 13]
-        for tag in (11, 12, 13):
+        for g in grants:
             lease = table.take()
             assert lease is not None
             with lease:
-                assert lease.tag == tag and lease.verify()
-                assert int(lease.view("id")) == tag
-                assert torch.equal(lease.view("h"), small_row(tag)["h"])
+                assert (lease.tag, lease.slot) == (g.tag, g.slot) and lease.verify()
+                assert int(lease.view("id")) == g.tag
+                h = lease.view("h")
+                assert torch.equal(h, small_row(g.tag)["h"])
+                assert h.data_ptr() == g.targets[2]  # where the engine wrote it: no copy
+                del h
+        assert server.stats.committed == 3 and server.held == 0
+
+
+@needs_engine
+def test_rows_in_adjacent_slots_each_land_in_their_own_row(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """Rows in slots side by side go as one engine entry per field, padding and all: each
+    still lands in its own row, in whatever order they were given, and a slot between two
+    runs that this batch does not write keeps its bytes."""
+    with served(name, engines, slots=6, batch=8) as (table, server, writer):
+        grants = [server.grant(tag) for tag in range(1, 7)]
+        assert [g.slot for g in grants] == list(range(6))
+        skipped = grants.pop(2)
+        before = row_bytes(table, skipped.slot)
+        writer.write([(g, small_row(g.tag)) for g in reversed(grants)])  # runs 0-1 and 3-5
+        settled = _poll_until(server, lambda s, got: len(got.published) == 5)
+        assert sorted(settled.published) == [1, 2, 4, 5, 6]
+        assert row_bytes(table, skipped.slot) == before
+        for _ in grants:
+            lease = table.take()
+            assert lease is not None
+            with lease:
+                assert lease.verify() and lease.item("id") == lease.tag
+                assert torch.equal(lease.view("p"), small_row(lease.tag)["p"])
+                assert torch.equal(lease.view("h"), small_row(lease.tag)["h"])
+        assert server.abort(skipped)
 
 
 @needs_engine
@@ -177,10 +242,14 @@ def test_a_writer_checks_every_row_before_sending(
     with served(name, engines, slots=4, commit_timeout_s=0.2) as (table, server, writer):
         good, other = server.grant(1), server.grant(2)
         foreign = Grant(**{**good.__dict__, "fingerprint": good.fingerprint ^ 1})
+        shorter = Grant(**{**good.__dict__, "lengths": (*good.lengths[:-1], 16)})
+        strided = Grant(**{**good.__dict__, "item_lens": (*good.item_lens[:-1], 128)})
         bad_dtype = {**small_row(2), "p": torch.zeros(4, dtype=torch.float64)}
         missing = {k: v for k, v in small_row(2).items() if k != "h"}
         for rows, error in [
             ([(good, small_row(1)), (foreign, small_row(1))], GrantError),
+            ([(good, small_row(1)), (shorter, small_row(1))], GrantError),
+            ([(good, small_row(1)), (strided, small_row(1))], GrantError),
             ([(good, small_row(1)), (other, bad_dtype)], SchemaError),
             ([(good, small_row(1)), (other, missing)], SchemaError),
         ]:
@@ -189,47 +258,118 @@ def test_a_writer_checks_every_row_before_sending(
         # nothing was sent, not even the good row: both grants expire unpublished
         settled = _poll_until(server, lambda s, got: s.pending == 0)
         assert settled.published == [] and sorted(settled.expired) == [1, 2]
-        assert table.take() is None and table.stats().owned == 0
+        assert table.take() is None and table.stats().owned == server.held == 2  # held back
+
+
+def _end(server: RemoteServer, grant: Grant, fate: str) -> None:
+    """End a grant unpublished: the owner aborts it, or it expires without a commit."""
+    if fate == "aborted":
+        assert server.abort(grant) and not server.abort(grant)
+    else:
+        assert _poll_until(server, lambda s, got: s.pending == 0).expired == [grant.tag]
 
 
 @needs_engine
-def test_late_writes_are_discarded_and_never_delivered(
-    name: str, engines: tuple[Engine, Engine]
+@pytest.mark.parametrize("fate", ["aborted", "expired"])
+@pytest.mark.parametrize("window_s", [0.0, 1.0])
+def test_a_late_write_never_reaches_a_later_owner(
+    name: str, engines: tuple[Engine, Engine], fate: str, window_s: float
 ) -> None:
-    """One slot, so every grant reuses it: a late write can only hit a live reservation's
-    row by way of the landing cells, and the generation check refuses it there."""
-    with served(name, engines, slots=1, commit_timeout_s=0.2) as (table, server, writer):
-        expired = server.grant(1)  # generation 0
-        assert _poll_until(server, lambda s, got: s.pending == 0).expired == [1]
-        aborted = server.grant(2)  # generation 1
-        assert server.abort(aborted) and not server.abort(aborted)
-        victim = server.grant(3)  # generation 2: the same landing cell as generation 0
-        assert (expired.slot, aborted.slot, victim.slot) == (0, 0, 0)
-        writer.write([(victim, small_row(3))])
-        writer.write([(expired, small_row(1)), (aborted, small_row(2))])  # late, after it
-        settled = _poll_until(server, lambda s, got: s.stats.late == 2 and not s.pending)
-        # the late bytes clobbered the victim's cell: refused and reported, never delivered
-        assert settled.published == [] and settled.rejected == [3]
-        assert table.take() is None and table.stats().owned == 0
-        # the slot serves the next grant normally
-        fresh = server.grant(4)
-        writer.write([(fresh, small_row(4))])
-        assert _poll_until(server, lambda s, got: got.published).published == [4]
+    """One slot, so the next grant gets the very row the late write targets.  With the
+    quarantine's window the slot is no one else's while the late bytes land, and the next
+    owner's row stays its own; with no window (the bug the quarantine exists for) they
+    land in the next owner's row while a reader holds it."""
+    one_slot = served(name, engines, slots=1, commit_timeout_s=0.2, late_write_window_s=window_s)
+    with one_slot as (table, server, writer):
+        late = server.grant(1)
+        _end(server, late, fate)
+        if not window_s:  # the bug: the slot is reused at once
+            victim = server.grant(2)
+            assert victim.slot == late.slot and victim.targets == late.targets
+            writer.write([(victim, small_row(2))])
+            assert _poll_until(server, lambda s, got: got.published).published == [2]
+            lease = table.take()
+            assert lease is not None and lease.verify()
+            writer.write([(late, small_row(1))])  # request 1's write, late
+            deadline = time.monotonic() + 10
+            while lease.item("id") != 1:  # the reader's row turns into request 1's
+                assert time.monotonic() < deadline, "the late write never landed"
+                time.sleep(0.005)
+            assert not lease.verify()
+            lease.release()
+            _poll_until(server, lambda s, got: s.stats.late == 1)  # its commit: discarded
+            return
+        assert server.held == 1 and table.stats().owned == 1
+        with pytest.raises(SlotsExhausted):
+            server.grant(2, timeout=0.05)  # held back, not reused
+        writer.write([(late, small_row(1))])  # lands in the held row: no one owns it
+        assert server.held == 1
+        _poll_until(server, lambda s, got: s.stats.late == 1)  # its commit: discarded
+        assert table.take() is None
+        victim = _poll_grant(server, 2, window_s + 5)  # once the window has passed
+        assert victim.slot == late.slot and server.held == 0
+        writer.write([(victim, small_row(2))])
+        assert _poll_until(server, lambda s, got: got.published).published == [2]
         lease = table.take()
         assert lease is not None
         with lease:
-            assert int(lease.view("id")) == 4 and lease.verify()
-        foreign = (COMMIT, "garbage;4:x;²:0:0000000000000000;" + "9" * 5000)
-        writer.engine.write(fresh.session, [0], [0], [0], foreign)
-        _poll_until(server, lambda s, got: s.stats.malformed == 4)
-        assert server.stats.committed == 1 and server.stats.rejected == 1
+            time.sleep(0.1)  # room for any byte still on its way
+            assert lease.verify() and lease.item("id") == 2
+            assert torch.equal(lease.view("h"), small_row(2)["h"])
+        stats = server.stats
+        assert (stats.late, stats.quarantined, stats.committed) == (1, 1, 1)
+        assert table.stats().owned == 0
+
+
+def _poll_grant(server: RemoteServer, tag: int, timeout: float) -> Grant:
+    """A grant as soon as a slot comes free (held-back slots are freed by poll or grant)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return server.grant(tag, timeout=0.01)
+        except SlotsExhausted:
+            assert time.monotonic() < deadline, f"no slot freed in {timeout} s: {server.stats}"
+            server.poll()
+
+
+@needs_engine
+def test_a_commit_whose_row_does_not_hash_to_it_is_rejected_and_held(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    with served(name, engines, slots=2, late_write_window_s=0.3) as (table, server, writer):
+        torn = server.grant(3)
+        writer.write([(torn, small_row(3))], commit=False)
+        wrong = torn.commit(row_hash([b"not", b"this", b"row"]))
+        writer.engine.write(torn.session, [0], [0], [0], (COMMIT, wrong))
+        assert _poll_until(server, lambda s, got: got.rejected).rejected == [3]
+        assert server.held == 1 and table.take() is None  # refused, and its slot kept back
+        writer.engine.write(torn.session, [0], [0], [0], (COMMIT, wrong))  # again: late now
+        foreign = (COMMIT, "garbage;4:x;²:0:0000000000000000:00000000;3:0:" + "9" * 5000)
+        writer.engine.write(torn.session, [0], [0], [0], foreign)
+        _poll_until(server, lambda s, got: s.stats.malformed == 4 and s.stats.late == 1)
+        # a commit without its checksum names no grant: malformed too
+        fresh = server.grant(4)
+        writer.write([(fresh, small_row(4))], commit=False)
+        writer.engine.write(fresh.session, [0], [0], [0], (COMMIT, fresh.commit_key))
+        _poll_until(server, lambda s, got: s.stats.malformed == 5)
+        assert server.pending == 1  # still the real writer's
+        writer.write([(fresh, small_row(4))])
+        assert _poll_until(server, lambda s, got: got.published).published == [4]
+        _poll_until(server, lambda s, got: s.held == 0)  # the window passed
+        stats = server.stats
+        assert (stats.committed, stats.rejected, stats.quarantined) == (1, 1, 1)
+        lease = table.take()
+        assert lease is not None and lease.verify() and lease.item("id") == 4
+        lease.release()
+        assert table.stats().owned == 0
 
 
 @needs_engine
 def test_a_stray_commit_cannot_use_up_a_grant(name: str, engines: tuple[Engine, Engine]) -> None:
     with served(name, engines, slots=2) as (table, server, writer):
         grant = server.grant(5)
-        guessed = f"{grant.slot}:{grant.generation}:{grant.nonce ^ 1:016x}"  # right slot and gen
+        stray = Grant(**{**grant.__dict__, "nonce": grant.nonce ^ 1})  # right slot and gen
+        guessed = stray.commit(row_hash([b"\0" * f.nbytes for f in SMALL]))
         writer.engine.write(grant.session, [0], [0], [0], (COMMIT, guessed))
         _poll_until(server, lambda s, got: s.stats.late == 1)
         assert server.pending == 1  # still the real writer's
@@ -252,25 +392,57 @@ def test_every_row_is_checked_before_the_first_batch_leaves(
             writer.write(rows)
         settled = _poll_until(server, lambda s, got: s.pending == 0)
         assert settled.published == [] and sorted(settled.expired) == [1, 2, 3, 4]
-        assert table.take() is None and table.stats().owned == 0
+        assert table.take() is None and table.stats().owned == server.held == 4
 
 
 @needs_engine
 def test_a_server_owns_its_engine_and_refuses_work_once_closed(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
-    owner, _ = engines
-    with SlotTable.create(name, SMALL, slots=2) as table:
+    owner, remote = engines
+    with (
+        SlotTable.create(name, SMALL, slots=2) as table,
+        RemoteWriter(remote, table.schema) as writer,
+    ):
         server = RemoteServer(table, owner)
         with pytest.raises(ValueError, match="one RemoteServer per Engine"):
             RemoteServer(table, owner)
         server.grant(1)
+        aborted = server.grant(2)
+        assert server.abort(aborted)
+        assert server.held == 1 and table.stats().owned == 2
         server.close()
-        assert table.stats().owned == 0  # the pending grant was aborted
+        # the pending grant was aborted and the held-back slot freed, since the engine no
+        # longer writes into the table: a late write now is refused by the owner's engine
+        assert table.stats().owned == 0 and server.stats.aborted == 2
+        with pytest.raises(EngineError):
+            writer.write([(aborted, small_row(2))])
         for call in (lambda: server.grant(2), server.poll):
             with pytest.raises(ValueError, match="closed"):
                 call()
         RemoteServer(table, owner).close()  # the engine is free again
+
+
+@needs_engine
+def test_a_table_closed_before_its_server_stays_mapped_for_the_engine(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """The engine writes into the table's mapping until the server unregisters it: a table
+    closed first must not unmap it under a write (which would land in whatever is mapped
+    there next, or crash the owner)."""
+    owner, remote = engines
+    with RemoteWriter(remote, RowSchema(SMALL)) as writer:
+        table = SlotTable.create(name, SMALL, slots=2)
+        server = RemoteServer(table, owner)
+        grant = server.grant(7)
+        table.close()  # the table leaves; its server is still serving
+        table.unlink()
+        writer.write([(grant, small_row(7))])  # lands in the mapping the server keeps
+        assert ctypes.c_int64.from_address(grant.targets[0]).value == 7
+        with pytest.raises(TableClosed):
+            server.poll()
+        server.close()
+        assert server.stats.aborted == 1
 
 
 # -- the flow: spawned remote writer, decode worker, owner --------------------------------
@@ -294,8 +466,10 @@ def _check_flow(result: RemoteFlowResult, requests: int) -> None:
     assert decode.corrupted == 0 and decode.verified == len(decode.consumed) >= 2000
     # a write for an aborted grant came anyway: discarded, counted
     assert remote.late == len(aborted - uncommitted) > 0
-    # rows the writer never committed expired and were reclaimed
+    # rows the writer never committed expired; every grant that ended unpublished had its
+    # slot held back for late writes, and freed by the end
     assert set(settled.expired) == uncommitted - aborted and settled.expired
+    assert remote.quarantined == len(aborted) + len(settled.expired) + len(settled.rejected)
     assert result.final.owned == 0 and result.final.queued == 0
     assert result.consistency == []
 

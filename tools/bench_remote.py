@@ -1,6 +1,6 @@
 """Remote writes through the Mooncake Transfer Engine (TCP, loopback) beside the local path.
 
-    python tools/bench_remote.py [--rows 5000] [--repeat 3] [--out bench-out]
+    python tools/bench_remote.py [--rows 5000] [--repeat 3] [--out bench-out] [--base PATH]
 
 Every path moves the same EAGLE rows (bf16[4096] hidden state) into one table
 whose owner takes each row as soon as it is READY.  Reported: rows/s, and the
@@ -9,6 +9,13 @@ latency from the writer starting to pack a row to the owner taking it.
   remote, 1/call    a remote writer process: one engine call and commit per row
   remote, 32/call   32 rows per engine call, one commit message behind them
 Needs `pip install -e '.[remote]'` and Debian's libibverbs1.
+
+--base PATH compares this checkout with another in one run (before/after): PATH is a
+checkout with its extensions built in place, as for tools/bench_ab.py (`git worktree add
+PATH 9e220a3 && cd PATH && python setup.py build_ext --inplace` gives the landing-cell
+design).  Each round runs every path in a fresh interpreter that imports this checkout,
+then one that imports PATH (the order alternating from round to round, so that the
+machine's drift hits both alike); medians over the rounds are printed side by side.
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +37,7 @@ from workers.launcher import SPAWN
 from workers.remote_flow import grant_batch, remote_writer
 from workers.transfer import TransferConfig, TransferReport, transfer_worker
 
+HERE = Path(__file__).resolve().parent.parent
 SLOTS = 128
 WINDOW = 64  # grants outstanding (remote) — the local writer is bounded by the slots
 STALL_S = 60.0
@@ -118,21 +126,86 @@ def remote(rows: int, name: str, per_call: int) -> Run:
     return _summary(rows - 1, seconds, latencies)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=5000)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    args = parser.parse_args()
-    paths: dict[str, Callable[[int, str], Run]] = {
-        "local (claim, write, publish)": local,
-        "remote, 1 row per engine call": lambda n, name: remote(n, name, 1),
-        "remote, 32 rows per engine call": lambda n, name: remote(n, name, 32),
+# label -> (function of this file, its arguments after rows and name): the same names in
+# every checkout compared, so that a probe can run either
+PATHS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "local (claim, write, publish)": ("local", ()),
+    "remote, 1 row per engine call": ("remote", (1,)),
+    "remote, 32 rows per engine call": ("remote", (32,)),
+}
+
+# Runs in the checkout under test (its path first on sys.path); prints one JSON line.
+PROBE = """
+import json, signal, sys
+# SIGTERM unwinds (SystemExit), so the probe's tables are unlinked and its children reaped.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+sys.path[:0] = [{root!r}, {root!r} + "/tools"]
+import shmslots
+assert shmslots.__file__.startswith({root!r}), shmslots.__file__
+from dataclasses import asdict
+import bench_remote
+if __name__ == "__main__":
+    runs = {{}}
+    for i, (label, (path, args)) in enumerate({paths!r}.items()):
+        run = getattr(bench_remote, path)({rows}, {prefix!r} + str(i), *args)
+        runs[label] = asdict(run)
+    print(json.dumps(runs))
+"""
+
+
+def in_process(rows: int, prefix: str) -> dict[str, Run]:
+    """Every path once, here."""
+    return {
+        label: globals()[path](rows, f"{prefix}{i}", *args)
+        for i, (label, (path, args)) in enumerate(PATHS.items())
     }
-    runs: dict[str, list[Run]] = {label: [] for label in paths}
-    for r in range(args.repeat):  # interleaved, so drift hits every path alike
-        for i, (label, path) in enumerate(paths.items()):
-            runs[label].append(path(args.rows, f"shmslots-bench-remote-{os.getpid()}-{r}-{i}"))
+
+
+def probe(root: Path, rows: int, prefix: str) -> dict[str, Run]:
+    """Every path once, in a fresh interpreter that imports the checkout at `root`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
+    code = PROBE.format(root=str(root), paths=PATHS, rows=rows, prefix=prefix)
+    with subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=root,  # the remote writer starts as `-m workers.remote_writer`: from this checkout
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=1200)
+        except BaseException:  # interrupted or timed out: let the probe clean up, then go
+            proc.terminate()
+            proc.communicate(timeout=30)
+            raise
+    if proc.returncode:
+        raise SystemExit(f"probe in {root} failed:\n{err}")
+    got = json.loads(out.strip().splitlines()[-1])
+    return {label: Run(**run) for label, run in got.items()}
+
+
+def revision(root: Path) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(root), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or "?"
+
+
+def _cell(got: list[Run], key: str) -> float:
+    return float(statistics.median(getattr(g, key) for g in got))
+
+
+def _rate(got: list[Run]) -> str:
+    rate = [g.rows_per_s for g in got]
+    return f"{statistics.median(rate):,.0f} ({min(rate):,.0f}-{max(rate):,.0f})"
+
+
+def single_table(args: argparse.Namespace, runs: dict[str, list[Run]]) -> list[str]:
     lines = [
         f"EAGLE rows, {args.rows} per run, median of {args.repeat} runs (min-max), "
         f"{os.cpu_count()} CPUs, TCP on 127.0.0.1",
@@ -141,17 +214,84 @@ def main() -> int:
         "|---|---:|---:|---:|",
     ]
     for label, got in runs.items():
-        rate = [g.rows_per_s for g in got]
         lines.append(
-            f"| {label} | {statistics.median(rate):,.0f} ({min(rate):,.0f}-{max(rate):,.0f}) "
-            f"| {statistics.median(g.p50_us for g in got):,.0f} "
-            f"| {statistics.median(g.p99_us for g in got):,.0f} |"
+            f"| {label} | {_rate(got)} | {_cell(got, 'p50_us'):,.0f} "
+            f"| {_cell(got, 'p99_us'):,.0f} |"
         )
+    return lines
+
+
+def ab_table(args: argparse.Namespace, runs: dict[str, dict[str, list[Run]]]) -> list[str]:
+    lines = [
+        f"EAGLE rows, {args.rows} per run, median of {args.repeat} alternated rounds "
+        f"(min-max), {os.cpu_count()} CPUs, TCP on 127.0.0.1",
+        f"base: {args.base} at {revision(args.base)}; this: {HERE} at {revision(HERE)}",
+        "",
+        "| path | rows/s base | rows/s this | this / base | p50 µs base | p50 µs this "
+        "| p99 µs base | p99 µs this |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in PATHS:
+        base, this = runs["base"][label], runs["this"][label]
+        ratio = _cell(this, "rows_per_s") / _cell(base, "rows_per_s")
+        lines.append(
+            f"| {label} | {_rate(base)} | {_rate(this)} | {ratio:.2f} "
+            f"| {_cell(base, 'p50_us'):,.0f} | {_cell(this, 'p50_us'):,.0f} "
+            f"| {_cell(base, 'p99_us'):,.0f} | {_cell(this, 'p99_us'):,.0f} |"
+        )
+    return lines
+
+
+def measure_here(args: argparse.Namespace, prefix: str) -> tuple[list[str], object]:
+    """Every path `repeat` times in this process: the table and the runs."""
+    runs: dict[str, list[Run]] = {label: [] for label in PATHS}
+    for r in range(args.repeat):  # interleaved, so drift hits every path alike
+        for label, run in in_process(args.rows, f"{prefix}-{r}-").items():
+            runs[label].append(run)
+    return single_table(args, runs), {
+        label: [asdict(g) for g in got] for label, got in runs.items()
+    }
+
+
+def measure_ab(args: argparse.Namespace, prefix: str) -> tuple[list[str], object]:
+    """`repeat` rounds of every path in this checkout and the base, alternated."""
+    sides = {"this": HERE, "base": args.base}
+    runs: dict[str, dict[str, list[Run]]] = {side: {p: [] for p in PATHS} for side in sides}
+    for r in range(args.repeat):
+        order = list(sides.items())
+        for side, root in order if r % 2 == 0 else order[::-1]:
+            for label, run in probe(root, args.rows, f"{prefix}-{side}-{r}-").items():
+                runs[side][label].append(run)
+                print(
+                    f"round {r + 1} {side}: {label}: {run.rows_per_s:,.0f} rows/s, "
+                    f"p50 {run.p50_us:,.0f} µs, p99 {run.p99_us:,.0f} µs",
+                    flush=True,
+                )
+    doc = {
+        side: {p: [asdict(g) for g in got] for p, got in by.items()} for side, by in runs.items()
+    }
+    return ab_table(args, runs), doc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rows", type=int, default=5000)
+    parser.add_argument("--repeat", type=int, default=3, help="runs (rounds, with --base)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--base", type=Path, help="another checkout to compare with")
+    args = parser.parse_args()
+    prefix = f"shmslots-bench-remote-{os.getpid()}"
+    if args.base is None:
+        lines, doc = measure_here(args, prefix)
+        name = "remote"
+    else:
+        args.base = args.base.resolve()
+        lines, doc = measure_ab(args, prefix)
+        name = "remote-ab"
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "remote.md").write_text("\n".join(lines) + "\n")
-    doc = {label: [asdict(g) for g in got] for label, got in runs.items()}
-    (args.out / "remote.json").write_text(json.dumps(doc, indent=2))
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -50,6 +50,9 @@ class RemoteFlowConfig:
     abort_fraction: float = 0.03  # cancelled right after the grant left: its write comes late
     never_commit_every: int = 0  # writer fault: every Nth row written, never committed
     commit_timeout_s: float = 2.0
+    # slots of aborted and expired grants are held back this long (the writer here writes
+    # each grant within milliseconds of receiving it; 64 slots cannot spare seconds' worth)
+    late_write_window_s: float = 1.0
     decode_abort: float = 0.02
     shape: eagle.RowShape = field(default_factory=eagle.RowShape)
     owner_host: str = "127.0.0.1"
@@ -126,7 +129,12 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
             consumer.start()
             engine = Engine(config.owner_host)
             with (
-                RemoteServer(table, engine, commit_timeout_s=config.commit_timeout_s) as server,
+                RemoteServer(
+                    table,
+                    engine,
+                    commit_timeout_s=config.commit_timeout_s,
+                    late_write_window_s=config.late_write_window_s,
+                ) as server,
                 remote_writer(
                     table,
                     owner_host=config.owner_host,
@@ -200,7 +208,8 @@ def grant_batch(
     server: RemoteServer, first_tag: int, left: int, window: int, batch: int
 ) -> list[Grant]:
     """Grants for tags first_tag, first_tag + 1, ...: at most `batch` and `left`, while fewer
-    than `window` are pending and a slot is free (the consumer may still hold them all)."""
+    than `window` are pending and a slot is free (the consumer, or the server's quarantine,
+    may hold them all)."""
     grants: list[Grant] = []
     while len(grants) < min(batch, left) and server.pending < window:
         try:
@@ -284,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"published {len(s.published)}, aborted by the owner {len(result.aborted)} "
         f"(late writes discarded: {result.remote.late}), expired {len(s.expired)} "
-        f"(writer never committed {len(result.uncommitted)}), rejected {len(s.rejected)}"
+        f"(writer never committed {len(result.uncommitted)}), rejected {len(s.rejected)}; "
+        f"slots held back for late writes {result.remote.quarantined}"
     )
     print(
         f"decode: verified {d.verified}, corrupted {d.corrupted}, aborted {len(d.aborted)}; "

@@ -1,20 +1,23 @@
-"""What the owner hands a remote writer: where to write one row, and as which generation."""
+"""What the owner hands a remote writer: where each field of one reserved row lies, and as
+which generation; and the commit the writer sends back."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from ..errors import ShmSlotsError
+from ..schema import MAX_FIELDS, MAX_ROW_SIZE
 
 _U64 = 2**64
 _U32 = 2**32
-_BOUNDS = (_U64, _U64, _U32, _U32, _U64, _U64, _U64)  # address .. nonce
-COMMIT = "shmslots-commit"  # the notify name commits travel under: "key;key;..."
-_KEY = re.compile(r"([0-9]{1,10}):([0-9]{1,10}):([0-9a-f]{16})", re.ASCII)
+_BOUNDS = (_U32, _U32, _U64, _U64, _U64)  # slot, generation, tag, fingerprint, nonce
+COMMIT = "shmslots-commit"  # the notify name commits travel under: "entry;entry;..."
+# a commit entry: the grant's key "slot:generation:nonce", then the row's checksum
+_ENTRY = re.compile(r"([0-9]{1,10}:[0-9]{1,10}:[0-9a-f]{16}):([0-9a-f]{8})", re.ASCII)
 
 
 class GrantError(ShmSlotsError, ValueError):
@@ -25,15 +28,17 @@ class GrantError(ShmSlotsError, ValueError):
 class Grant:
     """One reserved row, as the remote writer must address it.
 
-    `address` is the landing cell in the owner's memory (as mapped there),
-    not the table row: the owner copies the cell into the row at commit.
-    `nonce` is random per grant: a commit must name it, so a stray or
-    guessed commit cannot use up a grant it did not write.
+    `ptrs`, `item_lens` are the owner's `table.buffer_infos()` (each column's address, as
+    mapped there, and its stride), and `lengths[i]` field i's own bytes (not the column's
+    padding): field i of the row is the `lengths[i]` bytes at `ptrs[i] + item_lens[i] *
+    slot`, which the writer writes straight into.  `nonce` is random per grant: a commit
+    must name it, so a stray or guessed commit cannot use up a grant it did not write.
     """
 
     session: str  # the owner's engine, "host:port"
-    address: int
-    length: int
+    ptrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    lengths: tuple[int, ...]
     slot: int
     generation: int
     tag: int
@@ -41,7 +46,10 @@ class Grant:
     nonce: int
 
     def encode(self) -> bytes:
-        blob: bytes = msgpack.packb(astuple(self))
+        blob: bytes = msgpack.packb(
+            [self.session, list(self.ptrs), list(self.item_lens), list(self.lengths),
+             self.slot, self.generation, self.tag, self.fingerprint, self.nonce]
+        )  # fmt: skip
         return blob
 
     @classmethod
@@ -52,28 +60,56 @@ class Grant:
             raise GrantError(f"grant is not valid msgpack: {exc}") from None
         if not (
             isinstance(parts, list)
-            and len(parts) == 8
+            and len(parts) == 9
             and isinstance(parts[0], str)
             and all(
                 type(p) is int and 0 <= p < bound
-                for p, bound in zip(parts[1:], _BOUNDS, strict=True)
+                for p, bound in zip(parts[4:], _BOUNDS, strict=True)
             )
+            and _fields_in_range(parts[1], parts[2], parts[3], parts[4])
         ):
             raise GrantError(
-                "grant is not [session, address, length, slot, generation, tag, fingerprint, "
-                "nonce] with each number in range"
+                "grant is not [session, ptrs, item_lens, lengths, slot, generation, tag, "
+                f"fingerprint, nonce] with 1..{MAX_FIELDS} fields, each field's bytes within "
+                "its item and 64 bits of address space, and each number in range"
             )
-        return cls(*parts)
+        session, ptrs, item_lens, lengths, *numbers = parts
+        return cls(session, tuple(ptrs), tuple(item_lens), tuple(lengths), *numbers)
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        """Where each field of the row lies in the owner's memory."""
+        return tuple(p + n * self.slot for p, n in zip(self.ptrs, self.item_lens, strict=True))
 
     @property
     def commit_key(self) -> str:
         """How a commit names this grant: "slot:generation:nonce"."""
         return f"{self.slot}:{self.generation}:{self.nonce:016x}"
 
+    def commit(self, checksum: int) -> str:
+        """The commit entry for this grant's row, written with `checksum` (its row_hash)."""
+        return f"{self.commit_key}:{checksum:08x}"
 
-def parse_commit_key(key: str) -> tuple[int, int, int] | None:
-    """(slot, generation, nonce) of a well-formed commit key, else None."""
-    match = _KEY.fullmatch(key)
+
+def _fields_in_range(ptrs: object, item_lens: object, lengths: object, slot: int) -> bool:
+    """Per-field columns, strides and byte counts: as many of each, each field's bytes
+    inside its item and the row's item inside 64 bits."""
+    return (
+        isinstance(ptrs, list)
+        and isinstance(item_lens, list)
+        and isinstance(lengths, list)
+        and 1 <= len(ptrs) == len(item_lens) == len(lengths) <= MAX_FIELDS
+        and all(
+            type(p) is int and type(i) is int and type(n) is int
+            and 0 <= n <= i <= MAX_ROW_SIZE and 0 <= p <= _U64 - i * (slot + 1)
+            for p, i, n in zip(ptrs, item_lens, lengths, strict=True)
+        )
+    )  # fmt: skip
+
+
+def parse_commit(entry: str) -> tuple[str, int] | None:
+    """(grant's commit key, checksum) of a well-formed commit entry, else None."""
+    match = _ENTRY.fullmatch(entry)
     if match is None:
         return None
-    return int(match[1]), int(match[2]), int(match[3], 16)
+    return match[1], int(match[2], 16)
