@@ -834,9 +834,10 @@ ws_abort(Handle *h, PyObject *unused)
     return slow((PyObject *)h, s_abort_slow, NULL, NULL);
 }
 
-/* _keep() -> Lease | None: seal the row, hold it oneself (WRITING -> HELD) and hand the
+/* _keep() -> Lease | None: hold the row oneself (WRITING -> HELD), seal it, and hand the
  * ownership from this write slot to a new lease, in one call; None if the slot is not this
- * handle's any more (nothing changed).  leases.WriteSlot.keep checks everything first. */
+ * handle's any more (nothing changed, its seal included).  leases.WriteSlot.keep checks
+ * everything first. */
 static PyObject *
 ws_keep(Handle *h, PyObject *unused)
 {
@@ -846,9 +847,6 @@ ws_keep(Handle *h, PyObject *unused)
         Py_RETURN_NONE;
     Core *c = h->core;
     PyObject *call[4] = {h->slot, h->generation, c->st_held, c->ev_abort}, *r;
-    if (!(r = PyObject_Vectorcall(c->seal, call, 2, NULL)))
-        return NULL;
-    Py_DECREF(r);
     if (!(r = PyObject_Vectorcall(c->keep, call, 2, NULL)))
         return NULL;
     long code = PyLong_AsLong(r);
@@ -856,8 +854,12 @@ ws_keep(Handle *h, PyObject *unused)
     if (code != 0)
         Py_RETURN_NONE;
     h->open = 0;
-    Handle *lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag);
-    PyObject *before = lease ? PyLong_FromLong(0) : NULL;
+    /* HELD by us and never queued: sealing after the step, nobody can read it meanwhile */
+    Handle *lease = NULL;
+    PyObject *before = NULL, *sealed = PyObject_Vectorcall(c->seal, call, 2, NULL);
+    if (sealed && (lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag)))
+        before = PyLong_FromLong(0);
+    Py_XDECREF(sealed);
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);

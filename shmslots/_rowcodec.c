@@ -592,6 +592,21 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         Py_DECREF(at);
         if ((s->itemsize = itemsize_of(s->dtype)) < 0)
             goto fail;
+        Py_ssize_t elements = 1;
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(s->shape); d++) {
+            Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(s->shape, d));
+            if (dim < 0 || (dim && elements > PY_SSIZE_T_MAX / dim)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "bad field shape");
+                goto fail;
+            }
+            elements *= dim;
+        }
+        if (s->scalar != HANDLE && (elements > PY_SSIZE_T_MAX / s->itemsize ||
+                                    s->nbytes != elements * s->itemsize)) {
+            PyErr_SetString(PyExc_ValueError, "a field's bytes are not its dtype times its shape");
+            goto fail;
+        }
         /* sizes are checked by division and subtraction, so nothing overflows */
         if (s->column < 0 || s->nbytes < 0 || s->item_len < s->nbytes ||
             (nslots && s->item_len > (len - s->column) / nslots) || s->column > len) {
@@ -768,6 +783,11 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
+    if (!r->held) { /* the checks may have run Python, which may have closed the table */
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        result = NULL;
+        goto done;
+    }
     if (total >= (1 << 20)) {
         /* Big copies let other threads run.  One of them may close the table meanwhile:
          * an export of our own, held for the copy, makes the mapping refuse to unmap. */
@@ -899,6 +919,10 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     int ok = modes ? 0 : plain_out(r, s, args[2], n, batched, &dst);
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
+    if (!r->held) { /* checking `out` may have run Python, which may have closed the table */
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return NULL;
+    }
     /* Every slot checked, as the offset of its field, before the first copy. */
     Py_ssize_t local[64], *src = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
     if (!src)

@@ -28,6 +28,7 @@ import torch
 
 from ._leases import HandleBase, HandleCore, LeaseCore, WatchedTensors, WriteSlotCore
 from .errors import (
+    InvalidArgument,
     LeakedViewError,
     LeakedViewWarning,
     RowRejected,
@@ -282,6 +283,8 @@ class WriteSlot(_Handle, WriteSlotCore):
         partial or foreign transfer is refused, not delivered.
         """
         self._check_open("write")
+        if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 32):
+            raise InvalidArgument(f"checksum must be a 32-bit unsigned int, got {checksum!r}")
         rows = self._table._rows
         if rows.schema.has_handles:
             raise SchemaError("handle fields cannot be written by address")
@@ -298,16 +301,28 @@ class WriteSlot(_Handle, WriteSlotCore):
 
         For a row landed for this process's own later use — a transfer committed where it
         will be consumed (SGLang's decode side) — so it stays owned, and its views valid,
-        until the lease is released.  Needs every field written, as publish() does.
+        until the lease is released.  Needs every field written, as publish() does, and
+        refuses views moved out of the row as publish() does; the views this write slot
+        handed out stay valid, and the lease checks them when it ends.
         """
         self._check_open("keep")
+        moved = self._views().moved(self._viewed) if self._viewed else []
+        if moved:
+            self._table._rows.forget_views(self.slot)
+            self._forget_moved(moved)
+            self._moved(moved, "keep", reported=[])
         self._check_written()
-        if self._viewed:
-            self._check_views("keep")
-        lease = self._keep()
-        if lease is None:
-            raise self._table._own.not_mine(self.slot, self.generation, _WRITING)
-        return cast(Lease, lease)
+        table = self._table
+        got = self._keep()
+        if got is None:
+            raise table._own.not_mine(self.slot, self.generation, _WRITING)
+        lease = cast(Lease, got)
+        if self._viewed:  # the lease's own, checked at its end
+            lease._viewed.update(self._viewed)
+            lease._watched = self._views()
+        if table._sites is not None:
+            table._trace([lease], _HELD)
+        return lease
 
     def _publish_slow(self, timeout: float) -> None:
         """publish() with fields unwritten, views alive, or a full ready ring; every error."""
@@ -351,7 +366,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._watched = None
 
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
-        if action == "publish":  # an abort delivers nothing: nothing to redo
+        if action in ("publish", "keep"):  # an abort delivers nothing: nothing to redo
             raise SchemaError(
                 f"slot {self.slot}: views of {', '.join(names)} no longer show the "
                 "row (moved out by share_memory_ or pickling, or pointed elsewhere), so what was "

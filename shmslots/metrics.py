@@ -31,8 +31,8 @@ from .snapshot import SlotSnapshot, TableSnapshot, TableView, oldest, snapshot_h
 COUNTER_HELP = {
     "claims": "Slots claimed for writing (FREE -> WRITING).",
     "reserves": "Slots reserved for a producer (FREE -> RESERVED).",
-    "publishes": "Rows published (WRITING -> READY).",
-    "takes": "Rows taken by a consumer (READY -> HELD).",
+    "publishes": "Rows published (WRITING -> READY), or kept by their writer (-> HELD).",
+    "takes": "Rows taken by a consumer (READY -> HELD), or kept by their writer.",
     "releases": "Leases released after consumption (HELD -> FREE).",
     "aborts": "Slots aborted by their owner (WRITING, RESERVED or HELD -> FREE).",
     "cancels": "READY slots cancelled by request tag before pickup.",

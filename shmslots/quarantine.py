@@ -9,8 +9,10 @@ visible in `shmslots inspect`, taken by no one — until `window_s` has passed, 
 own deferred release waits for the prefill side before freeing an index.
 
 The window is the promise that bounds it: no write for a reservation arrives more than
-`window_s` after the reservation is aborted.  A writer's owner that dies takes its engine's
-registration with it, and the reaper frees its reservations at once.
+`window_s` after the reservation is aborted.  An owner that dies takes its engine's
+registration with it (a remote engine can no longer write there), and the reaper frees its
+reservations at once; a writer on the same machine that maps the table itself is not
+stopped by that, and must honour the window on its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ class Quarantine:
     """Reservations aborted by their owner, each freed once `window_s` has passed."""
 
     def __init__(self, window_s: float) -> None:
-        if not (isinstance(window_s, (int, float)) and 0 <= window_s < float("inf")):
+        if not (
+            isinstance(window_s, (int, float))
+            and not isinstance(window_s, bool)
+            and 0 <= window_s < float("inf")
+        ):
             raise InvalidArgument(
                 f"late-write window must be a finite number >= 0 s, got {window_s!r}"
             )
@@ -40,6 +46,8 @@ class Quarantine:
     def hold(self, reservation: Reservation) -> None:
         """Keep an aborted reservation owned until its window has passed (then `sweep` frees
         it).  A reservation that already ended is not held."""
+        if not isinstance(reservation, Reservation):
+            raise InvalidArgument(f"a quarantine holds Reservations, not {reservation!r}")
         if not reservation._open:
             return
         self._held.append((time.monotonic() + self.window_s, reservation))
@@ -50,8 +58,8 @@ class Quarantine:
         now, freed = time.monotonic(), 0
         while self._held and self._held[0][0] <= now:
             _, reservation = self._held.popleft()
+            freed += reservation._open  # one that ended meanwhile (its table closed) is not
             reservation.end()
-            freed += 1
         self.released += freed
         return freed
 

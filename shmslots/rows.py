@@ -316,9 +316,12 @@ def refusal(f: Field, value: Any, code: int) -> str:
 def _refusal(f: Field, value: Any, code: int) -> str:
     name = f.name
     if code == _NOT_TENSOR:
-        number = " or a Python number" if f.shape == () and not f.is_handle else ""
+        number = ""
+        if f.shape == () and not f.is_handle:
+            number = " or a Python bool" if f.dtype == "bool" else " or a Python number"
         return (
-            f"field {name!r} takes {'an' if f.dtype[0] in 'iu' else 'a'} {f.dtype} tensor of "
+            f"field {name!r} takes {'an' if f.dtype.startswith('int') else 'a'} {f.dtype} "
+            "tensor of "
             f"shape {f.shape}{number}, "
             f"got {type(value).__name__}"
         )

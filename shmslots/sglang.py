@@ -31,16 +31,23 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from .errors import InvalidSlot, OwnershipError, SchemaError, SlotsExhausted
+from .errors import (
+    IncompatibleTable,
+    InvalidSlot,
+    OwnershipError,
+    SchemaError,
+    SlotsExhausted,
+    TableClosed,
+)
 from .leases import Lease, Reservation
 from .quarantine import Quarantine
-from .rows import mapped_tensor
 from .schema import ITEM_ALIGN, Field
 from .table import SlotTable
 
@@ -86,6 +93,50 @@ class _Req(Protocol):
     metadata_buffer_index: int
 
 
+class _RoomColumn:
+    """`bootstrap_room` as SGLang's gate reads it (`bootstrap_room[idx, 0]`), by copy: a
+    0-d uint64 tensor for `[idx, j]`, an (8,) one for `[idx]`.  Nothing of it points into the
+    mapping, so it stays safe to hold after the buffers close."""
+
+    def __init__(self, buffers: MetadataBuffers) -> None:
+        self._buffers = buffers
+
+    def __getitem__(self, key: int | tuple[int, int]) -> torch.Tensor:
+        idx, j = key if isinstance(key, tuple) else (key, None)
+        buffers = self._buffers
+        buffers._check_open()
+        buffers.table.layout.check_slot(idx)
+        if j is not None and not (type(j) is int and 0 <= j < 8):
+            raise InvalidSlot(f"bootstrap_room has 8 words a row, not {j!r}")
+        ptrs, _, item_lens = buffers._infos
+        raw = ctypes.string_at(ptrs[buffers._room] + item_lens[buffers._room] * idx, 64)
+        words = torch.tensor(struct.unpack("<8Q", raw), dtype=torch.uint64)
+        return words if j is None else words[j].clone()
+
+    def __repr__(self) -> str:
+        return f"<bootstrap_room of {self._buffers.size} slots>"
+
+
+def _exact(f: Field, value: Any) -> torch.Tensor:
+    """`value`'s leading elements for field `f`, converted exactly, or SchemaError."""
+    try:
+        if isinstance(value, torch.Tensor):
+            src = value.detach().to("cpu").reshape(-1)
+            converted = src.to(f.torch_dtype)
+            exact = converted.to(src.dtype).equal(src)
+        else:
+            items = [value] if isinstance(value, (int, float, bool)) else list(value)
+            converted = torch.tensor(items, dtype=f.torch_dtype)
+            exact = converted.tolist() == items
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise SchemaError(f"{f.name}: {value!r} is not {f.dtype} values ({exc})") from None
+    if not exact:
+        raise SchemaError(f"{f.name}: {value!r} does not convert exactly to {f.dtype}")
+    if converted.numel() > f.fixed_shape[0]:
+        raise SchemaError(f"{f.name}: {converted.numel()} values for {f.fixed_shape[0]}")
+    return converted.contiguous()
+
+
 class MetadataBuffers:
     """SGLang's `MetadataBuffers`, one slot per index, in a shmslots table.
 
@@ -104,35 +155,49 @@ class MetadataBuffers:
         *,
         kv_checksum: bool = False,
         table_name: str | None = None,
-        table: SlotTable | None = None,
     ) -> None:
         if custom_mem_pool is not None:
             raise SchemaError("custom_mem_pool: shmslots buffers live in shared CPU memory")
-        if table is None:
-            fields = metadata_fields(
-                hidden_size, hidden_states_dtype, max_top_logprobs_num, kv_checksum=kv_checksum
-            )
-            name = table_name or f"sglang-metadata-{os.getpid()}-{next(_names)}"
-            # a dead decode side's rows are dropped: no other reader would ever take them
-            table = SlotTable.create(name, fields, slots=size, on_consumer_death="drop")
+        fields = metadata_fields(
+            hidden_size, hidden_states_dtype, max_top_logprobs_num, kv_checksum=kv_checksum
+        )
+        name = table_name or f"sglang-metadata-{os.getpid()}-{next(_names)}"
+        # a dead decode side's rows are dropped: no other reader would ever take them
+        self._bind(SlotTable.create(name, fields, slots=size, on_consumer_death="drop"))
+
+    def _bind(self, table: SlotTable) -> None:
         self.table = table
         self._allocator: ReqToMetadataIdxAllocator | None = None  # the decode side's
         self._names = list(table.schema.slots)
         self._room = self._names.index(ROOM)
         self._infos = table.buffer_infos()
-        # SGLang's gate reads bootstrap_room[idx, 0] while the transfer is in flight; the
-        # column of (8,) uint64 items, 64 bytes each, is that (size, 8) tensor
-        self.bootstrap_room = mapped_tensor(
-            table._segment.mm, table._rows.item(0, ROOM), torch.uint64, (table.slots, 8)
-        )
+        self.bootstrap_room = _RoomColumn(self)
 
     @classmethod
     def attach(cls, name: str, role: str = "prefill") -> MetadataBuffers:
-        """The buffers of the table `name`, for a prefill side on the same machine."""
+        """The buffers of the table `name`, for a prefill side on the same machine.  A table
+        that is not a MetadataBuffers' (other fields, or rows redelivered on a consumer's
+        death) is refused."""
         table = SlotTable.attach(name, role)
         try:
-            hidden = table.schema.slots["output_hidden_states"].field
-            return cls(table.slots, hidden.shape[0] or 1, hidden.dtype, table=table)
+            fields = table.schema.slots
+            hidden = fields.get("output_hidden_states")
+            top = fields.get("output_top_logprobs_val")
+            want = (
+                metadata_fields(
+                    hidden.field.fixed_shape[0],
+                    hidden.field.dtype,
+                    top.field.fixed_shape[0],
+                    kv_checksum="kv_checksum" in fields,
+                )
+                if hidden is not None and top is not None
+                else None
+            )
+            if want != table.schema.fields or not table.drop_on_consumer_death:
+                raise IncompatibleTable(f"table {name!r} is not SGLang metadata buffers")
+            buffers = cls.__new__(cls)
+            buffers._bind(table)
+            return buffers
         except BaseException:
             table.close()
             raise
@@ -149,6 +214,7 @@ class MetadataBuffers:
 
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """(ptrs, data_lens, item_lens) in field order, as SGLang's."""
+        self._check_open()
         ptrs, data_lens, item_lens = self._infos
         return list(ptrs), list(data_lens), list(item_lens)
 
@@ -156,7 +222,7 @@ class MetadataBuffers:
         """Fill slot `req.metadata_buffer_index` from an SGLang request, by address, as the
         prefill side does (only what the request has; the rest is left as it was)."""
         values: dict[str, Any] = {"output_ids": [req.output_ids[0]]}
-        cached = [
+        values["cached_tokens"] = [
             getattr(req, attr, 0) or 0
             for attr in (
                 "cached_tokens",
@@ -165,7 +231,6 @@ class MetadataBuffers:
                 "cached_tokens_storage",
             )
         ]
-        values["cached_tokens"] = cached
         if getattr(req, "return_logprob", False):
             for name in ("output_token_logprobs_val", "output_token_logprobs_idx"):
                 got = getattr(req, name, None)
@@ -184,25 +249,36 @@ class MetadataBuffers:
 
     def write_by_address(self, idx: int, values: dict[str, Any]) -> None:
         """Copy leading elements of fields into slot `idx` knowing only its addresses, as a
-        transfer engine does: no ownership is checked (the slot's owner commits it)."""
+        transfer engine does: no ownership is checked (the slot's owner commits it).  Every
+        value is checked (field, count, an exact conversion to the field's dtype) before the
+        first byte is copied."""
+        self._check_open()
         self.table.layout.check_slot(idx)
         ptrs, _, item_lens = self._infos
         fields = self.table.schema.slots
+        copies = []
         for name, value in values.items():
-            fs = fields.get(name)
+            fs = fields.get(name) if isinstance(name, str) else None
             if fs is None:
                 raise SchemaError(f"no metadata field {name!r}")
-            f = fs.field
-            src = torch.as_tensor(value).to(f.torch_dtype).reshape(-1).contiguous()
-            if src.numel() > f.fixed_shape[0]:
-                raise SchemaError(f"{name}: {src.numel()} values for {f.fixed_shape[0]} elements")
+            src = _exact(fs.field, value)
             k = self._names.index(name)
-            ctypes.memmove(ptrs[k] + item_lens[k] * idx, src.data_ptr(), src.nbytes)
+            copies.append((ptrs[k] + item_lens[k] * idx, src))
+        for address, src in copies:
+            ctypes.memmove(address, src.data_ptr(), src.nbytes)
 
-    def clear_room(self, idx: int) -> None:
-        """Zero slot `idx`'s bootstrap room, so SGLang's gate waits for the next transfer."""
+    def _zero(self, idx: int, names: Iterable[str]) -> None:
+        """Zero fields of slot `idx` (checked): the caller owns it and nobody else reads it."""
+        self._check_open()
+        self.table.layout.check_slot(idx)
         ptrs, _, item_lens = self._infos
-        ctypes.memset(ptrs[self._room] + item_lens[self._room] * idx, 0, item_lens[self._room])
+        for name in names:
+            k = self._names.index(name)
+            ctypes.memset(ptrs[k] + item_lens[k] * idx, 0, item_lens[k])
+
+    def _check_open(self) -> None:
+        if self.table.closed:
+            raise TableClosed(f"the metadata buffers of table {self.table.name!r} are closed")
 
     def get_buf(self, idx: int) -> tuple[torch.Tensor, ...]:
         """Commit the transfer into `idx` and return zero-copy views of its row, in SGLang's
@@ -229,12 +305,13 @@ class MetadataBuffers:
         """Hand every slot back and detach; the decode side that made the table unlinks it."""
         if self.table.closed:
             return
-        if self._allocator is not None:
-            self._allocator.close()
-        del self.bootstrap_room
-        self.table.close()
-        if self.table.created_here:
-            self.table.unlink()
+        try:
+            if self._allocator is not None:
+                self._allocator.close()
+        finally:
+            self.table.close()
+            if self.table.created_here:
+                self.table.unlink()
 
 
 @dataclass
@@ -278,40 +355,49 @@ class ReqToMetadataIdxAllocator:
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
-        """Reserve a slot for a transfer; None when every slot is taken."""
+        """Reserve a slot for a transfer; None when every slot is taken.  Its row is zeroed
+        (ours: nobody else can see it yet), so fields a transfer does not write read as 0
+        and SGLang's gate waits for this transfer's room."""
         self.quarantine.sweep()
         try:
             reservation = self.table.reserve(tag=next(self._tags), timeout=0)
         except SlotsExhausted:
             return None
         idx = reservation.slot
-        self.buffers.clear_room(idx)  # ours: nobody else can see it yet
+        try:
+            self.buffers._zero(idx, self.buffers._names)
+        except BaseException:
+            reservation.end()
+            raise
         self._reserved[idx] = reservation
         self.stats.allocated += 1
         return idx
 
     def get_buf(self, idx: int) -> tuple[torch.Tensor, ...]:
         """Commit the transfer into `idx` in place and return views of the row, in SGLang's
-        order; they stay valid until the slot is released or aborted."""
-        lease = self._held.get(idx)
+        order; they stay valid until the slot is released or aborted.  (The transfer has
+        landed, so a commit that fails frees the slot at once, with no quarantine.)"""
+        lease = self._held.get(self._check(idx))
         if lease is None:
-            reservation = self._reserved.pop(self._check(idx), None)
+            reservation = self._reserved.get(idx)
             if reservation is None:
                 raise OwnershipError(f"metadata index {idx} is not allocated")
-            try:
-                ws = self.table.open_reserved(reservation.slot, reservation.generation)
-            except BaseException:
-                self._reserved[idx] = reservation
-                raise
-            lease = self._held[idx] = ws.written_in_place().keep()
+            with self.table.open_reserved(reservation.slot, reservation.generation) as ws:
+                try:  # leaving the block without keep() aborts the write slot
+                    lease = ws.written_in_place().keep()
+                except BaseException:
+                    del self._reserved[idx]
+                    raise
+            del self._reserved[idx]
+            self._held[idx] = lease
             self.stats.committed += 1
         return self.buffers.views(lease)
 
     def clear_slot(self, idx: int) -> None:
         """SGLang clears the room right after commit; a committed row is the request's until
-        it is released (its room is cleared when the slot is next allocated)."""
+        it is released (its row is zeroed when the slot is next allocated)."""
         if self._check(idx) in self._reserved:
-            self.buffers.clear_room(idx)
+            self.buffers._zero(idx, [ROOM])
 
     def free(self, free_index: int) -> None:
         """SGLang's free: after commit the request still owns the slot (counted); before
@@ -326,27 +412,31 @@ class ReqToMetadataIdxAllocator:
             raise OwnershipError(f"double free of metadata index {idx} (it is not allocated)")
 
     def release(self, idx: int) -> None:
-        """The request's draft state was consumed: hand its slot back now."""
-        lease = self._held.pop(self._check(idx), None)
+        """The request's draft state was consumed: hand its slot back now.  If that raises
+        (views refused in strict mode), the index stays the request's: call again."""
+        lease = self._held.get(self._check(idx))
         if lease is None:
             raise OwnershipError(f"metadata index {idx} holds no committed row to release")
-        self._freed.discard(idx)
         lease.release()
+        self._forget(idx)
         self.stats.released += 1
 
     def abort(self, idx: int) -> None:
         """The request was aborted: a committed row is released at once, a reservation is
         quarantined (its transfer may still land)."""
-        idx = self._check(idx)
-        lease = self._held.pop(idx, None)
+        lease = self._held.get(self._check(idx))
         if lease is not None:
-            self._freed.discard(idx)
             lease.abort()
+            self._forget(idx)
             self.stats.aborted_after_commit += 1
         elif idx in self._reserved:
             self._abort_reserved(idx)
         else:
             raise OwnershipError(f"metadata index {idx} is not allocated")
+
+    def _forget(self, idx: int) -> None:
+        del self._held[idx]
+        self._freed.discard(idx)
 
     def release_consumed(self, reqs: Iterable[_Req]) -> None:
         """After `process_prebuilt`: release each request's slot, and clear its index so no
@@ -363,7 +453,8 @@ class ReqToMetadataIdxAllocator:
             req.metadata_buffer_index = -1
 
     def _abort_reserved(self, idx: int) -> None:
-        self.quarantine.hold(self._reserved.pop(idx))
+        self.quarantine.hold(self._reserved[idx])
+        del self._reserved[idx]
         self.stats.aborted_before_commit += 1
 
     def _check(self, idx: object) -> int:
@@ -372,14 +463,13 @@ class ReqToMetadataIdxAllocator:
         return idx
 
     def close(self) -> None:
-        """Hand every slot back (the decode side is stopping)."""
-        for lease in self._held.values():
-            lease.abort()
-        for reservation in self._reserved.values():
-            reservation.end()
-        self._held.clear()
-        self._reserved.clear()
+        """Hand every slot back (the decode side is stopping); each handle once, so a close
+        that raised part-way can be called again."""
         self._freed.clear()
+        while self._held:
+            self._held.popitem()[1].abort()
+        while self._reserved:
+            self._reserved.popitem()[1].end()
         self.quarantine.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import warnings
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -18,6 +19,8 @@ from conftest import SPAWN, Children
 
 from shmslots import (
     Field,
+    InvalidArgument,
+    LeakedViewWarning,
     Quarantine,
     RowRejected,
     SchemaError,
@@ -232,3 +235,42 @@ def test_a_late_write_into_an_aborted_reservation_never_reaches_a_later_owner(
         assert torch.equal(lease.view("topk_index"), request(2)["topk_index"])
         lease.release()
         assert quarantine.released == 1 and len(quarantine) == 0
+
+
+def test_keep_refuses_moved_views_and_hands_live_ones_to_the_lease(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        ws = t.claim()
+        ws.write(**request(1))
+        view = ws.view("topk_p")
+        view.share_memory_()  # type: ignore[no-untyped-call]  # moved out: writes miss the row
+        view.fill_(99.0)
+        with pytest.raises(SchemaError, match="no longer show the row"):
+            ws.keep()
+        ws.write(topk_p=request(1)["topk_p"])  # written again, into the row
+        mine = ws.view("topk_index")  # the writer's own view, still valid after keep
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lease = ws.keep()  # no leak: the row stays this process's
+        assert t.stats().counters["leaked_views"] == 0
+        assert torch.equal(lease.view("topk_p"), request(1)["topk_p"]) and lease.verify()
+        with pytest.warns(LeakedViewWarning, match="topk_index"):
+            lease.release()  # the lease checks the view it took over
+        del mine, view
+
+
+def test_written_in_place_takes_only_a_32_bit_checksum(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as t, t.claim() as ws:
+        for bad in ("abc", 1.5, b"x", -1, 2**32, True):
+            with pytest.raises(InvalidArgument):
+                ws.written_in_place(bad)  # type: ignore[arg-type]
+        ws.abort()
+
+
+def test_a_quarantine_holds_only_reservations(name: str) -> None:
+    for bad in (True, -1.0, float("inf"), "1"):
+        with pytest.raises(InvalidArgument):
+            Quarantine(bad)  # type: ignore[arg-type]
+    with SlotTable.create(name, FIELDS, slots=1) as t, t.claim() as ws:
+        with pytest.raises(InvalidArgument):
+            Quarantine(1.0).hold(ws)  # type: ignore[arg-type]
+        ws.abort()

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from shmslots import Field, ShmSlotsError, SlotTable
 
-BIG = 64 * 2**20 - 64  # a 64 MiB row with its header
+BIG = 64 * 2**20 - 64  # a row of nearly 64 MiB
 
 
 class _Passthrough(TorchFunctionMode):

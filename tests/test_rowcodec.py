@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmslots import Field, SchemaError, SlotTable
-from shmslots._rowcodec import row_hash
+from shmslots._rowcodec import RowCodec, row_hash
 from shmslots.rows import RULES
 
 FIELDS = (
@@ -334,3 +334,13 @@ def test_neither_a_subclass_nor_a_mode_answers_for_the_tensor(name: str) -> None
             ws.write(vec=sevens)
         assert ws.view("vec").tolist() == [7.0] * 3
         ws.abort()
+
+
+def test_the_codec_refuses_a_field_whose_bytes_are_not_its_shape(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as table:
+        rows = table._rows
+        column = table.layout.column(0)
+        spec = ("f", column, 64, 4096, 0, 0, torch.int32, (4,))  # claims 4096 B for 16
+        with pytest.raises(ValueError, match="dtype times its shape"):
+            RowCodec(table._segment.mm, table.layout.seals, 1, (spec,), RULES)
+        assert rows.checksum(0) == rows.checksum(0)

@@ -10,13 +10,24 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from conftest import SPAWN, Children
 
-from shmslots import InvalidSlot, OwnershipError, SchemaError, State
+from shmslots import (
+    Field,
+    IncompatibleTable,
+    InvalidSlot,
+    LeakedViewWarning,
+    OwnershipError,
+    SchemaError,
+    SlotTable,
+    State,
+    TableClosed,
+)
 from shmslots.sglang import (
     SGLANG_VERSION,
     MetadataBuffers,
@@ -290,3 +301,67 @@ def test_a_dead_decode_sides_slots_all_come_back(name: str, children: Children) 
         stats = buffers.table.stats()
         assert stats.owned == 0 and stats.states["READY"] == 0 and stats.queued == 0
         assert buffers.table.check_consistency() == []
+
+
+def test_bad_input_to_the_buffers_is_refused_and_changes_nothing(name: str) -> None:
+    buffers, allocator = _decode_side(name, size=2)
+    with buffers:
+        idx = allocator.alloc()
+        assert idx is not None
+        for bad in (-1, 2, 10**7, True):
+            with pytest.raises(InvalidSlot):
+                buffers.write_by_address(bad, {"output_ids": [1]})
+            with pytest.raises(InvalidSlot):
+                buffers.bootstrap_room[bad, 0]
+        with pytest.raises(InvalidSlot):
+            buffers.bootstrap_room[idx, 8]
+        before = buffers.bootstrap_room[idx].clone()
+        for values in (
+            {"bootstrap_room": [5], "output_ids": list(range(17))},  # too many values
+            {"bootstrap_room": [5], "nope": [1]},  # no such field
+            {"bootstrap_room": [5], "output_ids": [3.9]},  # not exact in int32
+            {"bootstrap_room": [-1]},  # not a uint64
+            {"bootstrap_room": ["x"]},
+        ):
+            with pytest.raises(SchemaError):
+                buffers.write_by_address(idx, values)
+            assert torch.equal(buffers.bootstrap_room[idx], before)  # nothing was written
+        buffers.write_by_address(idx, {"bootstrap_room": [2**64 - 1]})
+        assert buffers.bootstrap_room[idx, 0].item() == 2**64 - 1
+        room = buffers.bootstrap_room[idx, 0]
+    assert room.item() == 2**64 - 1  # a copy: still readable after close
+    for call in (
+        buffers.get_buf_infos,
+        lambda: buffers.bootstrap_room[0, 0],
+        lambda: buffers.write_by_address(0, {"output_ids": [1]}),
+    ):
+        with pytest.raises(TableClosed):
+            call()
+
+
+def test_a_table_that_is_not_sglangs_is_refused(name: str) -> None:
+    fields = [Field("bootstrap_room", "int8", (3,))]
+    with SlotTable.create(name, fields, slots=2), pytest.raises(IncompatibleTable):
+        MetadataBuffers.attach(name)
+    fields = list(metadata_fields(HIDDEN_SIZE, torch.bfloat16))  # SGLang's fields, but a
+    redeliver = f"{name}-redeliver"  # dead decode side's rows would be queued for nobody
+    with SlotTable.create(redeliver, fields, slots=2), pytest.raises(IncompatibleTable):
+        MetadataBuffers.attach(redeliver)
+
+
+def test_a_refused_release_keeps_the_index_the_requests(name: str) -> None:
+    buffers, allocator = _decode_side(name, size=1)
+    with buffers:
+        idx = allocator.alloc()
+        assert idx is not None
+        _transfer(name, idx, 3)
+        buf = buffers.get_buf(idx)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LeakedViewWarning)
+            with pytest.raises(LeakedViewWarning):
+                allocator.release(idx)  # the views are still held: refused, as an error
+        assert buffers.table.slot_info(idx)[0] is State.HELD and allocator.alloc() is None
+        assert _intact(buf, 3)  # still the request's own row
+        del buf
+        allocator.release(idx)  # again, the views gone
+        assert allocator.available_size() == 1

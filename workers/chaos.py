@@ -194,9 +194,12 @@ def run_chaos(
                     break
                 if report.kills < kills and time.monotonic() >= next_kill:
                     victims = [p.pid for p in producers + consumers if p.is_alive() and p.pid]
-                    if victims:
-                        os.kill(rng.choice(victims), signal.SIGKILL)
-                        report.kills += 1
+                    try:
+                        if victims:
+                            os.kill(rng.choice(victims), signal.SIGKILL)
+                            report.kills += 1
+                    except ProcessLookupError:  # it exited (and was reaped) just now
+                        pass
                     next_kill = time.monotonic() + rng.uniform(0.05, 0.3)
                 table.reap()
                 time.sleep(0.02)
