@@ -280,7 +280,9 @@ class WriteSlot(_Handle, WriteSlotCore):
 
         With `checksum` — what `shmslots.row_hash` gave the writer for the items it sent —
         the row must hash to it, or RowRejected is raised and nothing is published: a torn,
-        partial or foreign transfer is refused, not delivered.
+        partial or foreign transfer is refused, not delivered.  Without one, whatever the
+        writer left unwritten keeps the bytes it had (the previous occupant's, unless the
+        owner cleared them).
         """
         self._check_open("write")
         if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 32):
@@ -303,7 +305,9 @@ class WriteSlot(_Handle, WriteSlotCore):
         will be consumed (SGLang's decode side) — so it stays owned, and its views valid,
         until the lease is released.  Needs every field written, as publish() does, and
         refuses views moved out of the row as publish() does; the views this write slot
-        handed out stay valid, and the lease checks them when it ends.
+        handed out stay valid, and the lease checks them when it ends.  A process that dies
+        holding it is treated as a consumer that died holding a taken row: the table's
+        `on_consumer_death` says whether the row is redelivered to any reader or dropped.
         """
         self._check_open("keep")
         moved = self._views().moved(self._viewed) if self._viewed else []

@@ -110,6 +110,16 @@ class Lifecycle(RuleBasedStateMachine):
             self.queue.append(ws.slot)
             self.ring.append((ws.slot, True))
 
+    @rule(target=leases, ws=consumes(writes), value=st.integers(-(2**63), 2**63 - 1))
+    def keep(self, ws: WriteSlot | None, value: int) -> Lease | None:
+        """The writer holds its own row: HELD by the producer, never queued."""
+        if ws is None:
+            return None
+        lease = ws.write(v=value).keep()
+        self._set(ws.slot, State.HELD, self.producer.participant)
+        assert lease.item("v") == value and lease.verify()
+        return lease
+
     @rule(ws=consumes(writes))
     def abort_write(self, ws: WriteSlot | None) -> None:
         if ws is not None:
