@@ -17,12 +17,11 @@ of each side are in the same speed).  Used to check that a change does not slow 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from checkouts import run_probe
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -52,25 +51,7 @@ if __name__ == "__main__":
 
 
 def measure(root: Path) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
-    with subprocess.Popen(
-        [sys.executable, "-c", PROBE.format(root=str(root))],
-        env=env,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as probe:
-        try:
-            out, err = probe.communicate(timeout=600)
-        except BaseException:  # interrupted or timed out: let the probe clean up, then go
-            probe.terminate()
-            probe.communicate(timeout=30)
-            raise
-    if probe.returncode:
-        raise SystemExit(f"probe in {root} failed:\n{err}")
-    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result: dict[str, float] = run_probe(root, PROBE.format(root=str(root)), 600)
     return result
 
 

@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from checkouts import run_probe
+
 from shmslots import SlotTable
 from shmslots.remote import Engine, RemoteServer
 from workers import eagle
@@ -163,26 +165,8 @@ def in_process(rows: int, prefix: str) -> dict[str, Run]:
 
 def probe(root: Path, rows: int, prefix: str) -> dict[str, Run]:
     """Every path once, in a fresh interpreter that imports the checkout at `root`."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
     code = PROBE.format(root=str(root), paths=PATHS, rows=rows, prefix=prefix)
-    with subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=root,  # the remote writer starts as `-m workers.remote_writer`: from this checkout
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=1200)
-        except BaseException:  # interrupted or timed out: let the probe clean up, then go
-            proc.terminate()
-            proc.communicate(timeout=30)
-            raise
-    if proc.returncode:
-        raise SystemExit(f"probe in {root} failed:\n{err}")
-    got = json.loads(out.strip().splitlines()[-1])
+    got = run_probe(root, code, 1200)
     return {label: Run(**run) for label, run in got.items()}
 
 

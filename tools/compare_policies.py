@@ -38,16 +38,7 @@ def main() -> int:
         return sglang_policies(args.requests or 5_000, args.slots or 32, args.hidden, args.seed)
     args.requests = args.requests or 20_000
     args.slots = args.slots or 64
-    table = Table(
-        "policy",
-        "rows/s",
-        "p99 commit→consume ms",
-        "peak slots owned",
-        "copies/row",
-        "corrupted rows",
-        "leaked views",
-        title="decode consumption policies, same traffic",
-    )
+    table = _policy_table("decode consumption policies, same traffic")
     for policy in POLICIES:
         result = run_flow(
             FlowConfig(
@@ -70,7 +61,7 @@ def main() -> int:
             f"{p.corrupted:,}",
             f"{result.final.counters['leaked_views']:,}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     print(
         f"{args.requests:,} requests, 2 transfer + 2 decode workers, {args.slots} slots, "
         f"hidden bf16[{args.hidden}], bursts of {args.burst}"
@@ -78,18 +69,14 @@ def main() -> int:
     return 0
 
 
+def _policy_table(title: str, *extra: str) -> Table:
+    """The columns both flows report, `extra` before the leaked views."""
+    columns = ("rows/s", "p99 commit→consume ms", "peak slots owned", "copies/row")
+    return Table("policy", *columns, "corrupted rows", *extra, "leaked views", title=title)
+
+
 def sglang_policies(requests: int, slots: int, hidden: int, seed: int) -> int:
-    table = Table(
-        "policy",
-        "rows/s",
-        "p99 commit→consume ms",
-        "peak slots owned",
-        "copies/row",
-        "corrupted rows",
-        "deferred frees",
-        "leaked views",
-        title="SGLang's calls on shmslots.sglang, same traffic",
-    )
+    table = _policy_table("SGLang's calls on shmslots.sglang, same traffic", "deferred frees")
     for policy in sglang_flow.POLICIES:
         cfg = sglang_flow.FlowConfig(
             requests=requests, slots=slots, hidden=hidden, policy=policy, seed=seed
