@@ -205,15 +205,20 @@ class Rows:
         return bytes(self._mv[off : off + self.schema.slots[name].field.nbytes])
 
     def checksum(self, slot: int) -> int:
-        if self._codec is not None:
-            return self._codec.checksum(slot)
-        return row_hash(
-            [
-                self._mv[off : off + fs.field.nbytes]
-                for fs in self.schema.slots.values()
-                for off in (self.item(slot, fs.field.name),)
-            ]
-        )
+        # No comprehension in this function: one would make `self` and `slot` closure
+        # cells, built on every call (Python 3.11: ~35 ns, half of what a verify pays here).
+        codec = self._codec
+        if codec is not None:
+            return codec.checksum(slot)
+        return self._checksum_from_items(slot)
+
+    def _checksum_from_items(self, slot: int) -> int:
+        """checksum() on a read-only mapping (no codec): row_hash over the slot's items."""
+        items = []
+        for name, fs in self.schema.slots.items():
+            at = self.item(slot, name)
+            items.append(self._mv[at : at + fs.field.nbytes])
+        return row_hash(items)
 
     def seal(self, slot: int, generation: int) -> None:
         """Record the generation and checksum a row is published with."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shmslots import Field, SchemaError, SlotTable
 from shmslots._rowcodec import RowCodec, row_hash
-from shmslots.rows import RULES
+from shmslots.rows import RULES, Rows
 
 FIELDS = (
     Field("i64", "int64"),
@@ -142,6 +142,19 @@ def test_the_checksum_sees_every_byte(name: str) -> None:
         assert len(seen) == 1 + 2 * nbytes  # every single-bit flip of a field's bytes changes it
         for item in items:
             item.release()
+
+
+def test_a_read_only_rows_checksums_as_the_codec_does(name: str) -> None:
+    """Rows over a mapping nobody writes through (no codec) hash the same items."""
+    with SlotTable.create(name, FIELDS, slots=3) as table:
+        table.claim().write(i64=-5, i32=7, u8=3, f32=1.5, vec=torch.arange(3.0)).abort()
+        reader = Rows(table._segment.mm, table.layout, table.schema)
+        try:
+            assert reader._codec is None
+            for slot in range(3):
+                assert reader.checksum(slot) == table._rows.checksum(slot)
+        finally:
+            assert reader.close() == []
 
 
 def test_the_checksum_sees_where_bytes_are() -> None:
