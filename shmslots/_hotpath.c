@@ -15,7 +15,7 @@
  *   take           READY -> HELD of the oldest queued slot; counts the delivery and
  *                  how long the row waited READY
  *   free           owned -> RECLAIMING -> FREE (release, abort); a HELD slot's hold time
- *                  goes into its histogram
+ *                  goes into its histogram (bucket and sum)
  *   redeliver      HELD -> READY, queued again
  *   cancel         READY -> RECLAIMING -> FREE for every slot of a tag
  *   reclaim_owner  every slot of one owner: a closing table's own, or a dead one's
@@ -100,8 +100,9 @@ typedef struct {
     Py_ssize_t registry, reg_entry, reg_capacity, reg_state;
     Py_ssize_t counter[C_COUNT];
     /* histograms: bucket i counts observations <= bounds[i] (and > bounds[i-1]); the
-     * bucket after the last bound counts the rest */
-    Py_ssize_t hist_held, hist_ready;
+     * bucket after the last bound counts the rest; the u64 at hist_sum (relative to each
+     * histogram) adds up the nanoseconds observed */
+    Py_ssize_t hist_held, hist_ready, hist_sum;
     uint64_t bounds[HIST_MAX_BOUNDS];
     int nbounds;
     uint64_t tail_mask;
@@ -172,7 +173,8 @@ wake(HotPath *h, Py_ssize_t seq, Py_ssize_t waiting, Py_ssize_t until, uint64_t 
 static inline void wake_readers(HotPath *h, uint64_t now) { wake(h, h->publish_seq, h->readers_waiting, h->readers_until, now); }
 static inline void wake_claimers(HotPath *h, uint64_t now) { wake(h, h->release_seq, h->claimers_waiting, h->claimers_until, now); }
 static inline void count(HotPath *h, int which) { __atomic_fetch_add(w64(h, h->counter[which]), 1, __ATOMIC_SEQ_CST); }
-/* One observation: one atomic add on its bucket. */
+/* One observation: one atomic add on its bucket, one on the sum.  Relaxed: a reader may see
+ * one before the other, a scrape's sum and count differing by an observation in flight. */
 static inline void
 observe(HotPath *h, Py_ssize_t hist, uint64_t since, uint64_t now)
 {
@@ -181,6 +183,7 @@ observe(HotPath *h, Py_ssize_t hist, uint64_t since, uint64_t now)
     while (i < h->nbounds && ns > h->bounds[i])
         i++;
     __atomic_fetch_add(w64(h, hist + 8 * i), 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(w64(h, hist + h->hist_sum), ns, __ATOMIC_RELAXED);
 }
 static inline void set_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_or(w64(h, h->bitmap + 8 * (slot >> 6)), UINT64_C(1) << (slot & 63), __ATOMIC_SEQ_CST); }
 static inline void clear_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_and(w64(h, h->bitmap + 8 * (slot >> 6)), ~(UINT64_C(1) << (slot & 63)), __ATOMIC_SEQ_CST); }
@@ -936,21 +939,21 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         "tag_off", "stamp_off", "qpos_off", "deliveries_off", "ring", "ring_cap", "head",
         "tail", "publish_seq", "readers_waiting", "readers_until", "release_seq",
         "claimers_waiting", "claimers_until", "registry", "reg_entry", "reg_capacity",
-        "reg_state", "counters", "hist_held", "hist_ready", "hist_bounds", "me", "transitions",
-        "owner_checked", "corrupt", NULL,
+        "reg_state", "counters", "hist_held", "hist_ready", "hist_sum", "hist_bounds", "me",
+        "transitions", "owner_checked", "corrupt", NULL,
     };
     PyObject *obj, *counters, *bounds, *corrupt;
     unsigned long long tail_mask, me;
     Py_buffer table;
     unsigned int owner_checked;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!nnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
+            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!nnnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
             &tail_mask, &h->entries, &h->entry_size, &h->nslots, &h->tag_off, &h->stamp_off,
             &h->qpos_off, &h->deliveries_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
             &h->publish_seq, &h->readers_waiting, &h->readers_until, &h->release_seq,
             &h->claimers_waiting, &h->claimers_until, &h->registry, &h->reg_entry,
             &h->reg_capacity, &h->reg_state, &PyTuple_Type, &counters, &h->hist_held,
-            &h->hist_ready, &PyTuple_Type, &bounds, &me, &table,
+            &h->hist_ready, &h->hist_sum, &PyTuple_Type, &bounds, &me, &table,
             &owner_checked, &corrupt))
         return -1;
     int bad = table.len != NSTATES * NEVENTS;
@@ -1022,9 +1025,11 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
         singles[9 + i] = h->counter[i] = counter[i];
     for (size_t i = 0; i < sizeof(singles) / sizeof(*singles); i++)
         ok = ok && singles[i] >= 0 && singles[i] % 8 == 0 && singles[i] + 8 <= len;
+    /* the sum lies after the buckets, inside the buffer */
+    ok = ok && h->hist_sum % 8 == 0 && h->hist_sum >= 8 * (nbounds + 1) && h->hist_sum <= len - 8;
     Py_ssize_t hists[] = {h->hist_held, h->hist_ready};
     for (int i = 0; i < 2; i++)
-        ok = ok && hists[i] >= 0 && hists[i] % 8 == 0 && hists[i] + 8 * (nbounds + 1) <= len;
+        ok = ok && hists[i] >= 0 && hists[i] % 8 == 0 && hists[i] <= len - 8 - h->hist_sum;
     if (!ok) {
         PyBuffer_Release(&h->buf);
         PyErr_SetString(PyExc_ValueError, "HotPath layout does not fit the buffer");

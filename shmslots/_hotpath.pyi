@@ -38,6 +38,7 @@ class HotPath:
         counters: tuple[int, ...],
         hist_held: int,
         hist_ready: int,
+        hist_sum: int,
         hist_bounds: tuple[int, ...],
         me: int,
         transitions: bytes,

@@ -247,12 +247,12 @@ def histogram_text(snap: TableSnapshot) -> str:
     """`held p50 1.2ms p99 40ms (n 1,234)  ready wait p50 ...` since the table was made."""
     out = []
     for name, label in (("held", "held"), ("ready_wait", "ready wait")):
-        counts = snap.histograms[name]
-        p50, p99 = quantile(counts, 0.5), quantile(counts, 0.99)
+        hist = snap.histograms[name]
+        p50, p99 = quantile(hist.counts, 0.5), quantile(hist.counts, 0.99)
         if p50 is None or p99 is None:
             out.append(f"{label} -")
         else:
-            out.append(f"{label} p50 {_fmt_time(p50)} p99 {_fmt_time(p99)} (n {sum(counts):,})")
+            out.append(f"{label} p50 {_fmt_time(p50)} p99 {_fmt_time(p99)} (n {hist.count:,})")
     return "  ".join(out)
 
 
@@ -448,11 +448,11 @@ def histograms_doc(snap: TableSnapshot) -> dict[str, Any]:
     return {
         name: {
             "bounds_s": [ns / 1e9 for ns in HIST_BOUNDS_NS],  # the last bucket: beyond
-            "counts": counts,
-            "p50_s": seconds(quantile(counts, 0.5)),
-            "p99_s": seconds(quantile(counts, 0.99)),
+            "counts": hist.counts,
+            "p50_s": seconds(quantile(hist.counts, 0.5)),
+            "p99_s": seconds(quantile(hist.counts, 0.99)),
         }
-        for name, counts in snap.histograms.items()
+        for name, hist in snap.histograms.items()
     }
 
 

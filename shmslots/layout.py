@@ -13,7 +13,8 @@
           │               publishes, … see COUNTERS)                     │
     1536  ├──────────────────────────────────────────────────────────────┤
           │ HISTOGRAMS    2 x 3 x 64 B: u64 counts per bucket of how long │
-          │               slots stay HELD and rows wait READY            │
+          │               slots stay HELD and rows wait READY, then the  │
+          │               u64 sum of the nanoseconds observed            │
     1920  ├──────────────────────────────────────────────────────────────┤
           │ SCHEMA        msgpack field list, padded to 64 B              │
           ├──────────────────────────────────────────────────────────────┤
@@ -67,12 +68,13 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
+# 8: a u64 sum of the observed nanoseconds after each histogram's buckets;
 # 7: one column per field (rows are addressed as SGLang's metadata buffers), seals beside
 #    the slot states, uint64/int8/int16/bool fields;
 # 6: hold-time histograms, call-site tracing;
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
-VERSION = 7
+VERSION = 8
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -149,14 +151,16 @@ COUNTER_OFFSET = {name: i * CACHE_LINE for i, name in enumerate(COUNTERS)}
 assert len(COUNTERS) * CACHE_LINE <= COUNTERS_SIZE
 
 # HISTOGRAMS: fixed buckets, upper bounds in ns (a 1-3-10 series, 1 µs .. 100 s, then +Inf).
-# Counts are per bucket (not cumulative), so an observation is one atomic add.
+# Counts are per bucket (not cumulative), so an observation is one atomic add on its bucket
+# and one on the sum of observed nanoseconds (Prometheus' `_sum`; `_count` is the buckets').
 HIST_BOUNDS_NS: tuple[int, ...] = (*(m * 10**e for e in range(3, 11) for m in (1, 3)), 10**11)
 HIST_BUCKETS = len(HIST_BOUNDS_NS) + 1
-HIST_SIZE = 3 * CACHE_LINE  # one histogram: its buckets, on lines of its own
+HIST_SUM = 8 * HIST_BUCKETS  # u64, relative to the histogram: right after its buckets
+HIST_SIZE = 3 * CACHE_LINE  # one histogram: its buckets and sum, on lines of its own
 HISTOGRAMS = ("held", "ready_wait")  # take -> release/abort; publish -> take
 HISTOGRAM_OFFSET = {name: i * HIST_SIZE for i, name in enumerate(HISTOGRAMS)}
 HISTOGRAMS_SIZE = len(HISTOGRAMS) * HIST_SIZE
-assert 8 * HIST_BUCKETS <= HIST_SIZE
+assert HIST_SUM + 8 <= HIST_SIZE
 
 # REGISTRY entry (relative to the entry start).
 REGISTRY_ENTRY = 128

@@ -107,12 +107,12 @@ def families(
             site = [t, h.site.file, str(h.site.line), h.site.function]
             by_site.add_metric(site, len(h.slots))
             site_age.add_metric(site, h.oldest_s)
-        for name, hist in hists.items():
-            cumulative, total = [], 0
-            for bound, n in zip(_BOUNDS, snap.histograms[name], strict=True):
+        for name, histogram in hists.items():
+            hist, cumulative, total = snap.histograms[name], [], 0
+            for bound, n in zip(_BOUNDS, hist.counts, strict=True):
                 total += n
                 cumulative.append((bound, float(total)))
-            hist.add_metric([t], cumulative, sum_value=None)
+            histogram.add_metric([t], cumulative, sum_value=None)
     scrape_errors = GaugeMetricFamily(
         "shmslots_scrape_errors", "Tables that could not be read in this scrape."
     )

@@ -110,6 +110,7 @@ def hot_path(buffer: mmap.mmap, lay: L.Layout, me: int) -> HotPath:
         counters=tuple(lay.counters + L.COUNTER_OFFSET[name] for name in _hotpath.COUNTERS),
         hist_held=lay.histograms + L.HISTOGRAM_OFFSET["held"],
         hist_ready=lay.histograms + L.HISTOGRAM_OFFSET["ready_wait"],
+        hist_sum=L.HIST_SUM,
         hist_bounds=L.HIST_BOUNDS_NS,
         me=me,
         transitions=_TRANSITIONS,

@@ -48,6 +48,24 @@ class SlotSnapshot:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """One of a table's histograms (layout.HISTOGRAMS) as read: the count of each bucket
+    (upper bounds layout.HIST_BOUNDS_NS, then the rest) and the sum of the nanoseconds
+    observed.  The two are read apart: an observation in flight may show in one only."""
+
+    counts: list[int]
+    sum_ns: int
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def sum_s(self) -> float:
+        return self.sum_ns / 1e9
+
+
+@dataclass(frozen=True)
 class TableSnapshot:
     name: str
     version: int
@@ -67,8 +85,7 @@ class TableSnapshot:
     queued: int
     slot_states: list[SlotSnapshot]
     traced: bool = False
-    # per histogram (layout.HISTOGRAMS): the count of each bucket (layout.HIST_BOUNDS_NS)
-    histograms: dict[str, list[int]] = dataclass_field(default_factory=dict)
+    histograms: dict[str, Histogram] = dataclass_field(default_factory=dict)  # layout.HISTOGRAMS
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,10 @@ class TableView:
     def _u64(self, offset: int) -> int:
         value: int = struct.unpack_from("<Q", self._segment.mm, offset)[0]
         return value
+
+    def _histogram(self, offset: int) -> Histogram:
+        counts = struct.unpack_from(f"<{L.HIST_BUCKETS}Q", self._segment.mm, offset)
+        return Histogram(list(counts), self._u64(offset + L.HIST_SUM))
 
     def slot(self, slot: int) -> SlotSnapshot:
         self.layout.check_slot(slot)
@@ -161,11 +182,7 @@ class TableView:
             slot_states=slots,
             traced=bool(lay.trace_sites),
             histograms={
-                name: list(
-                    struct.unpack_from(
-                        f"<{L.HIST_BUCKETS}Q", self._segment.mm, lay.histograms + offset
-                    )
-                )
+                name: self._histogram(lay.histograms + offset)
                 for name, offset in L.HISTOGRAM_OFFSET.items()
             },
         )

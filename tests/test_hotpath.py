@@ -37,3 +37,13 @@ def test_hot_path_refuses_a_layout_that_does_not_fit() -> None:
     lay = L.Layout.compute(4, 64, 4, 64)
     with mmap.mmap(-1, lay.columns) as mm, pytest.raises(ValueError, match="does not fit"):
         hot_path(mm, L.Layout.compute(4096, 64, 4, 64), me=1)
+
+
+@pytest.mark.parametrize("hist_sum", [8, L.HIST_SUM + 4, 2**62, -8])
+def test_hot_path_refuses_a_histogram_sum_over_buckets_or_outside(
+    hist_sum: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lay = L.Layout.compute(4, 64, 4, 64)
+    monkeypatch.setattr(L, "HIST_SUM", hist_sum)
+    with mmap.mmap(-1, lay.total_size) as mm, pytest.raises(ValueError, match="does not fit"):
+        hot_path(mm, lay, me=1)

@@ -152,20 +152,53 @@ def test_tracing_is_off_unless_asked(name: str, monkeypatch: pytest.MonkeyPatch)
 def test_histograms_count_hold_and_wait_times(name: str) -> None:
     wait_s, hold_s = 0.02, 0.05
     with SlotTable.create(name, SMALL, slots=2) as table:
-        table.claim().write(**small_row(1)).publish()
+        ws = table.claim().write(**small_row(1))
+        published = time.monotonic()  # before the publish: the wait can only be shorter
+        ws.publish()
         time.sleep(wait_s)
         lease = table.take()
+        taken = time.monotonic()
         assert lease is not None
         time.sleep(hold_s)
         lease.release()
+        released = time.monotonic()
         table.claim().abort()  # a WRITING slot's end is no hold
         with TableView.open(name) as view:
             hists = view.snapshot().histograms
-    for hist, at_least in (("ready_wait", wait_s), ("held", hold_s)):
-        counts = hists[hist]
-        assert sum(counts) == 1
+    # the compiled steps read CLOCK_MONOTONIC, as time.monotonic does
+    for hist, at_least, at_most in (
+        ("ready_wait", wait_s, taken - published),
+        ("held", hold_s, released - published),
+    ):
+        counts = hists[hist].counts
+        assert sum(counts) == hists[hist].count == 1
         bucket = counts.index(1)
         assert bucket == len(L.HIST_BOUNDS_NS) or L.HIST_BOUNDS_NS[bucket] >= at_least * 1e9
+        assert at_least <= hists[hist].sum_s <= at_most
+        low = L.HIST_BOUNDS_NS[bucket - 1] if bucket else 0
+        assert low < hists[hist].sum_ns  # the one observation lies in its bucket
+        if bucket < len(L.HIST_BOUNDS_NS):
+            assert hists[hist].sum_ns <= L.HIST_BOUNDS_NS[bucket]
+
+
+def test_histogram_sums_add_up_every_observation(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=4) as table:
+        started = time.monotonic()
+        for round_ in range(3):
+            for tag in (1, 2):
+                table.claim(tag=tag).write(**small_row(tag)).publish()
+            leases = table.poll(2)
+            time.sleep(0.01)
+            if round_ == 2:
+                table.abort_all(leases)  # an abort of a HELD slot ends a hold too
+            else:
+                table.release_all(leases)
+        spent = time.monotonic() - started
+        with TableView.open(name) as view:
+            hists = view.snapshot().histograms
+    assert hists["held"].count == hists["ready_wait"].count == 6
+    assert 6 * 0.01 <= hists["held"].sum_s <= 6 * spent
+    assert 0 < hists["ready_wait"].sum_s <= 6 * spent
 
 
 def _busy_table(name: str) -> SlotTable:
