@@ -44,7 +44,8 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   "by_site": [{"site": SITE, "count", "slots": [..], "oldest_s", "states": {STATE: n},
   "owners": [{"index", "pid", "role", "alive"}]}...] (traced tables; most slots first),
   "histograms": {"held" | "ready_wait": {"bounds_s": [..] (upper bounds; the last count is
-  beyond them), "counts": [..], "p50_s", "p99_s" (null when empty)}},
+  beyond them), "counts": [..], "count" (their total), "sum_s" (of the times observed),
+  "p50_s", "p99_s" (null when empty)}},
   "older_than_s" (null if not given), "problems": [str...]}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when

@@ -449,6 +449,8 @@ def histograms_doc(snap: TableSnapshot) -> dict[str, Any]:
         name: {
             "bounds_s": [ns / 1e9 for ns in HIST_BOUNDS_NS],  # the last bucket: beyond
             "counts": hist.counts,
+            "count": hist.count,
+            "sum_s": hist.sum_s,
             "p50_s": seconds(quantile(hist.counts, 0.5)),
             "p99_s": seconds(quantile(hist.counts, 0.99)),
         }

@@ -112,7 +112,8 @@ def families(
             for bound, n in zip(_BOUNDS, hist.counts, strict=True):
                 total += n
                 cumulative.append((bound, float(total)))
-            histogram.add_metric([t], cumulative, sum_value=None)
+            # _count is the +Inf bucket's; _sum the observed nanoseconds, in seconds
+            histogram.add_metric([t], cumulative, sum_value=hist.sum_s)
     scrape_errors = GaugeMetricFamily(
         "shmslots_scrape_errors", "Tables that could not be read in this scrape."
     )

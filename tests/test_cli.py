@@ -180,6 +180,11 @@ def test_inspect_json_agrees_with_stats(busy: SlotTable, name: str) -> None:
             tag,
         )
         assert s["owner_role"] == (None if s["state"] == "READY" else "worker")
+    # the worker took one row and holds it still: one wait seen, no hold ended yet
+    hists = doc["histograms"]
+    assert (hists["held"]["count"], hists["held"]["sum_s"]) == (0, 0)
+    wait = hists["ready_wait"]
+    assert wait["count"] == sum(wait["counts"]) == 1 and 0 < wait["sum_s"] < 60
 
 
 def test_inspect_slot_decodes_a_published_row(busy: SlotTable, name: str) -> None:
@@ -234,6 +239,11 @@ def test_metrics_are_prometheus_text(busy: SlotTable, name: str) -> None:
     assert samples["shmslots_participants", frozenset({table, ("alive", "false")})] == 0
     assert samples["shmslots_queued", frozenset({table})] == stats.queued == 1
     assert samples["shmslots_dead_owned_slots", frozenset({table})] == 0
+    # complete histograms: _count and _sum beside the buckets (one wait seen, no hold ended)
+    for hist, n in (("shmslots_held_seconds", 0), ("shmslots_ready_wait_seconds", 1)):
+        assert samples[hist + "_count", frozenset({table})] == n
+        assert samples[hist + "_bucket", frozenset({table, ("le", "+Inf")})] == n
+        assert (samples[hist + "_sum", frozenset({table})] > 0) == (n > 0)
 
 
 # -- reap and unlink ---------------------------------------------------------------------

@@ -201,18 +201,26 @@ def test_histogram_sums_add_up_every_observation(name: str) -> None:
     assert 0 < hists["ready_wait"].sum_s <= 6 * spent
 
 
-def _busy_table(name: str) -> SlotTable:
+HOLD_S = 0.05  # how long _busy_table holds its lease
+
+
+def _busy_table(name: str) -> tuple[SlotTable, float]:
+    """A traced table, one row taken, held HOLD_S, released, and one READY; and how long
+    that took from the first publish (at least HOLD_S)."""
     table = SlotTable.create(name, SMALL, slots=4, trace=True)
+    started = time.monotonic()
     for tag in (1, 2):
         table.claim(tag=tag).write(**small_row(tag)).publish()
     lease = table.take()
     assert lease is not None
+    time.sleep(HOLD_S)
     lease.release()
-    return table
+    return table, time.monotonic() - started
 
 
 def test_collector_in_a_fresh_registry(name: str) -> None:
-    with _busy_table(name) as table:
+    table, spent = _busy_table(name)
+    with table:
         ws = table.claim(tag=3)  # site: collector
         registry = CollectorRegistry()
         registry.register(TableCollector(name))
@@ -223,8 +231,12 @@ def test_collector_in_a_fresh_registry(name: str) -> None:
         assert value("shmslots_slots", {**t, "state": "WRITING"}) == 1
         assert value("shmslots_slots", {**t, "state": "READY"}) == 1
         assert value("shmslots_dead_owned_slots", t) == 0
-        assert value("shmslots_held_seconds_bucket", {**t, "le": "+Inf"}) == 1
-        assert value("shmslots_ready_wait_seconds_bucket", {**t, "le": "+Inf"}) == 1
+        for hist in ("shmslots_held_seconds", "shmslots_ready_wait_seconds"):
+            assert value(hist + "_bucket", {**t, "le": "+Inf"}) == 1
+            assert value(hist + "_count", t) == 1
+        held, waited = (value(f"shmslots_{h}_seconds_sum", t) for h in ("held", "ready_wait"))
+        assert held is not None and HOLD_S <= held <= spent
+        assert waited is not None and 0 < waited <= spent
         site = {
             **t,
             "file": HERE,
@@ -244,7 +256,8 @@ def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 def test_metrics_serve_over_http_parses_with_prometheus_client(name: str) -> None:
-    with _busy_table(name):
+    table, spent = _busy_table(name)
+    with table:
         proc = subprocess.Popen(
             [sys.executable, "-m", "shmslots", "metrics", name, "--serve", "0"],
             stdout=subprocess.PIPE,
@@ -273,6 +286,12 @@ def test_metrics_serve_over_http_parses_with_prometheus_client(name: str) -> Non
         assert len(buckets) == L.HIST_BUCKETS
         values = [s.value for s in buckets]
         assert values == sorted(values) and values[-1] == 1
+        [count] = [s for s in family.samples if s.name == hist + "_count"]
+        [total] = [s for s in family.samples if s.name == hist + "_sum"]
+        assert count.labels == total.labels == {"table": name} and count.value == 1
+        # the one row held HOLD_S, the other waited less than the whole run
+        at_least = HOLD_S if hist == "shmslots_held_seconds" else 1e-9
+        assert at_least <= total.value <= spent
     by_state = {s.labels["state"]: s.value for s in families["shmslots_slots"].samples}
     assert by_state["READY"] == 1 and by_state["FREE"] == 3
 
