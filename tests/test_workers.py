@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import pytest
 from conftest import SPAWN, Children
 
+import workers.decode
+from shmslots import State
 from workers.decode import Policy
 from workers.launcher import FlowConfig, FlowResult, run_flow
 
@@ -100,3 +103,53 @@ def test_sigterm_to_the_launcher_reaps_workers_and_unlinks_the_table(
     assert launcher.exitcode == 128 + signal.SIGTERM
     assert tables() == []
     assert [w for w in workers if os.path.exists(f"/proc/{w}")] == []
+
+
+DECODE = os.path.abspath(workers.decode.__file__)
+TAKER = "DecodeScheduler.pop_transferred"
+
+
+def _taking_lines() -> set[int]:
+    """The lines of pop_transferred that take leases: its poll and its blocking take."""
+    with open(DECODE) as f:
+        lines = {i for i, text in enumerate(f, 1) if re.search(r"self\.table\.(poll|take)\(", text)}
+    assert len(lines) == 2, lines
+    return lines
+
+
+def _names_the_taker(message: str) -> bool:
+    """The SlotsExhausted message names pop_transferred's lines as the top holder."""
+    top = message.split("top holders by call site: ", 1)[-1]
+    return any(top.startswith(f"decode.py:{line} in {TAKER} (") for line in _taking_lines())
+
+
+@pytest.mark.timeout(240)
+def test_an_injected_leak_runs_the_table_out_and_names_the_call_site() -> None:
+    leak_every, slots = 5, 16
+    result = run_flow(
+        FlowConfig(requests=20_000, slots=slots, burst=64, leak_every=leak_every, timeout_s=200)
+    )
+    p = result.progress
+    e = p.exhaustion
+    assert e is not None, "the leak never ran the table out"
+    assert e.message.startswith("no free slot to claim within 1.0 s; top holders by call site:")
+    assert _names_the_taker(e.message), e.message
+    # the table as read right after: every leaked request's slot HELD, attributed to the
+    # decode line that took it (the leak is in the cancel path; the site is the taker's)
+    leaked = set(p.leaked_tags)
+    assert len(leaked) == len(p.leaked_tags)  # each leaked once
+    held = [s for s in e.snapshot.slot_states if s.state is State.HELD and s.tag in leaked]
+    assert held, "no leaked slot was still HELD when the table ran out"
+    lines = _taking_lines()
+    for s in held:
+        assert s.site is not None and s.owner >= 0
+        assert (s.site.file, s.site.function) == (DECODE, TAKER) and s.site.line in lines
+    # nothing but the leak holds a slot for the second the claim waited: the leaked ones
+    # are most of the table (the rest: rows in flight when the snapshot was read)
+    assert len(held) >= slots // 2, (len(held), e.snapshot.states)
+    # 1 in leak_every of the requests decode took leaked (per worker, counted from its first)
+    taken = len(leaked) + len(p.consumed_tags) + len(p.aborted_tags)
+    assert taken // leak_every - 2 <= len(leaked) <= taken // leak_every
+    # and the flow still ends cleanly: everything accounted, the slots handed back at close
+    assert result.accounted and result.final.owned == 0 and p.corrupted == 0
+    assert result.published < 20_000  # it stopped at the full table

@@ -15,6 +15,13 @@ The consumption policy decides when the slot goes back:
 * ``early-release`` (the production bug): keep *views* and release at
   commit. A later transfer reuses the row and the draft state the batch
   reads is another request's; the leaked-view check reports it as well.
+
+With ``leak_every`` N (an injected bug, with any policy) every Nth request the
+worker takes is cancelled through an abort path that forgets the release: the
+request's record, and with it the lease, stays in the scheduler's list of
+cancelled requests, so its slot stays HELD until the worker shuts down.
+The table runs out; on a traced table the call site that took the slots is
+what SlotsExhausted and `shmslots inspect --by-site` name.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class DecodeConfig:
     wait_iterations: tuple[int, int] = (1, 40)
     abort_fraction: float = 0.02
     seed: int = 0
+    leak_every: int = 0  # never release every Nth request taken (0: no leak)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class DecodeReport:
     corrupted: int = 0
     aborted: list[int] = field(default_factory=list)
     consumed: list[int] = field(default_factory=list)
+    leaked: list[int] = field(default_factory=list)  # cancelled, their slots never handed back
     latencies_us: list[float] = field(default_factory=list)
     copies: int = 0
     first_ns: int = 0  # CLOCK_MONOTONIC (shared by all processes) of the first row handled
@@ -78,6 +87,7 @@ class Request:
     abort_at: int | None  # iteration at which the request is cancelled, if any
     lease: Lease | None = None  # hold: the slot stays owned until consumed
     draft: dict[str, torch.Tensor] | None = None  # clone / early-release
+    leaks: bool = False  # leak_every: cancelled through the path that forgets the release
 
 
 class DecodeScheduler:
@@ -87,6 +97,10 @@ class DecodeScheduler:
         self.report = report
         self.waiting: deque[Request] = deque()
         self.rng = random.Random(config.seed * 104729 + report.worker)
+        self.taken = 0
+        # leak_every: cancelled requests kept for bookkeeping, each with the lease its
+        # abort path forgot to hand back (the reference keeps the slot HELD)
+        self.cancelled: list[Request] = []
 
     def pop_transferred(self, timeout: float) -> int:
         """Move READY rows into the waiting queue; block up to `timeout` when idle."""
@@ -102,13 +116,18 @@ class DecodeScheduler:
         low, high = self.config.wait_iterations
         wait = self.rng.randint(low, high)
         aborts = self.rng.random() < self.config.abort_fraction
+        self.taken += 1
+        leaks = bool(self.config.leak_every) and self.taken % self.config.leak_every == 0
         request = Request(
             tag=lease.tag,
             output_id=int(lease.item("output_id")),
             commit_ns=int(lease.item("commit_ns")),
             wait=wait,
-            abort_at=self.rng.randint(0, wait) if aborts else None,
+            abort_at=self.rng.randint(0, wait) if aborts or leaks else None,
         )
+        if leaks:  # cancelled while it waits, by the path without the release
+            request.lease, request.leaks = lease, True
+            return request
         policy = self.config.policy
         if policy == "hold":
             request.lease = lease
@@ -138,11 +157,31 @@ class DecodeScheduler:
             self.process_prebuilt(ready)
 
     def _abort(self, request: Request) -> None:
+        if request.leaks:
+            self._cancel_unusual(request)
+            return
         if request.lease is not None:
             request.lease.abort()  # the abort path hands the slot back at once
         request.draft = None
         self.report.aborted.append(request.tag)
         self.report.handled_now()
+
+    def _cancel_unusual(self, request: Request) -> None:
+        """The injected bug (leak_every): a cancel path that files the request away and
+        forgets `request.lease.abort()`.  The record keeps the lease, so the slot stays
+        HELD, taken at pop_transferred, until the worker shuts down."""
+        self.cancelled.append(request)
+        self.report.leaked.append(request.tag)
+        self.report.handled_now()
+
+    def shut_down(self) -> None:
+        """Drop the cancelled requests' records, aborting the leases they kept (leak_every).
+        Left to close(), the slots would be handed back as a dead consumer's: queued again
+        for the other decode worker, which would take those requests a second time."""
+        for request in self.cancelled:
+            if request.lease is not None:
+                request.lease.abort()
+        self.cancelled.clear()
 
     def process_prebuilt(self, batch: list[Request]) -> None:
         """Gather the batch's draft state, verify every row, then release the slots in one
@@ -211,5 +250,6 @@ def decode_worker(
             idle = not arrived and not scheduler.waiting
             if idle and stop.is_set() and table.stats().queued == 0:
                 break
+        scheduler.shut_down()
     report.final = True
     results.put(report)

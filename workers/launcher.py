@@ -1,7 +1,11 @@
 """Run transfer and decode workers on one table, watch them, and always clean up.
 
 Every child is reaped and the table unlinked on any exit — a normal end,
-Ctrl-C in the launcher, or a worker's death (reported as an error).
+Ctrl-C in the launcher, or a worker's death (reported as an error).  A transfer
+worker that finds no free slot (SlotsExhausted: with `leak_every`, the expected
+end) ends the flow: the launcher keeps the message and a snapshot of the table at
+that moment (who holds the slots), stops the transfer workers, and decode once they
+have all stopped, and cleans up as always.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 
 from shmslots import SlotTable, Stats
+from shmslots.snapshot import TableSnapshot, TableView
 from workers import eagle
 from workers.decode import DecodeConfig, DecodeReport, Policy, decode_worker
 from workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 SPAWN = mp.get_context("spawn")
+DECODE_START_S = 10.0  # how long decode workers may take to start on a loaded machine
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,27 @@ class FlowConfig:
     decode_abort: float = 0.02
     seed: int = 0
     timeout_s: float = 300.0
+    # decode never releases every Nth request it takes (0: no leak); the table is traced
+    leak_every: int = 0
+    # how long a transfer claim waits for a free slot; None: 1 s with a leak (where a full
+    # table is the expected end), 60 s without
+    claim_timeout_s: float | None = None
+
+    @property
+    def claim_wait_s(self) -> float:
+        if self.claim_timeout_s is not None:
+            return self.claim_timeout_s
+        return 1.0 if self.leak_every else 60.0
+
+
+@dataclass(frozen=True)
+class Exhaustion:
+    """A transfer worker's claim found no free slot: its message, and the table as it was
+    read right after (decode still holding what it holds)."""
+
+    worker: int
+    message: str
+    snapshot: TableSnapshot
 
 
 @dataclass
@@ -57,6 +84,8 @@ class FlowProgress:
     transfers: list[TransferReport] = field(default_factory=list)
     consumed_tags: list[int] = field(default_factory=list)
     aborted_tags: list[int] = field(default_factory=list)
+    leaked_tags: list[int] = field(default_factory=list)  # taken by decode, never released
+    exhaustion: Exhaustion | None = None
 
     first_ns: int = 0  # CLOCK_MONOTONIC of the first and last row decode handled
     last_ns: int = 0
@@ -75,7 +104,7 @@ class FlowProgress:
 
     @property
     def handled(self) -> int:
-        return self.verified + self.corrupted + self.decode_aborted
+        return self.verified + self.corrupted + self.decode_aborted + len(self.leaked_tags)
 
     def latency_us(self, q: float) -> float:
         if not self.latencies_us:
@@ -95,6 +124,7 @@ class FlowProgress:
         self.copies += report.copies
         self.consumed_tags += report.consumed
         self.aborted_tags += report.aborted
+        self.leaked_tags += report.leaked
 
 
 @dataclass(frozen=True)
@@ -106,9 +136,10 @@ class FlowResult:
 
     @property
     def accounted(self) -> bool:
-        """Every published request was consumed or aborted by decode, exactly once."""
-        published = sorted(t for r in self.progress.transfers for t in r.published)
-        handled = sorted(self.progress.consumed_tags + self.progress.aborted_tags)
+        """Every published request was consumed, aborted or leaked by decode, exactly once."""
+        p = self.progress
+        published = sorted(t for r in p.transfers for t in r.published)
+        handled = sorted(p.consumed_tags + p.aborted_tags + p.leaked_tags)
         return published == handled
 
 
@@ -138,14 +169,22 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
     name = f"shmslots-flow-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
     transfer_results: mp.Queue[TransferReport] = SPAWN.Queue()
     decode_results: mp.Queue[DecodeReport] = SPAWN.Queue()
-    stop = SPAWN.Event()
+    stop = SPAWN.Event()  # decode: finish what is queued, then exit
+    stop_transfer = SPAWN.Event()  # transfer: commit no more (set first on a full table)
     procs: list[SpawnProcess] = []
     progress = FlowProgress(config, time.monotonic(), name)
-    tconf = TransferConfig(config.shape, config.burst, 0.002, config.transfer_abort, config.seed)
-    dconf = DecodeConfig(
-        config.policy, config.shape, abort_fraction=config.decode_abort, seed=config.seed
+    tconf = TransferConfig(
+        config.shape, config.burst, 0.002, config.transfer_abort, config.seed, config.claim_wait_s
     )
-    with SlotTable.create(name, config.shape.fields(), slots=config.slots) as table:
+    dconf = DecodeConfig(
+        config.policy,
+        config.shape,
+        abort_fraction=config.decode_abort,
+        seed=config.seed,
+        leak_every=config.leak_every,
+    )
+    trace = True if config.leak_every else None  # None: as SHMSLOTS_TRACE says
+    with SlotTable.create(name, config.shape.fields(), slots=config.slots, trace=trace) as table:
         try:
             for w in range(config.decode_workers):
                 args = (name, w, dconf, decode_results, stop)
@@ -153,11 +192,18 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
             per = config.requests // config.transfer_workers
             for w in range(config.transfer_workers):
                 tags = range(1 + w * per, 1 + (w + 1) * per)
-                args2 = (name, w, tags, tconf, transfer_results, stop)
+                args2 = (name, w, tags, tconf, transfer_results, stop_transfer)
                 procs.append(SPAWN.Process(target=transfer_worker, args=args2))
             if on_progress is not None:
                 on_progress(progress)  # the table exists: show it before workers start
-            for proc in procs:
+            decoders, transfers = procs[: config.decode_workers], procs[config.decode_workers :]
+            for proc in decoders:
+                proc.start()
+            if config.claim_wait_s < DECODE_START_S:
+                # a claim wait shorter than decode's start-up (importing torch) is meant to
+                # measure decode's holding: transfer starts once decode is attached
+                _await_decode(table, decoders, config.timeout_s)
+            for proc in transfers:
                 proc.start()
             finals = 0
             while finals < config.decode_workers:
@@ -165,7 +211,13 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
                     raise TimeoutError(f"flow did not finish in {config.timeout_s} s")
                 finals += _collect(decode_results, progress)
                 while not transfer_results.empty():
-                    progress.transfers.append(transfer_results.get())
+                    report = transfer_results.get()
+                    progress.transfers.append(report)
+                    if report.exhausted and progress.exhaustion is None:
+                        progress.exhaustion = _exhaustion(name, report)
+                        # a full table ends the flow: the other transfer workers stop too;
+                        # decode goes on until they have (they may still publish a row)
+                        stop_transfer.set()
                 if len(progress.transfers) == config.transfer_workers:
                     stop.set()
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
@@ -178,6 +230,7 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
             for proc in procs:
                 proc.join(30)
         finally:
+            stop_transfer.set()
             stop.set()
             for proc in procs:
                 if proc.is_alive():
@@ -189,6 +242,24 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
             transfer_aborted=sum(len(r.aborted) for r in progress.transfers),
             final=table.stats(),
         )
+
+
+def _await_decode(table: SlotTable, decoders: list[SpawnProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(p.role == "decode" and p.alive for p in table.participants()) < len(decoders):
+        dead = [p for p in decoders if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"worker pid {dead[0].pid} died (exit {dead[0].exitcode})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"decode workers did not attach in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _exhaustion(name: str, report: TransferReport) -> Exhaustion:
+    """What a full table looked like, read before anyone is told to stop."""
+    assert report.exhausted is not None
+    with TableView.open(name) as view:
+        return Exhaustion(report.worker, report.exhausted, view.snapshot())
 
 
 def _collect(results: mp.Queue[DecodeReport], progress: FlowProgress) -> int:

@@ -3,7 +3,9 @@
 Models the prefill->decode transfer step: for each request it claims a slot,
 writes the row (values derived from the request's tag) and publishes it —
 in steady traffic or in bursts of back-to-back commits (cache hits) — and
-aborts a fraction of transfers before publishing.
+aborts a fraction of transfers before publishing.  A claim that finds no free slot
+within `claim_timeout_s` ends the worker's run: the SlotsExhausted message (which
+names the top holders by call site on a traced table) goes into its report.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
-from shmslots import SlotTable
+from shmslots import SlotsExhausted, SlotTable
 from workers import eagle
 
 
@@ -26,6 +28,7 @@ class TransferConfig:
     pause_s: float = 0.002  # idle time between bursts
     abort_fraction: float = 0.02
     seed: int = 0
+    claim_timeout_s: float = 60.0
 
 
 @dataclass
@@ -33,6 +36,7 @@ class TransferReport:
     worker: int
     published: list[int] = field(default_factory=list)
     aborted: list[int] = field(default_factory=list)
+    exhausted: str | None = None  # the SlotsExhausted message that ended the run, if any
 
 
 def transfer_worker(
@@ -51,7 +55,11 @@ def transfer_worker(
         for n, tag in enumerate(tags, 1):
             if stop.is_set():
                 break
-            ws = table.claim(tag=tag, timeout=60.0)
+            try:
+                ws = table.claim(tag=tag, timeout=config.claim_timeout_s)
+            except SlotsExhausted as exc:
+                report.exhausted = str(exc)
+                break
             ws.write(**eagle.row_values(tag, config.shape, time.monotonic_ns()))
             if rng.random() < config.abort_fraction:
                 ws.abort()
