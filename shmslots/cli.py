@@ -9,7 +9,8 @@ Commands::
                                           Prometheus text, printed or served over HTTP
     shmslots reap NAME                    reclaim the slots of dead participants now
     shmslots unlink NAME [--force]        remove a table; refused while participants live
-    shmslots demo                         transfer -> decode workers, live view
+    shmslots demo [--policy P] [--leak-every N]
+                                          transfer -> decode workers, live view
 
 `ls`, `inspect`, `watch` and `metrics` only ever map a table read-only and never
 register as a participant (shmslots.snapshot.TableView): looking cannot change a table.
@@ -351,6 +352,7 @@ def _demo(args: argparse.Namespace) -> int:
         policy=args.policy,
         hidden=args.hidden,
         burst=args.burst,
+        leak_every=args.leak_every or 0,
     )
 
 
@@ -541,7 +543,10 @@ def _parser() -> argparse.ArgumentParser:
         "that consume them later, on one table, with a live view and a summary. --policy says "
         "when decode hands a slot back: hold (after consumption: correct, no copy), clone "
         "(copy at commit: correct, one copy per row) or early-release (at commit while views "
-        "are kept: the production bug, which shmslots catches).",
+        "are kept: the production bug, which shmslots catches). --leak-every N injects the "
+        "other classic bug: decode cancels 1 in N requests through an abort path that forgets "
+        "the release, on a traced table, until a transfer claim raises SlotsExhausted naming "
+        "the call site that holds the slots.",
         _demo,
     )
     count = _positive(int)
@@ -571,6 +576,12 @@ def _parser() -> argparse.ArgumentParser:
         type=count,
         default=32,
         help="back-to-back commits per burst (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--leak-every",
+        type=count,
+        metavar="N",
+        help="decode never releases 1 in N requests it takes (default: no leak)",
     )
     return parser
 

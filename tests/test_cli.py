@@ -462,6 +462,7 @@ def test_ls_flags_a_table_nobody_is_attached_to(name: str) -> None:
         (["--requests", "1"], "no request to some of the 2 transfer workers"),
         (["--hidden", "x"], "--hidden: expected a positive number"),
         (["--slots", str(1 << 21)], "--slots must be at most"),
+        (["--leak-every", "0"], "--leak-every: expected a positive number"),
     ],
 )
 def test_demo_refuses_bad_options_in_one_line(args: list[str], message: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -153,3 +155,22 @@ def test_an_injected_leak_runs_the_table_out_and_names_the_call_site() -> None:
     # and the flow still ends cleanly: everything accounted, the slots handed back at close
     assert result.accounted and result.final.owned == 0 and p.corrupted == 0
     assert result.published < 20_000  # it stopped at the full table
+
+
+@pytest.mark.timeout(240)
+def test_demo_with_a_leak_prints_the_holder_and_unlinks_its_table() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shmslots", "demo", "--requests", "20000", "--slots", "16",
+         "--leak-every", "5", "--hidden", "256"],
+        capture_output=True, text=True, timeout=200,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    out = r.stdout
+    [table] = re.findall(r"table (shmslots-flow-\d+-\d+) \(16 slots\)", out)
+    assert not os.path.exists(f"/dev/shm/{table}")  # unlinked on the way out
+    [error] = [line for line in out.splitlines() if "SlotsExhausted:" in line]
+    assert re.match(r"transfer-\d: SlotsExhausted: no free slot to claim within 1.0 s;", error)
+    assert _names_the_taker(error.split("SlotsExhausted: ", 1)[1]), error
+    assert "slots held per call site" in out and "leaked slots (never released)" in out
+    assert "the table ran out of slots" in out

@@ -7,12 +7,13 @@ first-time user should not need the README to read them.
 
 from __future__ import annotations
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from shmslots.cli_render import holdings_table
 from workers import eagle
 from workers.decode import Policy
 from workers.launcher import FlowConfig, FlowProgress, FlowResult, run_flow
@@ -47,6 +48,9 @@ def flow_table(progress: FlowProgress, title: str) -> Table:
     table.add_row("aborted (decode)", f"{progress.decode_aborted:,}")
     table.add_row("corrupted", f"[red]{progress.corrupted:,}[/]" if progress.corrupted else "0")
     table.add_row("leaked views", f"{c.get('leaked_views', 0):,}")
+    if progress.config.leak_every:
+        leaked = len(progress.leaked_tags)
+        table.add_row("leaked slots (never released)", f"[red]{leaked:,}[/]" if leaked else "0")
     return table
 
 
@@ -56,8 +60,9 @@ def summary_table(result: FlowResult) -> Table:
     table.add_row(
         "published / aborted (transfer)", f"{result.published:,} / {result.transfer_aborted:,}"
     )
+    equation = "consumed + aborted" + (" + leaked" if p.config.leak_every else "")
     table.add_row(
-        "accounted (published = consumed + aborted)", "yes" if result.accounted else "[red]NO[/]"
+        f"accounted (published = {equation})", "yes" if result.accounted else "[red]NO[/]"
     )
     table.add_row("slots still owned", str(result.final.owned))
     table.add_row("peak slots owned", str(p.peak_owned))
@@ -68,11 +73,35 @@ def summary_table(result: FlowResult) -> Table:
 def intro(progress: FlowProgress) -> list[str]:
     """What runs, on which table, and how to look at it meanwhile."""
     c = progress.config
-    return [
+    lines = [
         f"shmslots demo: {c.requests:,} requests, {c.transfer_workers} transfer -> "
         f"{c.decode_workers} decode workers, table {progress.table} ({c.slots} slots)",
         f"policy {c.policy}: {POLICY_MEANING[c.policy]}",
         f"look inside while it runs, from another terminal: shmslots inspect {progress.table}",
+    ]
+    if c.leak_every:
+        lines[2:2] = [
+            f"leak injected: decode cancels 1 in {c.leak_every} of the requests it takes through "
+            "an abort path that forgets the release, so those slots stay HELD; the table is "
+            f"traced, and a transfer claim that waits {c.claim_wait_s:g} s for a free slot ends "
+            "the run with SlotsExhausted"
+        ]
+        lines[-1] += " --by-site (who is holding the slots)"
+    return lines
+
+
+def exhaustion_lines(result: FlowResult) -> list[RenderableType]:
+    """The SlotsExhausted a transfer worker got, and who held the slots just after."""
+    e = result.progress.exhaustion
+    if e is None:
+        return []
+    return [
+        Text(f"transfer-{e.worker}: SlotsExhausted: {e.message}", style="bold red"),
+        Text(
+            f"the table right after ({e.snapshot.name}, as `shmslots inspect NAME --by-site` "
+            "shows it):"
+        ),
+        holdings_table(e.snapshot, None),
     ]
 
 
@@ -85,6 +114,21 @@ def outro(result: FlowResult) -> list[str]:
         return [
             "[red]something is wrong:[/] not every published row was consumed or aborted exactly "
             "once, or slots are still owned; please report it with this output"
+        ]
+    if p.config.leak_every:
+        ran_out = (
+            "the table ran out of slots and a transfer worker's claim raised SlotsExhausted, "
+            "naming the call site that held them (above)"
+            if p.exhaustion
+            else "the table did not run out (too few requests for this leak rate)"
+        )
+        return [
+            f"what happened: decode never released {len(p.leaked_tags):,} of the requests it "
+            f"took (1 in {p.config.leak_every}), so their slots stayed HELD; {ran_out}. "
+            "The slots came back only when the decode workers shut down.",
+            "try next: while it runs, watch the leaking call site grow from another terminal "
+            "with `shmslots inspect NAME --by-site --older-than 100ms` (slots in flight are "
+            "younger; a rarer leak runs longer: --requests 200000 --leak-every 1000)",
         ]
     if policy == "early-release":
         return [
@@ -112,6 +156,7 @@ def run(
     hidden: int,
     burst: int,
     console: Console | None = None,
+    leak_every: int = 0,
 ) -> int:
     console = console or Console()
     config = FlowConfig(
@@ -122,6 +167,7 @@ def run(
         policy=policy,
         shape=eagle.RowShape(hidden=hidden),
         burst=burst,
+        leak_every=leak_every,
     )
     bar = Progress(
         TextColumn("requests"),
@@ -146,6 +192,8 @@ def run(
             live.update(Group(bar, starting, view) if not progress.first_ns else Group(bar, view))
 
         result = run_flow(config, show)
+    for part in exhaustion_lines(result):
+        console.print(part, soft_wrap=True)
     console.print(summary_table(result))
     for line in outro(result):
         console.print(line, soft_wrap=True)
