@@ -17,6 +17,7 @@ every handled tag was attempted by a producer; every row matched its tag.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import random
@@ -25,7 +26,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import torch
@@ -57,11 +57,13 @@ def chaos_producer(name: str, tags: range, log: str, seed: int) -> None:
                 _log(fd, "P", tag)
 
 
-def chaos_consumer(name: str, log: str, seed: int, stop: Event) -> None:
+def chaos_consumer(name: str, log: str, seed: int, stop: ctypes.c_byte) -> None:
+    """`stop` is a bare shared byte, not an Event: an Event's lock, held by a consumer at
+    the moment it is SIGKILLed, would block every other consumer's check for good."""
     rng = random.Random(seed)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with SlotTable.attach(name, "consumer") as table:
-        while not stop.is_set():
+        while not stop.value:
             lease = table.take(timeout=0.05)
             if lease is None:
                 continue
@@ -142,7 +144,7 @@ def run_chaos(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["workers.chaos"])
     rng = random.Random(seed)
-    stop = ctx.Event()
+    stop = ctx.RawValue(ctypes.c_byte, 0)
     report = ChaosReport()
     started = time.monotonic()
     next_tag = 1
@@ -205,7 +207,7 @@ def run_chaos(
                 time.sleep(0.02)
             _drain(table, max_seconds - (time.monotonic() - started))
         finally:
-            stop.set()
+            stop.value = 1
             for proc in producers + consumers:
                 proc.join(10)
                 if proc.is_alive():
