@@ -28,7 +28,8 @@ from shmslots.snapshot import TableView
 from shmslots.tracing import TRACE_ENV
 
 HERE = os.path.abspath(__file__)
-GAP_S = 1.0  # between the holder's two calls, so their ages differ by this much
+GAP_S = 2.0  # between the holder's two calls: their ages differ by this much, and the
+# --older-than check below has half of it for the CLI to start (slow on a loaded machine)
 WAIT_S = 60
 
 
