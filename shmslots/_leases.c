@@ -804,7 +804,8 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         timeout = args[0];
     Core *c = h->core;
     Py_ssize_t written = h->written ? PySet_GET_SIZE(h->written) : 0;
-    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed))) {
+    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed)) &&
+        (!h->opened || h->opened == Py_None)) {
         PyObject *call[2] = {h->slot, h->generation};
         PyObject *r = PyObject_Vectorcall(c->seal, call, 2, NULL);
         if (!r)
@@ -824,7 +825,8 @@ ws_abort(Handle *h, PyObject *unused)
 {
     if (!made(h))
         return NULL;
-    if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed))) {
+    if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) &&
+        (!h->opened || h->opened == Py_None)) {
         int code = step(h, h->core->ev_abort);
         if (code == STEP_ERROR)
             return NULL;
@@ -1394,6 +1396,9 @@ static PyMemberDef handle_members[] = {
     MEMBER("generation", T_OBJECT, generation, READONLY),
     MEMBER("tag", T_OBJECT, tag, READONLY),
     MEMBER("_open", T_BOOL, open, 0),
+    /* tensors handed out beside the row's views, each watched on its own: a Lease's opened
+     * handle fields, a WriteSlot's loaned arena tensors */
+    MEMBER("_opened", T_OBJECT, opened, 0),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1472,7 +1477,6 @@ static PyMethodDef lease_methods[] = {
 static PyMemberDef lease_members[] = {
     MEMBER("deliveries", T_OBJECT, deliveries, READONLY),
     MEMBER("_watched", T_OBJECT, watched, 0),
-    MEMBER("_opened", T_OBJECT, opened, 0),
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -17,6 +17,7 @@ import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -61,34 +62,58 @@ class HandleStore:
             pin = Pin(slot, generation, f.name, tensor=tensor)
             description, pin.release = self.ipc.share(pin, tensor)
         else:
-            pin = self._to_arena(slot, generation, f, tensor)
             shape = tuple(tensor.shape)
-            description = {
-                "b": "shm",
-                "arena": self._table,
-                "off": pin.offset,
-                "n": pin.nbytes,
-                "dtype": DTYPE_NAMES[tensor.dtype],
-                "shape": list(shape),
-                "stride": list(contiguous_strides(shape)),  # as copied into the arena
-            }
+            pin = self._arena_pin(slot, generation, f, math.prod(shape) * tensor.dtype.itemsize)
+            assert pin.offset is not None
+            code = RULES.copy_into(self._mm, pin.offset, pin.nbytes, tensor, f.torch_dtype, f.shape)
+            if code != PLAIN:  # resized by another thread since it was admitted (rows.admit)
+                self._let_go(pin)
+                raise SchemaError(refusal(f, tensor, code))
+            description = self._arena_handle(pin, tensor.dtype, shape)
+        return self._kept(f, pin, description), pin
+
+    def loan(
+        self, slot: int, generation: int, f: Field, shape: tuple[int, ...]
+    ) -> tuple[bytes, Pin]:
+        """Arena pages of (slot, generation) for a tensor of `shape` that the producer fills
+        in place (no copy): its handle and its pin (`loaned` makes the tensor)."""
+        pin = self._arena_pin(slot, generation, f, math.prod(shape) * f.itemsize)
+        return self._kept(f, pin, self._arena_handle(pin, f.torch_dtype, shape)), pin
+
+    def loaned(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor over a loan's pages."""
+        assert pin.offset is not None
+        return mapped_tensor(self._mm, pin.offset, f.torch_dtype, shape)
+
+    def _arena_handle(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
+        return {
+            "b": "shm",
+            "arena": self._table,
+            "off": pin.offset,
+            "n": pin.nbytes,
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "stride": list(contiguous_strides(shape)),  # contiguous in the arena
+        }
+
+    def _kept(self, f: Field, pin: Pin, description: dict[str, Any]) -> bytes:
+        """The handle's bytes for the row, with the pin kept; over budget, let go and refused."""
         blob: bytes = msgpack.packb(description)
         if LENGTH.size + len(blob) > f.budget:
-            self.unpin(pin)
+            self._let_go(pin)
             raise SchemaError(
                 f"field {f.name!r}: handle of {len(blob)} bytes exceeds its {f.budget}-byte budget"
             )
         self._pins.append(pin)
-        return LENGTH.pack(len(blob)) + blob, pin
+        return LENGTH.pack(len(blob)) + blob
 
-    def _to_arena(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> Pin:
-        """Copy an admitted CPU tensor (rows.admit) into arena pages of (slot, generation)."""
+    def _arena_pin(self, slot: int, generation: int, f: Field, nbytes: int) -> Pin:
+        """`nbytes` of arena pages, owned by (slot, generation)."""
         name = f.name
         if self._arena is None:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
-        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         if self._arena.pages_for(nbytes) > self._arena.pages:
             raise SchemaError(
                 f"field {name!r}: {nbytes} bytes exceed the whole arena "
@@ -108,10 +133,6 @@ class HandleStore:
                     "arena_pages": self._arena.pages,
                 },
             )
-        code = RULES.copy_into(self._mm, offset, nbytes, tensor, f.torch_dtype, f.shape)
-        if code != PLAIN:  # resized by another thread since it was admitted
-            self._arena.free(offset, nbytes, slot, generation)
-            raise SchemaError(refusal(f, tensor, code))
         return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
 
     def unpin(self, pin: Pin) -> None:

@@ -136,7 +136,10 @@ class _Handle(HandleBase):
         raise NotImplementedError
 
     def _leaked(self) -> list[str]:
-        return self._views().leaked(self._viewed) if self._viewed else []
+        leaked = self._views().leaked(self._viewed) if self._viewed else []
+        for opened in (self._opened or {}).values():
+            leaked += opened.leaked(opened.tensors)
+        return leaked
 
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
         """Report views that no longer show the row (moved out of it, or pointed elsewhere);
@@ -154,6 +157,7 @@ class _Handle(HandleBase):
         watched = self._views()
         leaked = self._leaked()
         moved = watched.moved(self._viewed) if self._viewed else []
+        moved += [n for n, opened in (self._opened or {}).items() if opened.moved([n])]
         if leaked and table.strict:
             raise LeakedViewError(self._leak_message(action, leaked))
         if moved:  # before any warning, which may be raised as an error and end this call
@@ -183,6 +187,8 @@ class _Handle(HandleBase):
 
     def _report(self, names: list[str], message: str) -> None:
         """Count and warn once; the slot's next owner gets fresh views."""
+        if self._opened:  # opened tensors reported once, like views
+            self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
         self._table._own.count("leaked_views", len(names))
         self._table._rows.forget_views(self.slot)
         self._viewed.difference_update(names)
@@ -274,6 +280,54 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _views(self) -> WatchedTensors:
         return self._watched if self._watched is not None else self._table._rows.views(self.slot)
 
+    def alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of the table's arena for handle field `name`, to fill in place: the loan
+        pattern for big CPU tensors, with no copy at all.  The row refers to it at once (it
+        counts as written), and a reader opens the same pages zero-copy.  Fill it before
+        publish; a loan kept past publish or abort is reported as a leaked view (it would
+        see the next occupant's data), and one moved out of the arena is refused."""
+        self._check_open("alloc")
+        table = self._table
+        fs = table._rows.schema.slots.get(name) if isinstance(name, str) else None
+        if fs is None or not fs.field.is_handle:
+            raise SchemaError(f"alloc loans handle fields; {name!r} is not one")
+        f = fs.field
+        got = tuple(shape) if isinstance(shape, (tuple, list)) else None
+        if (
+            got is None
+            or not all(type(d) is int and d >= 0 for d in got)
+            or not f.accepts_shape(got)
+        ):
+            raise SchemaError(f"field {name!r} has shape {f.shape}, got {shape!r}")
+        old = (self._opened or {}).get(name)
+        if old is not None and old.leaked([name]):  # its pages go with the new loan
+            message = (
+                f"alloc of {name!r} in slot {self.slot} while the previous loan is still "
+                "referenced; its pages are freed and will hold other data"
+            )
+            if table.strict:
+                raise LeakedViewError(message)
+            self._report([name], message)
+        store = table._handles
+        blob, pin = store.loan(self.slot, self.generation, f, got)
+        try:
+            table._rows.write(self.slot, [(name, blob)])
+        except BaseException:
+            store.unpin(pin)
+            raise
+        if self._pins is None:
+            self._pins = {}
+        elif name in self._pins:
+            store.unpin(self._pins[name])  # replaced before anyone could see it
+        self._pins[name] = pin
+        if self._opened is None:
+            self._opened = {}
+        # the tensor made inside the dict: its counts at rest are what the watch holds
+        watched = self._opened[name] = WatchedTensors({name: store.loaned(pin, f, got)})
+        self._written.add(name)
+        loaned: torch.Tensor = watched.tensors[name]
+        return loaned
+
     def written_in_place(self, checksum: int | None = None) -> WriteSlot:
         """Take the row as written by a writer that knows only its addresses (a transfer
         engine or a memmove through `table.buffer_infos()`): every field counts as written.
@@ -311,6 +365,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         """
         self._check_open("keep")
         moved = self._views().moved(self._viewed) if self._viewed else []
+        moved += [n for n, opened in (self._opened or {}).items() if opened.moved([n])]
         if moved:
             self._table._rows.forget_views(self.slot)
             self._forget_moved(moved)
@@ -324,6 +379,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         if self._viewed:  # the lease's own, checked at its end
             lease._viewed.update(self._viewed)
             lease._watched = self._views()
+        lease._opened, self._opened = self._opened, None  # loans, likewise
         if table._sites is not None:
             table._trace([lease], _HELD)
         return lease
@@ -332,8 +388,9 @@ class WriteSlot(_Handle, WriteSlotCore):
         """publish() with fields unwritten, views alive, or a full ready ring; every error."""
         self._check_open("publish")
         self._check_written()
-        if self._viewed:
+        if self._viewed or self._opened:
             self._check_views("publish")
+        self._opened = None  # loans: the reader's from now on
         table = self._table
         table._rows.seal(self.slot, self.generation)
         deadline = time.monotonic() + timeout
@@ -357,15 +414,18 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _abort_slow(self, check_views: bool = True) -> None:
         """abort() with views handed out, and every error of it."""
         self._check_open("abort")
-        if check_views and self._viewed:
+        if check_views and (self._viewed or self._opened):
             self._check_views("abort")
         elif not check_views:
             self._forget_unchecked()
+        self._opened = None
         self._end_with(_ABORT, _WRITING)
 
     def _forget_moved(self, names: list[str]) -> None:
         """Writes through these views went elsewhere, not into the row: they must be redone."""
         self._written.difference_update(names)
+        if self._opened:  # a moved loan: its pages stay pinned until a write replaces them
+            self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
         self._viewed.clear()  # views from now on are the slot's fresh ones
         self._watched = None
 
@@ -526,17 +586,6 @@ class Lease(_Handle, LeaseCore):
         if self._watched is None:
             self._watched = self._table._rows.views(self.slot)
         return self._watched
-
-    def _report(self, names: list[str], message: str) -> None:
-        if self._opened:  # opened handles reported once, like views
-            self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
-        super()._report(names, message)
-
-    def _leaked(self) -> list[str]:
-        leaked = super()._leaked()
-        for opened in (self._opened or {}).values():
-            leaked += opened.leaked(opened.tensors)
-        return leaked
 
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
         """The reader's own views of it: report once; what it read is not lost."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from multiprocessing.queues import Queue
+from typing import Any
 
 import msgpack
 import pytest
@@ -15,6 +16,7 @@ from shmslots import (
     CorruptTable,
     Field,
     LeakedViewError,
+    LeakedViewWarning,
     SchemaError,
     SlotsExhausted,
     SlotTable,
@@ -362,3 +364,69 @@ def test_cuda_handles_into_one_allocation_are_watched_apart(name: str, children:
         second.release()
         done.put(1)
         children.join_all(60)
+
+
+def _loan_reader(name: str, out: Any) -> None:
+    with SlotTable.attach(name, "reader") as t:
+        lease = t.take(timeout=10)
+        assert lease is not None
+        blob = lease.tensor("blob")
+        same = lease.tensor("blob").data_ptr() == blob.data_ptr()  # one opened tensor, zero copy
+        out.put((blob.shape[0], float(blob.sum()), same))
+        del blob
+        lease.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_loaned_arena_tensor_is_filled_in_place_and_read_zero_copy(
+    name: str, children: Children
+) -> None:
+    got = SPAWN.Queue()
+    with _table(name) as t:
+        ws = t.claim()
+        loan = ws.alloc("blob", (1000,))  # arena pages; the row refers to them already
+        loan.fill_(2.5)  # filled in place: no copy into the table
+        ws.write(id=1, hidden=hidden(1, 1))
+        del loan  # a loan is the writer's until publish
+        ws.publish()
+        assert t.stats().arena_bytes_used >= 4000
+        children.start(_loan_reader, name, got)
+        assert got.get(timeout=30) == (1000, 2500.0, True)
+        children.join_all(timeout=30)
+
+
+def test_alloc_refuses_bad_input_and_a_loan_kept_past_publish_is_reported(name: str) -> None:
+    with _table(name) as t:
+        ws = t.claim()
+        for field, shape in (("id", (1,)), ("blob", (3, 4)), ("blob", (-1,)), ("nope", (1,))):
+            with pytest.raises(SchemaError):
+                ws.alloc(field, shape)
+        with pytest.raises(SchemaError, match="whole arena"):
+            ws.alloc("blob", (3 * MiB,))  # 12 MiB of float32 in an 8 MiB arena
+        assert t.stats().arena_bytes_used == 0  # nothing was taken by the refusals
+        first = ws.alloc("blob", (10,))
+        with pytest.warns(LeakedViewWarning, match="previous loan"):
+            second = ws.alloc("blob", (20,))  # replaces `first`, whose pages go at once
+        ws.write(id=2, hidden=hidden(2, 1))
+        with pytest.warns(LeakedViewWarning, match="blob"):
+            ws.publish()  # `second` is still referenced: it would see the next row's data
+        assert t.stats().counters["leaked_views"] == 2
+        del first, second
+        lease = t.take()
+        assert lease is not None and lease.tensor("blob").shape == (20,)
+        lease.release()
+
+
+def test_a_loan_moved_out_of_the_arena_is_refused_at_publish(name: str) -> None:
+    with _table(name) as t:
+        ws = t.claim()
+        loan = ws.alloc("blob", (8,))
+        loan.share_memory_()  # type: ignore[no-untyped-call]  # now a private copy
+        loan.fill_(1.0)  # these writes miss the arena
+        del loan  # the watch still sees where it points
+        ws.write(id=3, hidden=hidden(3, 1))
+        with pytest.raises(SchemaError, match="no longer show"):
+            ws.publish()
+        with pytest.raises(SchemaError, match="never written"):
+            ws.publish()  # the field must be filled again
+        ws.abort()
