@@ -104,12 +104,11 @@ class _RoomColumn:
     def __getitem__(self, key: int | tuple[int, int]) -> torch.Tensor:
         idx, j = key if isinstance(key, tuple) else (key, None)
         buffers = self._buffers
-        buffers._check_open()
-        buffers.table.layout.check_slot(idx)
+        buffers._check_index(idx)
+        address, _ = buffers._item(idx, ROOM)
         if j is not None and not (type(j) is int and 0 <= j < 8):
             raise InvalidSlot(f"bootstrap_room has 8 words a row, not {j!r}")
-        ptrs, _, item_lens = buffers._infos
-        raw = ctypes.string_at(ptrs[buffers._room] + item_lens[buffers._room] * idx, 64)
+        raw = ctypes.string_at(address, 64)
         words = torch.tensor(struct.unpack("<8Q", raw), dtype=torch.uint64)
         return words if j is None else words[j].clone()
 
@@ -169,8 +168,10 @@ class MetadataBuffers:
         self.table = table
         self._allocator: ReqToMetadataIdxAllocator | None = None  # the decode side's
         self._names = list(table.schema.slots)
-        self._room = self._names.index(ROOM)
         self._infos = table.buffer_infos()
+        ptrs, _, item_lens = self._infos
+        # name -> (this process's address of its slot-0 item, item length)
+        self._columns = dict(zip(self._names, zip(ptrs, item_lens, strict=True), strict=True))
         self.bootstrap_room = _RoomColumn(self)
 
     @classmethod
@@ -252,29 +253,34 @@ class MetadataBuffers:
         transfer engine does: no ownership is checked (the slot's owner commits it).  Every
         value is checked (field, count, an exact conversion to the field's dtype) before the
         first byte is copied."""
-        self._check_open()
-        self.table.layout.check_slot(idx)
-        ptrs, _, item_lens = self._infos
+        self._check_index(idx)
         fields = self.table.schema.slots
         copies = []
         for name, value in values.items():
             fs = fields.get(name) if isinstance(name, str) else None
             if fs is None:
                 raise SchemaError(f"no metadata field {name!r}")
-            src = _exact(fs.field, value)
-            k = self._names.index(name)
-            copies.append((ptrs[k] + item_lens[k] * idx, src))
+            copies.append((self._item(idx, name)[0], _exact(fs.field, value)))
         for address, src in copies:
             ctypes.memmove(address, src.data_ptr(), src.nbytes)
 
     def _zero(self, idx: int, names: Iterable[str]) -> None:
         """Zero fields of slot `idx` (checked): the caller owns it and nobody else reads it."""
+        self._check_index(idx)
+        for name in names:
+            address, item_len = self._item(idx, name)
+            ctypes.memset(address, 0, item_len)
+
+    def _item(self, idx: int, name: str) -> tuple[int, int]:
+        """(address, length) of field `name`'s item in slot `idx` (checked by the caller with
+        `_check_index`): SGLang's addressing rule, `ptrs[i] + item_lens[i] * idx`."""
+        ptr, item_len = self._columns[name]
+        return ptr + item_len * idx, item_len
+
+    def _check_index(self, idx: object) -> None:
+        """The buffers are open and `idx` names one of their slots, or an error."""
         self._check_open()
         self.table.layout.check_slot(idx)
-        ptrs, _, item_lens = self._infos
-        for name in names:
-            k = self._names.index(name)
-            ctypes.memset(ptrs[k] + item_lens[k] * idx, 0, item_lens[k])
 
     def _check_open(self) -> None:
         if self.table.closed:
