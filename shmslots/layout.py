@@ -206,6 +206,7 @@ NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 SEAL_ENTRY = 16
 SEAL_GENERATION = 0  # u64 generation the row was published under
 SEAL_CHECKSUM = 8  # u32 checksum of the row's items (_rowcodec.c)
+SEAL = struct.Struct("<QI")  # generation, checksum, as at SEAL_GENERATION and SEAL_CHECKSUM
 
 MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index
 MAX_ARENA_PAGES = 1 << 24

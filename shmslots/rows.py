@@ -21,8 +21,8 @@ from ._atomic import AtomicView
 from ._leases import WatchedTensors
 from ._rowcodec import RowCodec, Rules, row_hash
 from .errors import SchemaError
-from .layout import SEAL_ENTRY
-from .schema import Field, RowSchema
+from .layout import SEAL, SEAL_ENTRY
+from .schema import DTYPE_CODES, Field, RowSchema
 from .segment import address_of
 
 # The checks on a tensor before its bytes are copied into shared memory, in one place
@@ -38,11 +38,9 @@ RULES = Rules(
 PLAIN = 0
 _STRIDED, _ON_GPU = 1, 4  # 2: lazily negated, 8: a subclass of torch.Tensor
 _NOT_TENSOR, _DTYPE, _SHAPE, _DEVICE, _NO_STORAGE, _SHORT_STORAGE, _TOO_BIG = range(-1, -8, -1)
-# struct codes for scalar fast paths; bfloat16 has none and goes through torch.
-_SCALAR_CODES = {"int32": "<i", "int64": "<q", "float32": "<f", "float16": "<e", "uint8": "<B",
-                 "uint64": "<Q", "int16": "<h", "int8": "<b", "bool": "<?"}  # fmt: skip
-_INT_DTYPES = frozenset({"int32", "int64", "uint8", "uint64", "int16", "int8"})
-_SEAL = struct.Struct("<QI")
+# struct codes for scalar fast paths; bfloat16's code is raw bits, so it goes through torch.
+_SCALAR_CODES = {name: "<" + c for name, c in DTYPE_CODES.items() if name != "bfloat16"}
+_INT_DTYPES = frozenset(name for name in DTYPE_CODES if name.startswith(("int", "uint")))
 
 
 def mapped_tensor(
@@ -228,7 +226,7 @@ class Rows:
 
     def sealed(self, slot: int) -> tuple[int, int]:
         """(generation, checksum) stored in the row's seal."""
-        gen, crc = _SEAL.unpack_from(self._mv, self._layout.seal(slot))
+        gen, crc = SEAL.unpack_from(self._mv, self._layout.seal(slot))
         return gen, crc
 
     def close(self) -> list[str]:

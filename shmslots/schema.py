@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import reprlib
+import struct
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,19 +22,21 @@ from .errors import SchemaError
 if TYPE_CHECKING:
     import torch
 
-# Item size of every dtype a field may have; the names are torch's (torch.<name>).
-DTYPE_SIZES: dict[str, int] = {
-    "int32": 4,
-    "int64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "uint8": 1,
-    "uint64": 8,  # SGLang's bootstrap rooms and KV checksums
-    "int8": 1,
-    "int16": 2,
-    "bool": 1,
+# Every dtype a field may have (the names are torch's, torch.<name>), as the struct code
+# of one element: bfloat16's is its raw bits (the top half of a float32).
+DTYPE_CODES: dict[str, str] = {
+    "int32": "i",
+    "int64": "q",
+    "float32": "f",
+    "float16": "e",
+    "bfloat16": "H",
+    "uint8": "B",
+    "uint64": "Q",  # SGLang's bootstrap rooms and KV checksums
+    "int8": "b",
+    "int16": "h",
+    "bool": "?",
 }
+DTYPE_SIZES: dict[str, int] = {name: struct.calcsize("<" + c) for name, c in DTYPE_CODES.items()}
 
 # A field's item (its bytes for one slot) is padded to a multiple of this: every slot's
 # item starts on its own cache line, and a small field takes at least 64 bytes a row, as

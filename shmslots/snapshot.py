@@ -22,17 +22,13 @@ from ._rowcodec import row_hash
 from .errors import CorruptTable
 from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader
-from .schema import Field, RowSchema
+from .schema import DTYPE_CODES, Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, owner_of, state_of
 from .tracing import CallSite, Holding, holdings, site_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
 _ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries
-_SEAL = struct.Struct("<QI")  # a row's seal: generation, checksum (layout.SEAL_*)
-# struct codes of the dtypes; bfloat16 is read as the top half of a float32
-_CODES = {"int32": "i", "int64": "q", "float32": "f", "float16": "e", "uint8": "B", "bfloat16": "H",
-          "uint64": "Q", "int16": "h", "int8": "b", "bool": "?"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,7 +214,7 @@ class TableView:
                     handles[name] = {"error": str(exc)}
                 continue
             values[name] = _decode(f, mm, start)
-        generation, crc = _SEAL.unpack_from(mm, self.layout.seal(slot))
+        generation, crc = L.SEAL.unpack_from(mm, self.layout.seal(slot))
         try:
             ok = crc == row_hash(items)
         finally:
@@ -291,7 +287,7 @@ def quantile(counts: list[int], q: float) -> float | None:
 def _decode(f: Field, buffer: Any, offset: int) -> list[int] | list[float]:
     """An inline field's elements as Python numbers, as torch's tolist() would give them."""
     n = f.nbytes // f.itemsize
-    raw = struct.unpack_from(f"<{n}{_CODES[f.dtype]}", buffer, offset)
+    raw = struct.unpack_from(f"<{n}{DTYPE_CODES[f.dtype]}", buffer, offset)
     if f.dtype != "bfloat16":
         return list(raw)
     return list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *(h << 16 for h in raw))))
