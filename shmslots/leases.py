@@ -141,6 +141,13 @@ class _Handle(HandleBase):
             leaked += opened.leaked(opened.tensors)
         return leaked
 
+    def _moved_out(self) -> list[str]:
+        """Fields whose handed-out tensors (views, opened handles, loans) no longer show
+        the memory they were made over: moved out by share_memory_ or pickling, or
+        pointed elsewhere."""
+        moved = self._views().moved(self._viewed) if self._viewed else []
+        return moved + [n for n, opened in (self._opened or {}).items() if opened.moved([n])]
+
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
         """Report views that no longer show the row (moved out of it, or pointed elsewhere);
         `reported` were just reported as leaks."""
@@ -156,8 +163,7 @@ class _Handle(HandleBase):
         table = self._table
         watched = self._views()
         leaked = self._leaked()
-        moved = watched.moved(self._viewed) if self._viewed else []
-        moved += [n for n, opened in (self._opened or {}).items() if opened.moved([n])]
+        moved = self._moved_out()
         if leaked and table.strict:
             raise LeakedViewError(self._leak_message(action, leaked))
         if moved:  # before any warning, which may be raised as an error and end this call
@@ -364,8 +370,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         `on_consumer_death` says whether the row is redelivered to any reader or dropped.
         """
         self._check_open("keep")
-        moved = self._views().moved(self._viewed) if self._viewed else []
-        moved += [n for n, opened in (self._opened or {}).items() if opened.moved([n])]
+        moved = self._moved_out()
         if moved:
             self._table._rows.forget_views(self.slot)
             self._forget_moved(moved)
