@@ -638,12 +638,15 @@ hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Py_ssize_t entry = entry_of(h, slot);
     uint64_t mine = owned_word(gen, h->me, S_WRITING);
-    if (ld(h, entry) != mine || transition(h, mine, E_KEEP, h->me, &held) != 0 ||
-        !cas(h, entry, mine, held))
+    if (ld(h, entry) != mine || transition(h, mine, E_KEEP, h->me, &held) != 0)
         return PyLong_FromLong(-1);
-    /* ours now, and never queued: nobody else reads these before we hand the slot on */
+    /* Before the CAS, as publish stamps before it, while the slot is still our WRITING one:
+     * after it, a SIGKILL between the CAS and these stores would leave a HELD row that a
+     * reaper redelivers saying it was never delivered. */
     st(h, entry + h->stamp_off, now_ns());
     st(h, entry + h->deliveries_off, 1); /* delivered once: to its writer */
+    if (!cas(h, entry, mine, held))
+        return PyLong_FromLong(-1);
     count(h, C_PUBLISHES);
     count(h, C_TAKES);
     return PyLong_FromLong(0);

@@ -624,6 +624,19 @@ watched_of(Handle *h)
     return w && Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready ? (Watched *)w : NULL;
 }
 
+/* A new lease of a slot joins the slot's views if Rows has made them (Python makes them on
+ * first use, never here).  The list item is read now, after the lease was allocated: a
+ * borrowed item held across an allocation could be replaced, and freed, by what a garbage
+ * collection runs. */
+static void
+join_views(Core *c, Handle *lease)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(lease->slot); /* HotPath gave it: an int in range */
+    PyObject *w = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i) : NULL;
+    if (w && Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready)
+        lease->watched = Py_NewRef(w);
+}
+
 static int
 usable(Handle *h)
 {
@@ -876,11 +889,7 @@ ws_keep(Handle *h, PyObject *unused)
         return NULL;
     }
     lease->deliveries = before;
-    Py_ssize_t i = PyLong_AsSsize_t(h->slot); /* HotPath took it: in range */
-    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
-                                                                 : NULL;
-    if (watched && Py_TYPE(watched) == &WatchedType && ((Watched *)watched)->ready)
-        lease->watched = Py_NewRef(watched);
+    join_views(c, lease);
     return (PyObject *)lease;
 }
 
@@ -1072,15 +1081,10 @@ take_one(Core *c, PyObject *table)
     PyObject *got = PyObject_Vectorcall(c->take, NULL, 0, NULL);
     if (!got || !PyTuple_Check(got))
         return got;
-    PyObject *slot = PyTuple_GET_ITEM(got, 0);
-    Py_ssize_t i = PyLong_AsSsize_t(slot); /* HotPath gives slots in range */
-    PyObject *watched = i >= 0 && i < PyList_GET_SIZE(c->views) ? PyList_GET_ITEM(c->views, i)
-                                                                 : NULL;
-    Handle *h = (Handle *)own(c, c->lease, table, slot, PyTuple_GET_ITEM(got, 1),
-                              PyTuple_GET_ITEM(got, 2), c->st_held);
+    Handle *h = (Handle *)own(c, c->lease, table, PyTuple_GET_ITEM(got, 0),
+                              PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 2), c->st_held);
     if (h) {
-        if (watched && Py_TYPE(watched) == &WatchedType && ((Watched *)watched)->ready)
-            h->watched = Py_NewRef(watched);
+        join_views(c, h);
         h->deliveries = Py_NewRef(PyTuple_GET_ITEM(got, 3));
     }
     Py_DECREF(got);
