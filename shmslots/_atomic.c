@@ -160,6 +160,77 @@ av_add32(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLong(__atomic_fetch_add(p, (uint32_t)delta, __ATOMIC_SEQ_CST));
 }
 
+/* `count` consecutive 64-bit words from byte offset args[0], checked; NULL: error set. */
+static uint64_t *
+words_at(AtomicView *self, PyObject *off_obj, PyObject *count_obj, Py_ssize_t *count)
+{
+    *count = PyLong_AsSsize_t(count_obj);
+    if (*count == -1 && PyErr_Occurred())
+        return NULL;
+    if (*count < 0 || *count > PY_SSIZE_T_MAX / 8) {
+        PyErr_Format(PyExc_ValueError, "a run of %zd words", *count);
+        return NULL;
+    }
+    if (!addr_of(self, off_obj, 8)) /* the first word: in range and aligned */
+        return NULL;
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off > self->buf.len - 8 * *count) {
+        PyErr_Format(PyExc_IndexError, "%zd words at offset %zd run past the buffer", *count,
+                     off);
+        return NULL;
+    }
+    return (uint64_t *)((char *)self->buf.buf + off);
+}
+
+/* find_run(off, count, need, value) -> the index of the first of `need` consecutive words
+ * among the `count` from off that all hold `value`, or -1.  One call for what a loop of
+ * loads would do: an arena of 64 MiB has thousands of page words. */
+static PyObject *
+av_find_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t count, need, run = 0;
+    uint64_t value;
+    if (!nargs_ok(nargs, 4, "find_run")) return NULL;
+    uint64_t *p = words_at(self, args[0], args[1], &count);
+    if (!p || !as_u64(args[3], &value)) return NULL;
+    need = PyLong_AsSsize_t(args[2]);
+    if (need == -1 && PyErr_Occurred()) return NULL;
+    if (need < 1) {
+        PyErr_Format(PyExc_ValueError, "find_run needs a run of at least 1 word, not %zd", need);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        run = __atomic_load_n(p + i, __ATOMIC_ACQUIRE) == value ? run + 1 : 0;
+        if (run == need)
+            return PyLong_FromSsize_t(i + 1 - need);
+    }
+    return PyLong_FromSsize_t(-1);
+}
+
+/* cas_run(off, count, expected, new, stop) -> how many of the `count` words from off were
+ * swapped from expected to new, in order; with stop true it ends at the first that does not
+ * hold expected (taking a run), else it goes on over every word (giving one back). */
+static PyObject *
+av_cas_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t count, swapped = 0;
+    uint64_t expected, desired;
+    if (!nargs_ok(nargs, 5, "cas_run")) return NULL;
+    uint64_t *p = words_at(self, args[0], args[1], &count);
+    if (!p || !as_u64(args[2], &expected) || !as_u64(args[3], &desired)) return NULL;
+    int stop = PyObject_IsTrue(args[4]);
+    if (stop < 0) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t want = expected;
+        if (__atomic_compare_exchange_n(p + i, &want, desired, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST))
+            swapped++;
+        else if (stop)
+            break;
+    }
+    return PyLong_FromSsize_t(swapped);
+}
+
 /* futex_wait(off, expected, timeout_s) -> bool
  * Sleeps while the 32-bit word at off equals expected, at most timeout_s
  * seconds.  Returns False on timeout, True otherwise (woken, value changed,
@@ -257,6 +328,10 @@ static PyMethodDef av_methods[] = {
     {"fetch_and", (PyCFunction)(void (*)(void))av_and, METH_FASTCALL, "fetch_and(off, mask) -> old"},
     {"load32", (PyCFunction)(void (*)(void))av_load32, METH_FASTCALL, "load32(off) -> u32"},
     {"add32", (PyCFunction)(void (*)(void))av_add32, METH_FASTCALL, "add32(off, delta) -> old u32"},
+    {"find_run", (PyCFunction)(void (*)(void))av_find_run, METH_FASTCALL,
+     "find_run(off, count, need, value) -> index of `need` words holding value, or -1"},
+    {"cas_run", (PyCFunction)(void (*)(void))av_cas_run, METH_FASTCALL,
+     "cas_run(off, count, expected, new, stop) -> words swapped"},
     {"futex_wait", (PyCFunction)(void (*)(void))av_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, timeout_s) -> False on timeout"},
     {"futex_wake", (PyCFunction)(void (*)(void))av_futex_wake, METH_FASTCALL,

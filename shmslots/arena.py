@@ -37,26 +37,20 @@ class Arena:
         """Offset (in the segment) of `nbytes` on free pages now owned by (slot, generation).
 
         First fit from a rotating hint; a page lost to a racing allocator
-        rolls back what was taken and the search goes on past it.
+        rolls back what was taken and the search goes on past it.  Each search
+        and each run of CASes is one compiled call, however many pages.
         """
         need = self.pages_for(nbytes)
         if need > self.pages:
             return None
         tag = page_tag(slot, generation)
-        a = self._a
+        a, table = self._a, self._table
         start = self._hint if self._hint + need <= self.pages else 0
         for sweep_start in (start, 0) if start else (0,):
             first = sweep_start
-            while first + need <= self.pages:
-                run = 0
-                while run < need and a.load(self._table + 8 * (first + run)) == 0:
-                    run += 1
-                if run < need:
-                    first += run + 1
-                    continue
-                taken = 0
-                while taken < need and a.cas(self._table + 8 * (first + taken), 0, tag):
-                    taken += 1
+            while (found := a.find_run(table + 8 * first, self.pages - first, need, 0)) >= 0:
+                first += found
+                taken = a.cas_run(table + 8 * first, need, 0, tag, True)
                 if taken == need:
                     self._hint = first + need
                     return self._data + first * self.page_size
@@ -69,8 +63,8 @@ class Arena:
         self._release(first, self.pages_for(nbytes), page_tag(slot, generation))
 
     def _release(self, first: int, count: int, tag: int) -> None:
-        for page in range(first, first + count):
-            self._a.cas(self._table + 8 * page, tag, 0)
+        if count:
+            self._a.cas_run(self._table + 8 * first, count, tag, 0, False)
 
     def collect(self, generation_of_slot: Callable[[int], int]) -> int:
         """Free every page whose slot has moved past the generation that allocated it."""

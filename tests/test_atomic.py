@@ -39,6 +39,48 @@ def test_out_of_range_or_misaligned_offsets_raise(off: int) -> None:
     mm.close()
 
 
+def test_runs_of_words_find_take_and_give_back() -> None:
+    """find_run/cas_run: what the arena's page table does in one call, however many pages."""
+    mm = mmap.mmap(-1, 8 * 16)
+    a = AtomicView(mm)
+    a.store(8 * 2, 7)
+    assert a.find_run(0, 16, 2, 0) == 0
+    assert a.find_run(8, 15, 2, 0) == 2  # word 1 alone is too short: words 3-4 (index 2 of 15)
+    assert a.find_run(0, 16, 13, 0) == 3
+    assert a.find_run(0, 16, 14, 0) == -1
+    assert a.find_run(0, 16, 1, 7) == 2
+    assert a.cas_run(8 * 3, 13, 0, 9, True) == 13  # taken
+    assert [a.load(8 * i) for i in range(16)] == [0, 0, 7] + [9] * 13
+    a.store(8 * 5, 4)  # a word that is someone else's
+    assert a.cas_run(8 * 3, 13, 9, 0, True) == 2  # stops at it
+    assert a.cas_run(8 * 3, 13, 9, 0, False) == 10  # goes on past it
+    assert [a.load(8 * i) for i in range(16)] == [0, 0, 7, 0, 0, 4] + [0] * 10
+    assert a.cas_run(0, 0, 0, 1, True) == 0
+    a.release()
+    mm.close()
+
+
+@pytest.mark.parametrize(
+    ("off", "count", "error"),
+    [(0, 9, IndexError), (8, 8, IndexError), (3, 1, IndexError), (-8, 1, IndexError),
+     (0, -1, ValueError)],
+)  # fmt: skip
+def test_runs_past_the_buffer_raise_and_change_nothing(
+    off: int, count: int, error: type[Exception]
+) -> None:
+    mm = mmap.mmap(-1, 64)
+    a = AtomicView(mm)
+    with pytest.raises(error):
+        a.find_run(off, count, 1, 0)
+    with pytest.raises(error):
+        a.cas_run(off, count, 0, 1, True)
+    assert bytes(mm) == bytes(64)
+    with pytest.raises(ValueError):
+        a.find_run(0, 8, 0, 0)  # a run of no words
+    a.release()
+    mm.close()
+
+
 def test_released_view_refuses_access_and_frees_the_buffer() -> None:
     mm = mmap.mmap(-1, 64)
     a = AtomicView(mm)
