@@ -51,13 +51,12 @@ def mapped_tensor(
     Its own storage, so the storage's use count tells whether a slice of it is alive;
     no base, because a base tensor would be a second way to the memory that no count sees.
     """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not nbytes:  # nothing to map (frombuffer refuses an empty span)
+    count = math.prod(shape)
+    if not count:  # nothing to map (frombuffer refuses an empty span)
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-    tensor: torch.Tensor = torch.empty(0, dtype=dtype).set_(
-        raw.untyped_storage(), 0, shape, contiguous_strides(shape)
-    )
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    if len(shape) != 1:  # reshaped in place: a view would bring a base
+        tensor.as_strided_(shape, contiguous_strides(shape))
     return tensor
 
 
