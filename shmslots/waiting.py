@@ -18,7 +18,9 @@ from ._atomic import AtomicView
 
 T = TypeVar("T")
 
-SPIN_S = 20e-6
+# Try again without sleeping for this long: a futex wake-up costs tens of µs (40-90 on this
+# project's VM), more than a reply that a writer's Python takes to send.
+SPIN_S = 50e-6
 # Sleep at most this long at a time, so `on_idle` (dead-owner checks) runs.
 NAP_S = 0.25
 # Added to a sleeper's announced deadline: a sleeper delayed this much between announcing
