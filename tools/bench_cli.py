@@ -5,7 +5,8 @@
 Each command runs as a fresh process, as a user types it, on a table of 64
 EAGLE-sized slots that this script creates (and removes) with a few slots in
 use; the table prints the median and the slowest of the runs, beside a bare
-`python -c pass` and `python -c "import torch"` for scale.
+`python -c pass` and `python -c "import torch"` for scale.  tools/bench.py
+reports `ls` and `inspect` from the same functions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from shmslots import SlotTable
 from workers import eagle
@@ -32,12 +35,11 @@ def wall_s(argv: list[str], runs: int) -> list[float]:
     return times
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=10, help="calls per command (default: 10)")
-    args = parser.parse_args()
+@contextmanager
+def sample_table() -> Iterator[str]:
+    """A table of 64 EAGLE-sized slots, four rows published and one of them held, as a CLI
+    user finds a live one; closed and removed afterwards.  Yields its name."""
     name = f"shmslots-bench-cli-{os.getpid()}"
-    cli = [sys.executable, "-m", "shmslots"]
     shape = eagle.RowShape()
     with SlotTable.create(name, shape.fields(), slots=64) as table:
         for tag in range(1, 5):
@@ -45,17 +47,34 @@ def main() -> int:
                 **eagle.row_values(tag, shape, time.monotonic_ns())
             ).publish()
         held = table.take()
-        commands = {
-            "python -c pass": [sys.executable, "-c", "pass"],
-            'python -c "import torch"': [sys.executable, "-c", "import torch"],
-            "shmslots --help": [*cli, "--help"],
-            "shmslots ls": [*cli, "ls"],
-            "shmslots inspect NAME": [*cli, "inspect", name],
-            "shmslots inspect NAME --slot 1": [*cli, "inspect", name, "--slot", "1"],
-            "shmslots watch NAME --count 1": [*cli, "watch", name, "--count", "1"],
-            "shmslots metrics NAME": [*cli, "metrics", name],
-            "shmslots reap NAME": [*cli, "reap", name],
-        }
+        assert held is not None
+        try:
+            yield name
+        finally:
+            held.release()
+
+
+def commands(name: str) -> dict[str, list[str]]:
+    """Every CLI call timed, by the label it is reported under."""
+    cli = [sys.executable, "-m", "shmslots"]
+    return {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        'python -c "import torch"': [sys.executable, "-c", "import torch"],
+        "shmslots --help": [*cli, "--help"],
+        "shmslots ls": [*cli, "ls"],
+        "shmslots inspect NAME": [*cli, "inspect", name],
+        "shmslots inspect NAME --slot 1": [*cli, "inspect", name, "--slot", "1"],
+        "shmslots watch NAME --count 1": [*cli, "watch", name, "--count", "1"],
+        "shmslots metrics NAME": [*cli, "metrics", name],
+        "shmslots reap NAME": [*cli, "reap", name],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=10, help="calls per command (default: 10)")
+    args = parser.parse_args()
+    with sample_table() as name:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(
             f"one CLI call, wall time over {args.runs} runs (target <= {TARGET_S} s); "
@@ -63,13 +82,11 @@ def main() -> int:
         )
         print("| command | median s | slowest s | target met |")
         print("|---|---:|---:|---|")
-        for label, argv in commands.items():
+        for label, argv in commands(name).items():
             times = wall_s(argv, args.runs)
             median = statistics.median(times)
             met = "-" if label.startswith("python") else ("yes" if median <= TARGET_S else "no")
             print(f"| `{label}` | {median:.3f} | {max(times):.3f} | {met} |")
-        assert held is not None
-        held.release()
     return 0
 
 

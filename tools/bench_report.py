@@ -17,9 +17,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_common import KINDS, Spread, percentile, spread
-from bench_session import BY_NAME, SHM_BATCH, SHM_BLOCK, SHM_BUSY, Session
+from bench_session import BY_NAME, SHM_BATCH, SHM_BLOCK, SHM_BUSY, SHM_COPYING, SHM_LOAN, Session
 
-BARE, QUEUE = "bare ring", "mp.Queue"
+BARE, QUEUE, ICEORYX = "bare ring", "mp.Queue", "iceoryx2 busy"
+CLI_MAX_S = 0.3  # one CLI call, spawn to exit
+LOAN_FLOOR = {"1MiB": 1.3, "64MiB": 1.2}  # round trip of a loaned tensor, x the bare ring
 IDLE_CPU_MAX = 1.0  # % of a core: "no measurable CPU", with getrusage's resolution in mind
 RSS_GROWTH_MAX = 1.0  # MiB between the first and the last checkpoint: "flat"
 KIND_BYTES = {k.name: k.nbytes for k in KINDS}
@@ -177,6 +179,16 @@ def target_rows(r: dict[str, Any], figs: list[Figures]) -> list[Row]:
     for kind in ("small", "eagle"):
         rows.append(faster_row(f"round trip, {kind}", f(SHM_BUSY, kind), f(QUEUE, kind), 15, "rtt"))
         rows.append(
+            faster_row(
+                f"round trip, {kind}, as a user writes it", f(SHM_COPYING, kind), f(QUEUE, kind),
+                15, "rtt",
+            )
+        )  # fmt: skip
+        rows.append(
+            faster_row(f"round trip, {kind}, vs iceoryx2", f(SHM_BUSY, kind), f(ICEORYX, kind),
+                       1.0, "rtt")
+        )  # fmt: skip
+        rows.append(
             floor_row(f"round trip, {kind}, vs floor", f(SHM_BUSY, kind), f(BARE, kind), 1.5, "rtt")
         )
     rows.append(
@@ -188,8 +200,18 @@ def target_rows(r: dict[str, Any], figs: list[Figures]) -> list[Row]:
         rows.append(
             floor_row(measure + ", vs floor", f(SHM_BATCH, kind), f(BARE, kind), 1.25, "rate")
         )
+    for kind, limit in LOAN_FLOOR.items():
+        rows.append(
+            floor_row(f"round trip, {kind}, loaned, vs floor", f(SHM_LOAN, kind), f(BARE, kind),
+                      limit, "rtt")
+        )  # fmt: skip
     if "gather" in r:
         rows += gather_rows(r["gather"])
+    for label, wall in r.get("cli_s", {}).items():
+        rows.append(
+            limit_row(f"one CLI call, `{label}`", wall, "s", f"<= {CLI_MAX_S:g} s",
+                      wall.median <= CLI_MAX_S)
+        )  # fmt: skip
     one = r["one_process"]["claim_abort_ns"]
     rows.append(limit_row("claim+release, 1 process", one, "ns", "<= 1,000 ns", one.median <= 1000))
     two = r["contention"]["2 processes"]
@@ -250,11 +272,14 @@ def peer_rows(figs: list[Figures]) -> list[Row]:
         ("round trip", SHM_BLOCK, "mp.Pipe", ("small", "eagle"), "rtt"),
         ("round trip", SHM_BLOCK, "torch.mp Queue", ("small", "eagle", "1MiB", "64MiB"), "rtt"),
         ("round trip", SHM_BUSY, BARE, ("1MiB", "64MiB"), "rtt"),
+        ("round trip", SHM_LOAN, QUEUE, ("1MiB", "64MiB"), "rtt"),
+        ("round trip", SHM_COPYING, "iceoryx2 busy", ("small", "eagle"), "rtt"),
         ("throughput", SHM_BUSY, QUEUE, ("small",), "rate"),
         ("throughput", SHM_BUSY, "iceoryx2 busy", ("small", "eagle"), "rate"),
         ("throughput", SHM_BLOCK, "mp.Pipe", ("small", "eagle"), "rate"),
         ("throughput", SHM_BLOCK, "torch.mp Queue", ("small", "eagle", "1MiB", "64MiB"), "rate"),
         ("throughput", SHM_BUSY, BARE, ("small", "eagle", "1MiB", "64MiB"), "rate"),
+        ("throughput", SHM_LOAN, BARE, ("1MiB", "64MiB"), "rate"),
     ]
     rows = []
     for what, mine, peer, kinds, metric in pairs:
@@ -366,6 +391,7 @@ def markdown(r: dict[str, Any], figs: list[Figures]) -> str:
         "",
         "![round-trip latency](latency_cdf.png)",
         "![throughput vs payload](throughput_vs_payload.png)",
+        "![gather of 64 EAGLE hidden states](gather.png)",
         "",
     ]
     return "\n".join(parts)
@@ -434,6 +460,33 @@ def plot_throughput(figs: list[Figures], path: Path) -> None:
         ax.set_title(f"one-way throughput, {label}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+GATHER_BARS = (
+    ("gather_us", "table.gather"),
+    ("gather_out_us", "table.gather(out=)"),
+    ("cat_us", "torch.cat, private"),
+    ("stack_clones_us", "torch.stack of clones"),
+)
+
+
+def plot_gather(g: dict[str, Spread], path: Path) -> None:
+    """One bar per way of batching 64 EAGLE hidden states, lowest-highest as error bars."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    medians = [g[key].median for key, _ in GATHER_BARS]
+    errors = [
+        [g[key].median - g[key].low for key, _ in GATHER_BARS],
+        [g[key].high - g[key].median for key, _ in GATHER_BARS],
+    ]
+    bars = ax.barh([label for _, label in GATHER_BARS], medians, xerr=errors, color="C0")
+    ax.bar_label(bars, labels=[f"{m:.1f} us" for m in medians], padding=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("us per batch of 64 rows (log)")
+    ax.set_title("batching 64 EAGLE hidden states (bf16[4096], 512 KiB)")
+    ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -15,6 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import bench_cli
 import bench_iceoryx
 import bench_peers
 import bench_shm
@@ -40,6 +41,8 @@ from bench_session import (
     SHM_BATCH,
     SHM_BLOCK,
     SHM_BUSY,
+    SHM_COPYING,
+    SHM_LOAN,
     TRANSPORTS,
     Plan,
     Session,
@@ -59,6 +62,7 @@ class Config:
     idle_s: float
     rss_rows: int
     rss_every: int
+    cli_runs: int
 
 
 def row_plan(trips: int, budget_s: float) -> Plan:
@@ -93,6 +97,7 @@ FULL = Config(
     idle_s=2.0,
     rss_rows=1_000_000,
     rss_every=100_000,
+    cli_runs=7,
 )
 QUICK = Config(
     mode="quick",
@@ -108,6 +113,7 @@ QUICK = Config(
     idle_s=0.5,
     rss_rows=100_000,
     rss_every=10_000,
+    cli_runs=3,
 )
 
 
@@ -221,6 +227,16 @@ def measure_rss(cfg: Config, pins: tuple[int, int] | None) -> dict[str, Any]:
     }
 
 
+CLI_CALLS = ("shmslots ls", "shmslots inspect NAME")
+
+
+def measure_cli(cfg: Config) -> dict[str, Spread]:
+    """Wall seconds of one CLI call, each a fresh process, on a live table (tools/bench_cli)."""
+    with bench_cli.sample_table() as name:
+        argv = bench_cli.commands(name)
+        return {label: spread(bench_cli.wall_s(argv[label], cfg.cli_runs)) for label in CLI_CALLS}
+
+
 def profile_round_trip(cfg: Config, pins: tuple[int, int] | None, out_dir: Path) -> list[str]:
     """cProfile both sides of the shmslots busy round trip of small rows; the files written."""
     prefix = out_dir / "profile"
@@ -250,6 +266,13 @@ def notes() -> list[str]:
         "Claim+release = claim() then abort() of the WriteSlot (the slot is FREE again).",
         f"{SHM_BATCH}: claim_n + write each + publish_all out; poll + gather of the id + "
         "release_all in; the round trip flushes a batch of one.",
+        f"{SHM_LOAN}: as shmslots busy, but the tensor is filled into ws.alloc (a loaned "
+        "arena tensor) with one copy_, where shmslots busy hands write() a private tensor "
+        "(one copy too, made by write); the bare ring copies the same bytes into its cell.",
+        f"{SHM_COPYING}: code as a user first writes it: blocking take(timeout), "
+        "lease.copy() of every field, release, and write() of those copies for the reply.",
+        f"CLI: {', '.join(CLI_CALLS)} as fresh processes on a live 64-slot EAGLE table, "
+        "each timed from spawn to exit (tools/bench_cli.py has every command).",
         "Gather: 64 EAGLE rows' hidden bf16[4096] (512 KiB) into one tensor, one process; "
         "torch.cat reads the same bytes from 64 private (1, 4096) tensors; stack of clones "
         "is lease.copy per request, then torch.stack (SGLang's way).",
@@ -285,6 +308,9 @@ def run_all(cfg: Config, pins: tuple[int, int] | None) -> tuple[dict[str, Any], 
     started = time.perf_counter()
     r["rss"] = measure_rss(cfg, pins)
     step("rss", started)
+    started = time.perf_counter()
+    r["cli_s"] = measure_cli(cfg)
+    step("cli", started)
     r["meta"].update(
         load_after=load(),
         pins=pins,
@@ -306,6 +332,9 @@ def to_json(value: Any) -> Any:
     return value
 
 
+PLOTS = ("latency_cdf.png", "throughput_vs_payload.png", "gather.png")
+
+
 def write_outputs(r: dict[str, Any], sessions: list[Session], out_dir: Path) -> str:
     """bench.json, bench.md and the two plots; returns the Markdown."""
     # Imported here, not at the top: spawned children re-import this module, and matplotlib
@@ -321,8 +350,10 @@ def write_outputs(r: dict[str, Any], sessions: list[Session], out_dir: Path) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(to_json(r), indent=1) + "\n")
     (out_dir / "bench.md").write_text(text)
-    bench_report.plot_latency(sessions, out_dir / "latency_cdf.png")
-    bench_report.plot_throughput(figs, out_dir / "throughput_vs_payload.png")
+    latency, throughput, gather = (out_dir / name for name in PLOTS)
+    bench_report.plot_latency(sessions, latency)
+    bench_report.plot_throughput(figs, throughput)
+    bench_report.plot_gather(r["gather"], gather)
     return text
 
 
@@ -341,5 +372,5 @@ def run(quick: bool, out_dir: Path, profile: bool) -> int:
         for path in profile_round_trip(cfg, pins, out_dir):
             print(f"\n## {path}\n")
             print(Path(path).read_text())
-    print(f"Wrote {out_dir}/bench.json, bench.md, latency_cdf.png, throughput_vs_payload.png")
+    print(f"Wrote {out_dir}/bench.json, bench.md and {', '.join(PLOTS)}")
     return 0

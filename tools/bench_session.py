@@ -48,6 +48,9 @@ from bench_common import (
 ROWS = (SMALL, EAGLE)
 SHM_BUSY, SHM_BLOCK = "shmslots busy", "shmslots blocking"
 SHM_BATCH = f"shmslots batch {bench_shm.BATCH}"  # claim_n/publish_all, poll/gather/release_all
+SHM_LOAN = "shmslots loan"  # tensors filled into ws.alloc, busy-polled
+SHM_COPYING = "shmslots copying"  # blocking take, lease.copy() of every field, write() them
+TENSORS = tuple(kind for kind in KINDS if kind.tensor)
 SESSION_S = 600.0  # the longest any session may take before it counts as hung
 
 
@@ -66,6 +69,8 @@ TRANSPORTS = (
     Transport(SHM_BUSY, bench_shm.table_pair, bench_shm.open_busy, KINDS, True),
     Transport(SHM_BLOCK, bench_shm.table_pair, bench_shm.open_blocking, KINDS, False),
     Transport(SHM_BATCH, bench_shm.table_pair, bench_shm.open_batch, ROWS, False),
+    Transport(SHM_LOAN, bench_shm.table_pair, bench_shm.open_loan, TENSORS, True),
+    Transport(SHM_COPYING, bench_shm.table_pair, bench_shm.open_copying, ROWS, False),
     Transport("bare ring", bench_peers.bare_segment, bench_peers.open_bare, KINDS, True),
     Transport("iceoryx2 busy", bench_iceoryx.service_pair, bench_iceoryx.open_busy, ROWS, True),
     Transport(

@@ -148,6 +148,15 @@ class ShmEnd:
         ws.write(**{self._out_id: rid}, **self._values)
         ws.publish()
 
+    def claim_loaned(self, rid: int) -> None:
+        """send, with the tensor payload filled into a loaned arena tensor (ws.alloc): the
+        one copy a producer makes anyway, straight into the pages the reader maps."""
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        payload = self._values["x"]
+        ws.alloc("x", tuple(payload.shape)).copy_(payload)
+        ws.write(**{self._out_id: rid})
+        ws.publish()
+
     def recv(self) -> int:
         lease = self._take()
         rid = self._read(lease)
@@ -198,6 +207,44 @@ class ShmEnd:
 
 def open_busy(names: tuple[str, str], kind: Kind, role: str) -> End:
     return ShmEnd(names, kind, role, 0.0)
+
+
+class LoanEnd(ShmEnd):
+    """Busy-polled, tensor payloads written into a loan (ws.alloc) instead of copied in."""
+
+    def send(self, rid: int) -> None:
+        if self._out_kind.tensor:
+            self.claim_loaned(rid)
+        else:
+            super().send(rid)
+
+
+def open_loan(names: tuple[str, str], kind: Kind, role: str) -> End:
+    return LoanEnd(names, kind, role, 0.0)
+
+
+class CopyingEnd(ShmEnd):
+    """Code as a user first writes it: blocking take(timeout), an owned `lease.copy()` of
+    every field (what outlives the lease), and `write()` of those tensors for the reply."""
+
+    def recv(self) -> int:
+        lease = self._take()
+        copies = [lease.copy(name) for name in self._names]
+        lease.release()
+        return int(copies[self._names.index(self._in_id)])
+
+    def echo(self) -> int:
+        lease = self._take()
+        copies = {name: lease.copy(name) for name in self._names}
+        lease.release()
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        ws.write(**copies)
+        ws.publish()
+        return int(copies[self._in_id])
+
+
+def open_copying(names: tuple[str, str], kind: Kind, role: str) -> End:
+    return CopyingEnd(names, kind, role, BLOCK_S)
 
 
 def open_blocking(names: tuple[str, str], kind: Kind, role: str) -> End:
