@@ -22,6 +22,7 @@
 #include <string.h>
 
 #define MAX_FIELDS 64
+#define MAX_DIMS 8 /* dimensions of a field that copied() makes its tensor for */
 
 /* How a field is written from a Python number (`scalar`) and read as one (`item`); the
  * 16-bit floats are read only. */
@@ -71,9 +72,11 @@ typedef struct {
     PyObject *no_functions; /* torch._C.DisableTorchFunction */
     PyObject *is_contiguous, *is_neg, *data_ptr, *storage_offset, *stride;
     PyObject *untyped_storage, *nbytes; /* torch.Tensor's, torch.UntypedStorage's */
+    PyObject *empty, *cpu;              /* torch.empty and torch.device("cpu"), for copies */
 } Rules;
 
 static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_cuda, *s_itemsize, *s_enter, *s_exit;
+static PyObject *k_dtype_device; /* ("dtype", "device"): the keywords of a copy's torch.empty */
 
 /* A query the tensor answered with a RuntimeError (NotImplementedError included): it has no
  * storage the rules can measure.  Other exceptions propagate. */
@@ -382,13 +385,13 @@ rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
 static int
 rules_init(Rules *r, PyObject *args, PyObject *kwds)
 {
-    PyObject *tensor_type, *storage_type, *modes_on, *no_functions;
+    PyObject *tensor_type, *storage_type, *modes_on, *no_functions, *empty, *cpu;
     if (r->tensor_type) {
         PyErr_SetString(PyExc_RuntimeError, "Rules already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!OO", &PyType_Type, &tensor_type, &PyType_Type,
-                          &storage_type, &modes_on, &no_functions))
+    if (!PyArg_ParseTuple(args, "O!O!OOOO", &PyType_Type, &tensor_type, &PyType_Type,
+                          &storage_type, &modes_on, &no_functions, &empty, &cpu))
         return -1;
     struct { PyObject **slot; PyObject *owner; const char *name; } methods[] = {
         {&r->is_contiguous, tensor_type, "is_contiguous"},
@@ -404,8 +407,10 @@ rules_init(Rules *r, PyObject *args, PyObject *kwds)
         if (!(*methods[i].slot = PyObject_GetAttrString(methods[i].owner, methods[i].name)))
             return -1;
     }
-    r->modes_on = Py_NewRef(modes_on);
-    r->no_functions = Py_NewRef(no_functions);
+    Py_XSETREF(r->modes_on, Py_NewRef(modes_on));
+    Py_XSETREF(r->no_functions, Py_NewRef(no_functions));
+    Py_XSETREF(r->empty, Py_NewRef(empty));
+    Py_XSETREF(r->cpu, Py_NewRef(cpu));
     r->tensor_type = Py_NewRef(tensor_type); /* last: marks the object initialized */
     return 0;
 }
@@ -416,6 +421,8 @@ rules_dealloc(Rules *r)
     Py_XDECREF(r->tensor_type);
     Py_XDECREF(r->modes_on);
     Py_XDECREF(r->no_functions);
+    Py_XDECREF(r->empty);
+    Py_XDECREF(r->cpu);
     Py_XDECREF(r->is_contiguous);
     Py_XDECREF(r->is_neg);
     Py_XDECREF(r->data_ptr);
@@ -963,6 +970,81 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a handle field,
+ * no such field, or a torch-function mode on: the caller's own path handles those).  The
+ * tensor is made here by torch.empty, so it needs none of the checks an `out` does. */
+static PyObject *
+rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copied(slot, name)");
+        return NULL;
+    }
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    if (slot < 0 || slot >= r->nslots) {
+        PyErr_SetString(PyExc_IndexError, "slot out of range");
+        return NULL;
+    }
+    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    Rules *rules = r->rules;
+    if (s->scalar == HANDLE)
+        Py_RETURN_NONE;
+    PyObject *on = PyObject_CallNoArgs(rules->modes_on); /* a mode would answer torch.empty */
+    if (!on)
+        return NULL;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    Py_ssize_t ndim = PyTuple_GET_SIZE(s->shape);
+    if (modes || ndim > MAX_DIMS)
+        Py_RETURN_NONE;
+    /* torch.empty(*shape, dtype=, device=cpu): sizes as separate ints parse fastest; a 0-d
+     * field passes the empty tuple. */
+    PyObject *argv[MAX_DIMS + 2];
+    Py_ssize_t npos = ndim ? ndim : 1;
+    for (Py_ssize_t d = 0; d < ndim; d++)
+        argv[d] = PyTuple_GET_ITEM(s->shape, d);
+    if (!ndim)
+        argv[0] = s->shape;
+    argv[npos] = s->dtype;
+    argv[npos + 1] = rules->cpu;
+    PyObject *out = PyObject_Vectorcall(rules->empty, argv, (size_t)npos, k_dtype_device);
+    if (!out)
+        return NULL;
+    if (Py_TYPE(out) != (PyTypeObject *)rules->tensor_type) { /* cannot be, with no mode */
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    char *dst = NULL;
+    if (s->nbytes) {
+        PyObject *x = PyObject_CallOneArg(rules->data_ptr, out);
+        dst = x ? PyLong_AsVoidPtr(x) : NULL;
+        Py_XDECREF(x);
+        if (!dst) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "torch.empty gave a tensor with no data");
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    if (!r->held) { /* torch ran; a collection in it may have closed the table */
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return NULL;
+    }
+    if (s->nbytes)
+        memcpy(dst, r->base + s->column + slot * s->item_len, (size_t)s->nbytes);
+    return out;
+}
+
 /* -- checksum and seal ---------------------------------------------------------------------- */
 
 static PyObject *
@@ -1039,6 +1121,7 @@ rc_dealloc(RowCodec *r)
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
     FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
+    FAST("copied", rc_copied, "copied(slot, name) -> a new tensor of the field's item, or None"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
     FAST("seal", rc_seal, "seal(slot, generation): write the row's seal"),
@@ -1077,7 +1160,8 @@ PyInit__rowcodec(void)
         !(s_is_cuda = PyUnicode_InternFromString("is_cuda")) ||
         !(s_itemsize = PyUnicode_InternFromString("itemsize")) ||
         !(s_enter = PyUnicode_InternFromString("__enter__")) ||
-        !(s_exit = PyUnicode_InternFromString("__exit__")))
+        !(s_exit = PyUnicode_InternFromString("__exit__")) ||
+        !(k_dtype_device = Py_BuildValue("(ss)", "dtype", "device")))
         return NULL;
     if (PyType_Ready(&RulesType) < 0 || PyType_Ready(&RowCodecType) < 0)
         return NULL;

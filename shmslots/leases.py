@@ -556,6 +556,10 @@ class Lease(_Handle, LeaseCore):
         an inline field is copied by one memcpy, without a torch operation.
         """
         self._check_open("copy")
+        codec = self._table._rows._codec
+        assert codec is not None  # a table's rows are writable
+        if out is None and (made := codec.copied(self.slot, name)) is not None:
+            return made  # an inline field, in a tensor made and filled in one compiled call
         fs = self._table._rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")
@@ -572,10 +576,8 @@ class Lease(_Handle, LeaseCore):
                     f"copy: out must be a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
                 )
             return out.copy_(tensor)  # any device: torch moves it
-        if out is None:
+        if out is None:  # a torch-function mode is on: let it make the tensor
             out = torch.empty(f.fixed_shape, dtype=f.torch_dtype, device="cpu")
-        codec = self._table._rows._codec
-        assert codec is not None  # a table's rows are writable
         if not codec.gather(self.slot, name, out):
             check_out("copy", f, out, f.fixed_shape)
             out.copy_(self._views().tensors[name])  # a torch-function mode, or a subclass

@@ -32,6 +32,8 @@ RULES = Rules(
     torch.UntypedStorage,
     torch._C._is_torch_function_mode_enabled,
     torch._C.DisableTorchFunction,
+    torch.empty,
+    torch.device("cpu"),
 )
 # Reason codes of RULES.check (the enum in _rowcodec.c).  0: the bytes may be copied as they
 # are.  Positive, bits: acceptable once torch has made a plain copy.  Negative: refused.

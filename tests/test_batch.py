@@ -209,6 +209,50 @@ def test_gather_and_copy_under_a_torch_function_mode_go_through_torch(name: str)
         t.release_all(leases)
 
 
+def test_copy_makes_an_owned_tensor_of_every_shape_and_dtype(name: str) -> None:
+    """copy() without out: a fresh, plain CPU tensor of the field's dtype and shape, equal
+    to the view and sharing nothing with the row, with or without a torch-function mode."""
+    with SlotTable.create(name, SCALARS, slots=2) as t:
+        ws = t.claim()
+        ws.write(**_scalar_row(torch.tensor([1.0, 2.0]))).publish()
+        lease = t.take()
+        assert lease is not None
+        for field in SCALARS:
+            view = lease.view(field.name)
+            for made in (lease.copy(field.name), _moded_copy(lease, field.name)):
+                assert type(made) is torch.Tensor and made.device.type == "cpu"
+                assert (made.dtype, made.shape) == (view.dtype, view.shape)
+                assert torch.equal(made, view) and made.is_contiguous()
+                assert made.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+            del view
+        kept = lease.copy("pair")
+        lease.release()
+        t.claim().write(**_scalar_row(torch.tensor([9.0, 9.0]))).publish()
+        assert kept.tolist() == [1.0, 2.0]
+        with pytest.raises(StaleLeaseError):
+            lease.copy("pair")
+        leased = t.take()
+        assert leased is not None
+        with pytest.raises(SchemaError, match="no field"):
+            leased.copy("nope")
+        leased.release()
+
+
+def _scalar_row(pair: torch.Tensor) -> dict[str, object]:
+    return {
+        "i64": torch.tensor([7]),
+        "f16": torch.tensor([0.5], dtype=torch.float16),
+        "bf16": torch.tensor([[-3.25]], dtype=torch.bfloat16),
+        "f32": 1.5,
+        "pair": pair,
+    }
+
+
+def _moded_copy(lease: Lease, field: str) -> torch.Tensor:
+    with _Passthrough():
+        return lease.copy(field)
+
+
 def test_copy_into_a_callers_buffer_and_item_of_one_element_fields(name: str) -> None:
     with SlotTable.create(name, SCALARS, slots=2) as t:
         ws = t.claim()
