@@ -1,0 +1,206 @@
+"""Where a row's time goes, step by step, in one process (no IPC wait): the measured answer
+to "why is this target missed".
+
+    python tools/bench_steps.py [--rounds N]
+
+Three tables, each step timed on its own over N rounds (median per round, after a warmup):
+the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
+B echoes the row back through its views, A reads the reply); the same round trip as a user
+first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
+(claim_n, 64 writes, publish_all, poll, gather of the id, release_all). A last table times
+the torch calls under them: the checks write() makes on each tensor, and making a tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import timeit
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from bench_common import SMALL, unique_name
+from bench_shm import BATCH, created_table, record_values
+
+from shmslots import Lease, SlotTable, WriteSlot
+from shmslots.rows import RULES
+
+NAMES = ("id", "ints", "vec")
+
+
+class Steps:
+    """Named marks within one round; medians over rounds, the first tenth dropped."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self._last = 0
+
+    def start(self) -> None:
+        self._last = time.perf_counter_ns()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter_ns()
+        self.samples.setdefault(name, []).append((now - self._last) / 1e3)
+        self._last = time.perf_counter_ns()
+
+    def print(self, title: str, per: int = 1) -> None:
+        print(f"\n{title}\n")
+        total = 0.0
+        for name, samples in self.samples.items():
+            median = statistics.median(samples[len(samples) // 10 :])
+            total += median
+            extra = f"  {median / per * 1e3:7.0f} ns/row" if per > 1 else ""
+            print(f"  {name:34} {median:8.2f} us{extra}")
+        extra = f"  {total / per * 1e3:7.0f} ns/row" if per > 1 else ""
+        print(f"  {'total':34} {total:8.2f} us{extra}")
+
+
+@contextmanager
+def two_tables() -> Iterator[tuple[SlotTable, SlotTable]]:
+    with (
+        created_table(unique_name("steps-req"), SMALL) as req,
+        created_table(unique_name("steps-resp"), SMALL) as resp,
+    ):
+        yield req, resp
+
+
+def taken(table: SlotTable) -> Lease:
+    lease = table.take(0.0)
+    assert lease is not None
+    return lease
+
+
+def busy_round_trip(rounds: int) -> Steps:
+    """tools/bench_shm.ShmEnd's send, echo and recv, one step at a time."""
+    values, s = record_values(SMALL), Steps()
+    with two_tables() as (req, resp):
+        for rid in range(rounds):
+            s.start()
+            ws = req.claim(tag=1)
+            s.mark("A claim")
+            ws.write(id=rid, **values)
+            s.mark("A write (int + 2 tensors)")
+            ws.publish()
+            s.mark("A publish")
+            lease = taken(req)
+            s.mark("B take")
+            views = {name: lease.view(name) for name in NAMES}
+            s.mark("B 3 views")
+            lease.item("id")
+            s.mark("B item")
+            reply = resp.claim(tag=1)
+            s.mark("B claim")
+            reply.write(**views)
+            s.mark("B write (3 views)")
+            del views
+            lease.release()
+            s.mark("B release (3 views checked)")
+            reply.publish()
+            s.mark("B publish")
+            back = taken(resp)
+            s.mark("A take")
+            back.view("ints")
+            back.view("vec")
+            s.mark("A 2 views")
+            back.item("id")
+            s.mark("A item")
+            back.release()
+            s.mark("A release")
+    return s
+
+
+def copying_round_trip(rounds: int) -> Steps:
+    """tools/bench_shm.CopyingEnd's echo and recv (A sends as above), one step at a time."""
+    values, s = record_values(SMALL), Steps()
+    with two_tables() as (req, resp):
+        for rid in range(rounds):
+            s.start()
+            ws = req.claim(tag=1)
+            ws.write(id=rid, **values)
+            ws.publish()
+            s.mark("A claim, write, publish")
+            lease = taken(req)
+            s.mark("B take")
+            copies = {name: lease.copy(name) for name in NAMES}
+            s.mark("B 3 copies")
+            lease.release()
+            s.mark("B release")
+            reply = resp.claim(tag=1)
+            s.mark("B claim")
+            reply.write(**copies)
+            s.mark("B write (3 copies)")
+            reply.publish()
+            s.mark("B publish")
+            back = taken(resp)
+            s.mark("A take")
+            kept = [back.copy(name) for name in NAMES]
+            s.mark("A 3 copies")
+            back.release()
+            s.mark("A release")
+            del kept
+    return s
+
+
+def batch(rounds: int) -> Steps:
+    values, s = record_values(SMALL), Steps()
+    with created_table(unique_name("steps"), SMALL) as table:
+        for _ in range(rounds):
+            s.start()
+            slots: list[WriteSlot] = table.claim_n(BATCH, tag=1)
+            s.mark(f"claim_n({BATCH})")
+            for i, ws in enumerate(slots):
+                ws.write(id=i, **values)
+            s.mark(f"{BATCH} x write (int + 2 tensors)")
+            table.publish_all(slots)
+            s.mark(f"publish_all({BATCH})")
+            leases = table.poll(BATCH)
+            s.mark(f"poll({BATCH})")
+            table.gather(leases, "id").tolist()
+            s.mark(f"gather({BATCH}, id).tolist()")
+            table.release_all(leases)
+            s.mark(f"release_all({BATCH})")
+            assert len(leases) == BATCH
+    return s
+
+
+def torch_costs() -> None:
+    """ns per call of what write() asks torch about each tensor, and of making one."""
+    t = record_values(SMALL)["vec"]
+    storage = t.untyped_storage()
+    calls: dict[str, Callable[[], object]] = {
+        "RULES.check(tensor): all of the below": lambda: RULES.check(t, torch.float32, (64,)),
+        "  t.dtype": lambda: t.dtype,
+        "  t.shape": lambda: t.shape,
+        "  t.is_cpu": lambda: t.is_cpu,
+        "  t.storage_offset()": t.storage_offset,
+        "  t.is_contiguous()": t.is_contiguous,
+        "  t.untyped_storage()": t.untyped_storage,
+        "  storage.nbytes()": storage.nbytes,
+        "  t.is_neg()": t.is_neg,
+        "  t.data_ptr()": t.data_ptr,
+        "  torch-function mode check": torch._C._is_torch_function_mode_enabled,
+        "torch.empty(64, dtype=float32)": lambda: torch.empty(64, dtype=torch.float32),
+        "(a Python call of nothing)": lambda: None,
+    }
+    print("\ntorch underneath (ns per call, a Python call included)\n")
+    n = 100_000
+    for label, call in calls.items():
+        best = min(timeit.repeat(call, number=n, repeat=5)) / n * 1e9
+        print(f"  {label:38} {best:7.0f} ns")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5000)
+    rounds = parser.parse_args().rounds
+    torch.set_num_threads(1)
+    busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
+    copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
+    batch(max(1, rounds // 10)).print(f"a batch of {BATCH} small rows", per=BATCH)
+    torch_costs()
+
+
+if __name__ == "__main__":
+    main()
