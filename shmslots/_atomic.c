@@ -216,10 +216,12 @@ av_cas_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count, swapped = 0;
     uint64_t expected, desired;
     if (!nargs_ok(nargs, 5, "cas_run")) return NULL;
-    uint64_t *p = words_at(self, args[0], args[1], &count);
-    if (!p || !as_u64(args[2], &expected) || !as_u64(args[3], &desired)) return NULL;
+    /* First: truth testing can run Python (__bool__), which may release the view and unmap
+     * the buffer; nothing after words_at may run Python. */
     int stop = PyObject_IsTrue(args[4]);
     if (stop < 0) return NULL;
+    uint64_t *p = words_at(self, args[0], args[1], &count);
+    if (!p || !as_u64(args[2], &expected) || !as_u64(args[3], &desired)) return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t want = expected;
         if (__atomic_compare_exchange_n(p + i, &want, desired, 0, __ATOMIC_SEQ_CST,

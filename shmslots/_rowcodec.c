@@ -1023,17 +1023,15 @@ rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(out);
         Py_RETURN_NONE;
     }
+    /* No torch-function mode does not mean torch.empty made what was asked: a dispatch mode
+     * (or a kernel registered for aten::empty) may answer with another dtype, shape or device.
+     * The rules every copy out of a row follows say whether the bytes fit; else the caller's
+     * path (which words the refusal). */
     char *dst = NULL;
-    if (s->nbytes) {
-        PyObject *x = PyObject_CallOneArg(rules->data_ptr, out);
-        dst = x ? PyLong_AsVoidPtr(x) : NULL;
-        Py_XDECREF(x);
-        if (!dst) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "torch.empty gave a tensor with no data");
-            Py_DECREF(out);
-            return NULL;
-        }
+    int ok = plain_out(r, s, out, 1, 0, &dst);
+    if (ok != 1) {
+        Py_DECREF(out);
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
     if (!r->held) { /* torch ran; a collection in it may have closed the table */
         Py_DECREF(out);

@@ -46,7 +46,8 @@ def wait_for(
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     result = attempt()
-    while result is None and time.monotonic() - start < SPIN_S:
+    spin = SPIN_S if timeout is None else min(SPIN_S, timeout)  # never past the deadline
+    while result is None and time.monotonic() - start < spin:
         result = attempt()
     while result is None:
         now = time.monotonic()

@@ -81,6 +81,21 @@ def test_runs_past_the_buffer_raise_and_change_nothing(
     mm.close()
 
 
+def test_cas_run_tests_stop_before_it_takes_the_buffer() -> None:
+    """A `stop` whose __bool__ releases the view must not leave cas_run writing to it."""
+    mm = mmap.mmap(-1, 1 << 20)
+    a = AtomicView(mm)
+
+    class Stop:
+        def __bool__(self) -> bool:
+            a.release()
+            mm.close()
+            return True
+
+    with pytest.raises(ValueError, match="released"):
+        a.cas_run(0, 1 << 17, 0, 1, Stop())
+
+
 def test_released_view_refuses_access_and_frees_the_buffer() -> None:
     mm = mmap.mmap(-1, 64)
     a = AtomicView(mm)

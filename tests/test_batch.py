@@ -238,6 +238,40 @@ def test_copy_makes_an_owned_tensor_of_every_shape_and_dtype(name: str) -> None:
         leased.release()
 
 
+class _OtherEmpty(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode (no torch-function mode is on) whose torch.empty makes another dtype
+    or a smaller tensor than asked."""
+
+    def __init__(self, small: bool) -> None:
+        super().__init__()
+        self.small = small
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.empty.memory_format:
+            if self.small:
+                return func([1], dtype=torch.float32, device="cpu")
+            return func(*args, **{**kwargs, "dtype": torch.float16})
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_copy_checks_the_tensor_torch_empty_made(name: str, small: bool) -> None:
+    """No torch-function mode does not mean torch.empty made what was asked: the copy is
+    refused as an `out` of the wrong dtype or shape would be, never written past its end."""
+    import torch.utils._python_dispatch  # noqa: F401
+
+    n = 1 << 18
+    with SlotTable.create(name, (Field("a", "float32", (n,)),), slots=1) as t:
+        t.claim().write(a=torch.ones(n)).publish()
+        lease = t.take()
+        assert lease is not None
+        with _OtherEmpty(small), pytest.raises(SchemaError, match="copy: out"):
+            lease.copy("a")
+        assert torch.equal(lease.copy("a"), torch.ones(n))
+        lease.release()
+
+
 def _scalar_row(pair: torch.Tensor) -> dict[str, object]:
     return {
         "i64": torch.tensor([7]),
