@@ -113,10 +113,10 @@ static PyObject *
 av_add(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_ok(nargs, 2, "add")) return NULL;
+    long long delta = PyLong_AsLongLong(args[1]); /* first: __index__ may run Python */
+    if (delta == -1 && PyErr_Occurred()) return NULL;
     uint64_t *p = (uint64_t *)addr_of(self, args[0], 8);
     if (!p) return NULL;
-    long long delta = PyLong_AsLongLong(args[1]);
-    if (delta == -1 && PyErr_Occurred()) return NULL;
     return PyLong_FromUnsignedLongLong(__atomic_fetch_add(p, (uint64_t)delta, __ATOMIC_SEQ_CST));
 }
 
@@ -153,10 +153,10 @@ static PyObject *
 av_add32(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_ok(nargs, 2, "add32")) return NULL;
+    long delta = PyLong_AsLong(args[1]); /* first: __index__ may run Python */
+    if (delta == -1 && PyErr_Occurred()) return NULL;
     uint32_t *p = (uint32_t *)addr_of(self, args[0], 4);
     if (!p) return NULL;
-    long delta = PyLong_AsLong(args[1]);
-    if (delta == -1 && PyErr_Occurred()) return NULL;
     return PyLong_FromUnsignedLong(__atomic_fetch_add(p, (uint32_t)delta, __ATOMIC_SEQ_CST));
 }
 
@@ -241,12 +241,12 @@ static PyObject *
 av_futex_wait(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_ok(nargs, 3, "futex_wait")) return NULL;
-    uint32_t *p = (uint32_t *)addr_of(self, args[0], 4);
-    if (!p) return NULL;
     unsigned long expected = PyLong_AsUnsignedLong(args[1]);
     if (expected == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    double timeout = PyFloat_AsDouble(args[2]);
+    double timeout = PyFloat_AsDouble(args[2]); /* before the word: __float__ may run Python */
     if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    uint32_t *p = (uint32_t *)addr_of(self, args[0], 4);
+    if (!p) return NULL;
     if (timeout < 0) timeout = 0;
     struct timespec ts;
     ts.tv_sec = (time_t)timeout;
@@ -271,10 +271,10 @@ static PyObject *
 av_futex_wake(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_ok(nargs, 2, "futex_wake")) return NULL;
+    long n = PyLong_AsLong(args[1]); /* first: __index__ may run Python */
+    if (n == -1 && PyErr_Occurred()) return NULL;
     uint32_t *p = (uint32_t *)addr_of(self, args[0], 4);
     if (!p) return NULL;
-    long n = PyLong_AsLong(args[1]);
-    if (n == -1 && PyErr_Occurred()) return NULL;
     if (n < 0 || n > INT_MAX) n = INT_MAX;
     long rc = syscall(SYS_futex, p, FUTEX_WAKE, (int)n, NULL, NULL, 0);
     if (rc < 0) return PyErr_SetFromErrno(PyExc_OSError);

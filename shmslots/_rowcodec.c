@@ -971,8 +971,9 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a handle field,
- * no such field, or a torch-function mode on: the caller's own path handles those).  The
- * tensor is made here by torch.empty, so it needs none of the checks an `out` does. */
+ * no such field, a torch-function mode on, or a tensor torch.empty made that the rules
+ * refuse: the caller's own path handles and words those).  One call where copy() made a
+ * tensor, checked it as `out` and copied into it. */
 static PyObject *
 rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {

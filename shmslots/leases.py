@@ -559,7 +559,7 @@ class Lease(_Handle, LeaseCore):
         codec = self._table._rows._codec
         assert codec is not None  # a table's rows are writable
         if out is None and (made := codec.copied(self.slot, name)) is not None:
-            return made  # an inline field, in a tensor made and filled in one compiled call
+            return made  # an inline field: made, checked and filled in one compiled call
         fs = self._table._rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")

@@ -81,19 +81,39 @@ def test_runs_past_the_buffer_raise_and_change_nothing(
     mm.close()
 
 
-def test_cas_run_tests_stop_before_it_takes_the_buffer() -> None:
-    """A `stop` whose __bool__ releases the view must not leave cas_run writing to it."""
+@pytest.mark.parametrize("call", ["cas_run", "add", "add32", "futex_wake", "futex_wait"])
+def test_arguments_that_run_python_are_read_before_the_word(call: str) -> None:
+    """An argument whose __bool__/__index__/__float__ releases the view and unmaps the
+    buffer must find it released, not leave the call writing to freed memory."""
     mm = mmap.mmap(-1, 1 << 20)
     a = AtomicView(mm)
 
-    class Stop:
-        def __bool__(self) -> bool:
+    class Sneaky:
+        def _unmap(self) -> None:
             a.release()
             mm.close()
+
+        def __bool__(self) -> bool:
+            self._unmap()
             return True
 
+        def __index__(self) -> int:
+            self._unmap()
+            return 1
+
+        def __float__(self) -> float:
+            self._unmap()
+            return 0.0
+
+    args = {
+        "cas_run": (0, 1 << 17, 0, 1, Sneaky()),
+        "add": (0, Sneaky()),
+        "add32": (0, Sneaky()),
+        "futex_wake": (0, Sneaky()),
+        "futex_wait": (0, 1, Sneaky()),
+    }[call]
     with pytest.raises(ValueError, match="released"):
-        a.cas_run(0, 1 << 17, 0, 1, Stop())
+        getattr(a, call)(*args)
 
 
 def test_released_view_refuses_access_and_frees_the_buffer() -> None:

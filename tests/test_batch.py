@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SMALL, Children, small_row
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shmslots import (
     Field,
@@ -238,7 +239,7 @@ def test_copy_makes_an_owned_tensor_of_every_shape_and_dtype(name: str) -> None:
         leased.release()
 
 
-class _OtherEmpty(torch.utils._python_dispatch.TorchDispatchMode):
+class _OtherEmpty(TorchDispatchMode):
     """A dispatch mode (no torch-function mode is on) whose torch.empty makes another dtype
     or a smaller tensor than asked."""
 
@@ -259,8 +260,6 @@ class _OtherEmpty(torch.utils._python_dispatch.TorchDispatchMode):
 def test_copy_checks_the_tensor_torch_empty_made(name: str, small: bool) -> None:
     """No torch-function mode does not mean torch.empty made what was asked: the copy is
     refused as an `out` of the wrong dtype or shape would be, never written past its end."""
-    import torch.utils._python_dispatch  # noqa: F401
-
     n = 1 << 18
     with SlotTable.create(name, (Field("a", "float32", (n,)),), slots=1) as t:
         t.claim().write(a=torch.ones(n)).publish()
