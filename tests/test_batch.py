@@ -239,12 +239,12 @@ def test_copy_makes_an_owned_tensor_of_every_shape_and_dtype(name: str) -> None:
         leased.release()
 
 
-class _OtherEmpty(TorchDispatchMode):
+class _OtherEmpty(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: untyped
     """A dispatch mode (no torch-function mode is on) whose torch.empty makes another dtype
     or a smaller tensor than asked."""
 
     def __init__(self, small: bool) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.small = small
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
