@@ -3,12 +3,13 @@ to "why is this target missed".
 
     python tools/bench_steps.py [--rounds N]
 
-Three tables, each step timed on its own over N rounds (median per round, after a warmup):
+Four tables, each step timed on its own over N rounds (median per round, after a warmup):
 the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
 B echoes the row back through its views, A reads the reply); the same round trip as a user
 first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
-(claim_n, 64 writes, publish_all, poll, gather of the id, release_all). A last table times
-the torch calls under them: the checks write() makes on each tensor, and making a tensor.
+(claim_n, 64 writes, publish_all, poll, gather of the id, release_all); a 1 MiB tensor
+filled into a loan (ws.alloc) and read through lease.tensor.  A last table times the torch
+calls under them: the checks write() makes on each tensor, and making a tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from bench_common import SMALL, unique_name
+from bench_common import SMALL, TENSOR_1M, touch, unique_name
 from bench_shm import BATCH, created_table, record_values
 
 from shmslots import Lease, SlotTable, WriteSlot
@@ -165,6 +166,35 @@ def batch(rounds: int) -> Steps:
     return s
 
 
+def loaned_tensor(rounds: int) -> Steps:
+    """tools/bench_shm.LoanEnd's send of a 1 MiB tensor and ShmEnd's read of it."""
+    payload, s = record_values(TENSOR_1M)["x"], Steps()
+    with created_table(unique_name("steps-loan"), TENSOR_1M) as table:
+        for rid in range(rounds):
+            s.start()
+            ws = table.claim(tag=1)
+            s.mark("claim (frees the last loan's pages)")
+            loan = ws.alloc("x", tuple(payload.shape))
+            s.mark("alloc (arena pages, handle, tensor)")
+            loan.copy_(payload)
+            del loan
+            s.mark("fill: copy_ of 1 MiB")
+            ws.write(id=rid)
+            s.mark("write id")
+            ws.publish()
+            s.mark("publish (the loan checked)")
+            lease = taken(table)
+            s.mark("take")
+            x = lease.tensor("x")
+            s.mark("tensor (open the handle)")
+            touch(x)
+            del x
+            s.mark("touch: a byte per 4 KiB page")
+            lease.release()
+            s.mark("release")
+    return s
+
+
 def torch_costs() -> None:
     """ns per call of what write() asks torch about each tensor, and of making one."""
     t = record_values(SMALL)["vec"]
@@ -199,6 +229,7 @@ def main() -> None:
     busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
     batch(max(1, rounds // 10)).print(f"a batch of {BATCH} small rows", per=BATCH)
+    loaned_tensor(max(1, rounds // 5)).print("a 1 MiB tensor through a loan (shmslots loan)")
     torch_costs()
 
 
