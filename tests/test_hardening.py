@@ -759,8 +759,15 @@ def _interrupted(exc: BaseException) -> int:
     raise exc
 
 
+def _interruptible() -> None:
+    """SIGINT raises KeyboardInterrupt here even when the tests were started in the
+    background, where the shell makes every child ignore it (and Python then keeps it so)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _write_forever(name: str) -> None:
     """Child: claim → write → publish rows 0, 1, 2, … until a signal ends it."""
+    _interruptible()
     try:
         with SlotTable.attach(name, "writer") as t:
             for i in itertools.count():
@@ -773,6 +780,7 @@ def _write_forever(name: str) -> None:
 
 def _read_forever(name: str, seen: ctypes.Array[ctypes.c_int64]) -> None:
     """Child: take → read → release, counting each row it consumed in `seen`."""
+    _interruptible()
     try:
         with SlotTable.attach(name, "reader") as t:
             while True:
