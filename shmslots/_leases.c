@@ -405,7 +405,7 @@ typedef struct {
     Py_ssize_t nfields;
     /* HotPath methods */
     PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved, *keep;
-    PyObject *write, *seal, *read, *gather;  /* RowCodec methods */
+    PyObject *write, *seal, *read, *gather, *scatter; /* RowCodec methods */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
     /* states.py's numbers, as ints: events CLAIM, RESERVE, RELEASE, ABORT, REDELIVER,
@@ -424,8 +424,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
                          "idle_every_ns", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
                                       "open_reserved", "keep"};
-    static const char *codec_names[] = {"write", "seal", "read", "gather"};
-    enum { NHOT = 7, NMETHODS = 11 };
+    static const char *codec_names[] = {"write", "seal", "read", "gather", "scatter"};
+    enum { NHOT = 7, NMETHODS = 12 };
     PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
         *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
@@ -462,6 +462,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
     c->redeliver = methods[4], c->open_reserved = methods[5], c->keep = methods[6];
     c->write = methods[7], c->seal = methods[8], c->read = methods[9], c->gather = methods[10];
+    c->scatter = methods[11];
     c->views = Py_NewRef(views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
@@ -486,7 +487,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
     {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
-     &(c)->open_reserved, &(c)->keep, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather, &(c)->views,     \
+     &(c)->open_reserved, &(c)->keep, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather,      \
+     &(c)->scatter, &(c)->views,                                                              \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
      (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
      &(c)->ev_abort, &(c)->ev_redeliver, &(c)->ev_publish, &(c)->st_writing,                  \
@@ -1329,6 +1331,17 @@ core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return slots;
 }
 
+/* The slots of `items` (handles) as a tuple, for a RowCodec batch call; NULL: error set. */
+static PyObject *
+slots_of(PyObject *items)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *slots = PyTuple_New(n);
+    for (Py_ssize_t i = 0; slots && i < n; i++)
+        PyTuple_SET_ITEM(slots, i, Py_NewRef(((Handle *)PyTuple_GET_ITEM(items, i))->slot));
+    return slots;
+}
+
 /* gather(leases, name, out) -> True | False | index: one field of every lease copied into
  * `out` by RowCodec.gather in one loop.  An index: that item is not an open Lease of this
  * table; False: the field or `out` is not the plain case; either way nothing was written. */
@@ -1343,17 +1356,43 @@ core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyObject *items = listed_handles(c, args[0], c->lease, 0, &bad);
     if (!items)
         return refused(bad);
-    Py_ssize_t n = PyTuple_GET_SIZE(items);
-    PyObject *slots = PyTuple_New(n);
-    if (!slots) {
-        Py_DECREF(items);
+    PyObject *slots = slots_of(items), *r = NULL;
+    if (slots) {
+        PyObject *call[3] = {slots, args[1], args[2]};
+        r = PyObject_Vectorcall(c->gather, call, 3, NULL);
+        Py_DECREF(slots);
+    }
+    Py_DECREF(items);
+    return r;
+}
+
+/* scatter(write_slots, name, values) -> True | False | index: row k of `values` copied into
+ * field `name` of write slot k by RowCodec.scatter in one loop, the field then counted as
+ * written in each, as write() counts it.  An index: that item is not an open WriteSlot of
+ * this table listed once; False: the field or `values` is not the plain case; either way
+ * nothing was written. */
+static PyObject *
+core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter(write_slots, name, values)");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyTuple_SET_ITEM(slots, i, Py_NewRef(((Handle *)PyTuple_GET_ITEM(items, i))->slot));
-    PyObject *call[3] = {slots, args[1], args[2]};
-    PyObject *r = PyObject_Vectorcall(c->gather, call, 3, NULL);
-    Py_DECREF(slots);
+    Py_ssize_t bad;
+    PyObject *items = listed_handles(c, args[0], c->write_slot, 1, &bad);
+    if (!items)
+        return refused(bad);
+    PyObject *slots = slots_of(items), *r = NULL;
+    if (slots) {
+        PyObject *call[3] = {slots, args[1], args[2]};
+        r = PyObject_Vectorcall(c->scatter, call, 3, NULL);
+        Py_DECREF(slots);
+    }
+    for (Py_ssize_t i = 0; r == Py_True && i < PyTuple_GET_SIZE(items); i++) {
+        PyObject *written = lazy_set(&((Handle *)PyTuple_GET_ITEM(items, i))->written);
+        if (!written || PySet_Add(written, args[1]) < 0) /* then publish refuses it: unwritten */
+            Py_CLEAR(r);
+    }
     Py_DECREF(items);
     return r;
 }
@@ -1369,6 +1408,7 @@ static PyMethodDef core_methods[] = {
     FAST("end_all", core_end_all, "end_all(leases, release) -> None | index refused"),
     FAST("publish_all", core_publish_all, "publish_all(write_slots, timeout) -> None | index"),
     FAST("gather", core_gather, "gather(leases, name, out) -> True | False | index refused"),
+    FAST("scatter", core_scatter, "scatter(write_slots, name, values) -> True | False | index"),
     {NULL, NULL, 0, NULL},
 };
 

@@ -864,14 +864,14 @@ rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
-/* -- gather ------------------------------------------------------------------------------- */
+/* -- gather and scatter ------------------------------------------------------------------- */
 
-/* Is `out` a plain tensor for `n` rows of field `s` — shape (n, *shape), or the field's own
+/* Is `t` a plain tensor for `n` rows of field `s` — shape (n, *shape), or the field's own
  * shape if not `batched` — by the rules every copy into or out of a row follows (exact
  * torch.Tensor, the field's dtype, CPU, contiguous, not negated, a storage that holds every
- * byte)?  1 yes (sets *dst), 0 no, -1 error. */
+ * byte)?  1 yes (sets *data to its bytes), 0 no, -1 error. */
 static int
-plain_out(RowCodec *r, Spec *s, PyObject *out, Py_ssize_t n, int batched, char **dst)
+plain_rows(RowCodec *r, Spec *s, PyObject *t, Py_ssize_t n, int batched, char **data)
 {
     PyObject *shape = s->shape;
     if (batched) {
@@ -884,24 +884,75 @@ plain_out(RowCodec *r, Spec *s, PyObject *out, Py_ssize_t n, int batched, char *
     }
     const void *at = NULL;
     Py_ssize_t nbytes = 0;
-    int code = check(r->rules, out, s->dtype, s->itemsize, shape, &at, &nbytes);
+    int code = check(r->rules, t, s->dtype, s->itemsize, shape, &at, &nbytes);
     if (batched)
         Py_DECREF(shape);
     if (code == T_ERROR)
         return -1;
-    *dst = (char *)at;
+    *data = (char *)at;
     return code == T_PLAIN;
 }
 
-/* gather(slots, name, out) -> True | False: field `name` of each slot copied into `out`, row
- * after row, in one loop.  `slots` is a tuple (out has shape (n, *shape)) or one slot (out
- * has the field's shape).  False, having written nothing, for a handle field, an unknown
- * name, an `out` that is not the plain case, or a torch-function mode: rows.py's path. */
+/* Copy field `s` of each of the n slots (a tuple if `batched`, else one int) between its
+ * item and row k of `flat` (contiguous, n x nbytes): out of the rows if `out`, else into
+ * them.  Every slot is checked before the first copy; -1 (error set) if one is out of
+ * range, and nothing was copied. */
+static int
+move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, char *flat, int out)
+{
+    Py_ssize_t local[64], *at = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    if (!at) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t slot = PyLong_AsSsize_t(batched ? PyTuple_GET_ITEM(slots, k) : slots);
+        if ((slot == -1 && PyErr_Occurred()) || slot < 0 || slot >= r->nslots) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "slot out of range");
+            if (at != local)
+                PyMem_Free(at);
+            return -1;
+        }
+        at[k] = s->column + slot * s->item_len;
+    }
+    char *base = r->base;
+    size_t nbytes = (size_t)s->nbytes;
+    /* memmove: `flat` may be a view of a row.  Big copies let other threads run; an export
+     * of our own keeps the mapping mapped meanwhile, as in write. */
+    Py_buffer keep;
+    int big = n * s->nbytes >= (1 << 20);
+    if (big && PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+        if (at != local)
+            PyMem_Free(at);
+        return -1;
+    }
+    PyThreadState *released = big ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        char *row = flat + (size_t)k * nbytes, *item = base + at[k];
+        if (out)
+            memmove(row, item, nbytes);
+        else
+            memmove(item, row, nbytes);
+    }
+    if (big) {
+        PyEval_RestoreThread(released);
+        PyBuffer_Release(&keep);
+    }
+    if (at != local)
+        PyMem_Free(at);
+    return 0;
+}
+
+/* One field of the given slots moved between the rows and one plain tensor `t` (n, *shape)
+ * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
+ * them (scatter).  True having moved every row; False having moved nothing (no such field,
+ * a handle field, a torch-function mode on, or `t` not plain: the caller's path). */
 static PyObject *
-rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+move_field(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const char *usage)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "gather(slots, name, out)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     if (!r->held) {
@@ -922,52 +973,29 @@ rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     int modes = on != Py_False;
     Py_DECREF(on);
-    char *dst;
-    int ok = modes ? 0 : plain_out(r, s, args[2], n, batched, &dst);
+    char *flat;
+    int ok = modes ? 0 : plain_rows(r, s, args[2], n, batched, &flat);
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
-    if (!r->held) { /* checking `out` may have run Python, which may have closed the table */
+    if (!r->held) { /* checking `t` may have run Python, which may have closed the table */
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
         return NULL;
     }
-    /* Every slot checked, as the offset of its field, before the first copy. */
-    Py_ssize_t local[64], *src = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
-    if (!src)
-        return PyErr_NoMemory();
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t slot = PyLong_AsSsize_t(batched ? PyTuple_GET_ITEM(slots, k) : slots);
-        if ((slot == -1 && PyErr_Occurred()) || slot < 0 || slot >= r->nslots) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_IndexError, "slot out of range");
-            if (src != local)
-                PyMem_Free(src);
-            return NULL;
-        }
-        src[k] = s->column + slot * s->item_len;
-    }
-    char *base = r->base;
-    size_t nbytes = (size_t)s->nbytes;
-    if (n * s->nbytes >= (1 << 20)) {
-        /* Big copies let other threads run; an export of our own keeps the mapping mapped
-         * meanwhile, as in write. */
-        Py_buffer keep;
-        if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
-            if (src != local)
-                PyMem_Free(src);
-            return NULL;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t k = 0; k < n; k++)
-            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
-        Py_END_ALLOW_THREADS
-        PyBuffer_Release(&keep);
-    } else {
-        for (Py_ssize_t k = 0; k < n; k++) /* memmove: out may be a view of a row */
-            memmove(dst + (size_t)k * nbytes, base + src[k], nbytes);
-    }
-    if (src != local)
-        PyMem_Free(src);
+    if (move_items(r, s, slots, n, batched, flat, out) < 0)
+        return NULL;
     Py_RETURN_TRUE;
+}
+
+static PyObject *
+rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    return move_field(r, args, nargs, 1, "gather(slots, name, out)");
+}
+
+static PyObject *
+rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    return move_field(r, args, nargs, 0, "scatter(slots, name, values)");
 }
 
 /* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a handle field,
@@ -1029,7 +1057,7 @@ rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
      * The rules every copy out of a row follows say whether the bytes fit; else the caller's
      * path (which words the refusal). */
     char *dst = NULL;
-    int ok = plain_out(r, s, out, 1, 0, &dst);
+    int ok = plain_rows(r, s, out, 1, 0, &dst);
     if (ok != 1) {
         Py_DECREF(out);
         return ok < 0 ? NULL : Py_NewRef(Py_None);
@@ -1040,7 +1068,7 @@ rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (s->nbytes)
-        memcpy(dst, r->base + s->column + slot * s->item_len, (size_t)s->nbytes);
+        memcpy(dst, item_at(r, s, slot), (size_t)s->nbytes);
     return out;
 }
 
@@ -1120,6 +1148,7 @@ rc_dealloc(RowCodec *r)
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
     FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
+    FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False having written nothing"),
     FAST("copied", rc_copied, "copied(slot, name) -> a new tensor of the field's item, or None"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),

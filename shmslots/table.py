@@ -6,7 +6,9 @@ layout.py, the legal transitions in states.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import reprlib
 import time
 import warnings
 import weakref
@@ -35,7 +37,7 @@ from .leases import Lease, Reservation, WriteSlot, handle_core
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
 from .participants import Participant, Registry
 from .recovery import reap
-from .rows import Rows, check_out
+from .rows import RULES, Rows, check_out, refusal
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
@@ -456,7 +458,7 @@ class SlotTable:
     ) -> NoReturn:
         """Say why item i of a batch was refused (nothing was done)."""
         item = items[i]
-        where = f"{action}_all: item {i}"
+        where = f"{action}{'' if action in ('gather', 'scatter') else '_all'}: item {i}"
         if not isinstance(item, kind) or item._table is not self:
             raise InvalidArgument(
                 f"{where} is {item!r}, not a {kind.__name__} of table {self.name!r}; "
@@ -467,7 +469,7 @@ class SlotTable:
             raise InvalidArgument(f"{where} is item {first} again; nothing was done")
         try:
             item._check_open(action)
-            if isinstance(item, WriteSlot):
+            if isinstance(item, WriteSlot) and action == "publish":
                 item._check_written()
         except ShmSlotsError as exc:
             exc.add_note(f"{where} was refused; nothing was done")
@@ -495,10 +497,55 @@ class SlotTable:
             self._gather_refused(items, field, out, got)
         return out
 
-    def _not_inline(self, field: object) -> SchemaError:
+    def scatter(self, write_slots: Sequence[WriteSlot], field: str, values: object) -> None:
+        """Write one inline field of every write slot from one batch: `values[k]` into
+        `write_slots[k]`, in one compiled loop of copies; the inverse of gather, the way a
+        batch producer hands its batch tensors over.
+
+        `values` is a tensor (n, *shape) of the field's dtype (any device or layout: a
+        plain contiguous CPU one is checked once for the whole batch, the rules being
+        write()'s), or numbers torch.tensor makes one of.  The field counts as written in
+        each slot.  Every write slot must be open, of this table and listed once, and
+        `values` must fit; if anything is wrong, nothing is written.
+        """
+        self._check_open()
+        items = write_slots if isinstance(write_slots, (list, tuple)) else list(write_slots)
+        got = self._core.scatter(items, field, values)
+        if got is True:
+            return
+        if type(got) is int:
+            self._refuse_item(items, got, WriteSlot, "scatter")
+        fs = self.schema.slots.get(field) if isinstance(field, str) else None
+        if fs is None or fs.field.is_handle:
+            raise self._not_inline(field, "scatter writes")
+        f, want = fs.field, (len(items), *fs.field.fixed_shape)
+        batch: torch.Tensor | None = values if isinstance(values, torch.Tensor) else None
+        if batch is None:
+            with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):
+                batch = torch.tensor(values, dtype=f.torch_dtype)  # numbers
+        if batch is None or (batch.dtype, tuple(batch.shape)) != (f.torch_dtype, want):
+            seen = (
+                reprlib.repr(values)
+                if batch is None
+                else f"a {batch.dtype} tensor of shape {tuple(batch.shape)}"
+            )
+            raise SchemaError(
+                f"scatter: field {field!r} takes a {f.dtype} tensor of shape {want}, got {seen}"
+            )
+        plain = batch.detach().to("cpu").contiguous()  # a copy only where one is needed
+        code = RULES.check(plain, f.torch_dtype, want)
+        if code < 0:
+            raise SchemaError(f"scatter: {refusal(f, plain, code)}")
+        if self._core.scatter(items, field, plain) is not True:  # a torch-function mode
+            for ws, row in zip(items, plain, strict=True):
+                ws.write(**{field: row})
+
+    def _not_inline(self, field: object, action: str = "gather reads") -> SchemaError:
         fs = self.schema.slots.get(field) if isinstance(field, str) else None
         kind = "a handle field: open each with lease.tensor()" if fs else "not a field"
-        return SchemaError(f"gather reads inline fields; {field!r} is {kind}")
+        if fs and action.startswith("scatter"):
+            kind = "a handle field: write each with ws.write() or ws.alloc()"
+        return SchemaError(f"{action} inline fields; {field!r} is {kind}")
 
     def _gather_refused(
         self, items: Sequence[Lease], field: str, out: object, got: bool | int

@@ -1,4 +1,4 @@
-"""Batch calls (claim_n, publish_all, release_all, abort_all, gather) and cheaper single rows.
+"""Batch calls (claim_n, publish_all, release_all, abort_all, gather, scatter), cheap rows.
 
 Each batch is one compiled call; a list with a bad item is refused whole, and an error
 part-way leaves what was done done (and says so) and the rest owned by its handles.
@@ -6,9 +6,11 @@ part-way leaves what was done done (and says so) and the rest owned by its handl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
-from conftest import SMALL, Children, small_row
+from conftest import SMALL, Children, row_bytes, small_row
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shmslots import (
@@ -192,6 +194,76 @@ def test_gather_checks_field_and_out_and_writes_nothing_when_wrong(name: str) ->
         t.release_all(leases)
 
 
+def _batch_of(start: int, n: int) -> dict[str, torch.Tensor]:
+    """small_row(start), ..., small_row(start + n - 1), field by field, as batch tensors."""
+    rows = [small_row(start + i) for i in range(n)]
+    return {
+        "id": torch.tensor([r["id"] for r in rows]),
+        "p": torch.stack([r["p"] for r in rows]),
+        "h": torch.stack([r["h"] for r in rows]),
+    }
+
+
+def test_scatter_writes_a_batch_field_by_field(name: str) -> None:
+    """Each field of n write slots from one batch, as n write()s would; any layout."""
+    with SlotTable.create(name, SMALL, slots=8) as t:
+        slots = t.claim_n(3, tag=1)
+        batch = _batch_of(10, 3)
+        t.scatter(slots, "id", batch["id"].tolist())  # numbers
+        t.scatter(slots, "p", batch["p"].t().contiguous().t())  # strided: copied first
+        with pytest.raises(SchemaError, match="never written"):
+            t.publish_all(slots)
+        t.scatter(slots, "h", batch["h"])
+        t.publish_all(slots)
+        leases = t.poll(8)
+        assert t.gather(leases, "id").tolist() == [10, 11, 12]
+        for field in ("p", "h"):
+            assert torch.equal(t.gather(leases, field), batch[field])
+        t.release_all(leases)
+        slots = t.claim_n(2, tag=1)
+        t.scatter(slots, "id", torch.tensor([5, 6]))
+        for field in ("p", "h"):
+            t.scatter(slots, field, _batch_of(5, 2)[field])
+        t.scatter([], "p", torch.zeros(0, 4))
+        with _Passthrough():  # a torch-function mode: row by row, through write()
+            t.scatter(slots, "p", torch.full((2, 4), 9.0))
+        t.publish_all(slots)
+        leases = t.poll(8)
+        assert t.gather(leases, "p").tolist() == [[9.0] * 4] * 2
+        assert t.gather(leases, "id").tolist() == [5, 6]
+        t.release_all(leases)
+
+
+def test_scatter_refuses_bad_input_and_writes_nothing(name: str) -> None:
+    fields = (*SMALL, Field("blob", "float32", (None,), kind="handle"))
+    with SlotTable.create(name, fields, slots=4, arena_bytes=1 << 16) as t:
+        slots = t.claim_n(3, tag=1)
+        done = t.claim(tag=2)
+        done.abort()
+        before = [row_bytes(t, slot) for slot in range(4)]
+        short = torch.zeros(3, 4)
+        short.untyped_storage().resize_(8)
+        bad: list[tuple[Sequence[object], str, object, type[Exception], str]] = [
+            (slots, "p", torch.zeros(3, 4, dtype=torch.float64), SchemaError, "float32 tensor"),
+            (slots, "p", torch.zeros(2, 4), SchemaError, r"shape \(3, 4\)"),
+            (slots, "p", "nope", SchemaError, "got 'nope'"),
+            (slots, "p", short, SchemaError, "storage no longer holds"),
+            (slots, "id", [1, 2, 2**70], SchemaError, "int64 tensor"),
+            (slots, "blob", torch.zeros(3, 4), SchemaError, "handle field"),
+            (slots, "nope", torch.zeros(3, 4), SchemaError, "not a field"),
+            ([*slots[:2], slots[0]], "p", torch.zeros(3, 4), InvalidArgument, "item 0 again"),
+            ([*slots[:2], done], "p", torch.zeros(3, 4), StaleLeaseError, "handed back"),
+            ([*slots[:2], "x"], "p", torch.zeros(3, 4), InvalidArgument, "not a WriteSlot"),
+        ]
+        for items, field, values, error, match in bad:
+            with pytest.raises(error, match=match):
+                t.scatter(items, field, values)  # type: ignore[arg-type]
+        assert [row_bytes(t, slot) for slot in range(4)] == before
+        assert all(ws._written == set() for ws in slots)
+        for ws in slots:
+            ws.abort()
+
+
 class _Passthrough(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         return func(*args, **(kwargs or {}))
@@ -323,8 +395,12 @@ def _batch_producer(name: str, batches: int, n: int) -> None:
             slots: list[WriteSlot] = []
             while len(slots) < n:  # bounded by the consumer, which frees slots
                 slots += t.claim_n(n - len(slots), tag=b)
-            for i, ws in enumerate(slots):
-                ws.write(**small_row(b * n + i))
+            if b % 2:  # row by row, or field by field from batch tensors
+                for i, ws in enumerate(slots):
+                    ws.write(**small_row(b * n + i))
+            else:
+                for field, values in _batch_of(b * n, n).items():
+                    t.scatter(slots, field, values)
             t.publish_all(slots, timeout=10.0)
 
 

@@ -252,14 +252,19 @@ def open_blocking(names: tuple[str, str], kind: Kind, role: str) -> End:
 
 
 class BatchEnd(ShmEnd):
-    """Rows moved BATCH at a time, each step one batch call: claim_n and publish_all out,
-    poll, gather of the id and release_all in.  Sends wait in a list until it is full, a
-    control message is sent, or this side is about to wait (so a round trip still answers)."""
+    """Rows moved BATCH at a time, each step one batch call: claim_n, a scatter per field
+    (from batch tensors, as a batch producer holds its outputs) and publish_all out; poll,
+    gather of the id and release_all in.  Sends wait in a list until it is full, a control
+    message is sent, or this side is about to wait (so a round trip still answers)."""
 
     def __init__(self, names: tuple[str, str], kind: Kind, role: str) -> None:
         super().__init__(names, kind, role, BLOCK_S)
         self._pending: list[int] = []
         self._got: list[int] = []
+        self._batches = {
+            name: value.expand(BATCH, *value.shape).contiguous()
+            for name, value in self._values.items()
+        }
 
     def send(self, rid: int) -> None:
         self._pending.append(rid)
@@ -274,8 +279,10 @@ class BatchEnd(ShmEnd):
         slots = out.claim_n(len(pending), tag=1)
         while len(slots) < len(pending):  # the reader has not freed enough yet
             slots.append(out.claim(tag=1, timeout=STALL_S))
-        for ws, rid in zip(slots, pending, strict=True):
-            ws.write(**{self._out_id: rid}, **self._values)
+        n = len(pending)
+        out.scatter(slots, self._out_id, torch.tensor(pending))
+        for name, batch in self._batches.items():
+            out.scatter(slots, name, batch if n == BATCH else batch[:n])
         out.publish_all(slots)
 
     def recv(self) -> int:

@@ -3,11 +3,12 @@ to "why is this target missed".
 
     python tools/bench_steps.py [--rounds N]
 
-Four tables, each step timed on its own over N rounds (median per round, after a warmup):
+Five tables, each step timed on its own over N rounds (median per round, after a warmup):
 the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
 B echoes the row back through its views, A reads the reply); the same round trip as a user
 first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
-(claim_n, 64 writes, publish_all, poll, gather of the id, release_all); a 1 MiB tensor
+(claim_n, a scatter per field or 64 writes, publish_all, poll, gather of the id,
+release_all); a 1 MiB tensor
 filled into a loan (ws.alloc) and read through lease.tensor.  A last table times the torch
 calls under them: the checks write() makes on each tensor, and making a tensor.
 """
@@ -144,16 +145,26 @@ def copying_round_trip(rounds: int) -> Steps:
     return s
 
 
-def batch(rounds: int) -> Steps:
+def batch(rounds: int, scattered: bool) -> Steps:
+    """tools/bench_shm.BatchEnd's flush and recv (`scattered`), or with a write() per row."""
     values, s = record_values(SMALL), Steps()
+    batches = {
+        name: value.expand(BATCH, *value.shape).contiguous() for name, value in values.items()
+    }
     with created_table(unique_name("steps"), SMALL) as table:
         for _ in range(rounds):
             s.start()
             slots: list[WriteSlot] = table.claim_n(BATCH, tag=1)
             s.mark(f"claim_n({BATCH})")
-            for i, ws in enumerate(slots):
-                ws.write(id=i, **values)
-            s.mark(f"{BATCH} x write (int + 2 tensors)")
+            if scattered:
+                table.scatter(slots, "id", torch.tensor(range(BATCH)))
+                for name, rows in batches.items():
+                    table.scatter(slots, name, rows)
+                s.mark("3 scatters (the ids tensor made)")
+            else:
+                for i, ws in enumerate(slots):
+                    ws.write(id=i, **values)
+                s.mark(f"{BATCH} x write (int + 2 tensors)")
             table.publish_all(slots)
             s.mark(f"publish_all({BATCH})")
             leases = table.poll(BATCH)
@@ -228,7 +239,9 @@ def main() -> None:
     torch.set_num_threads(1)
     busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
-    batch(max(1, rounds // 10)).print(f"a batch of {BATCH} small rows", per=BATCH)
+    for scattered, how in ((True, "scatter per field"), (False, "write() per row")):
+        steps = batch(max(1, rounds // 10), scattered)
+        steps.print(f"a batch of {BATCH} small rows, {how}", per=BATCH)
     loaned_tensor(max(1, rounds // 5)).print("a 1 MiB tensor through a loan (shmslots loan)")
     torch_costs()
 
