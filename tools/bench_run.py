@@ -264,8 +264,9 @@ def notes() -> list[str]:
         "(take(timeout)) for throughput; both modes appear in the tables.",
         "torch.mp Queue puts each tensor in fresh shared memory (one copy) and passes fds.",
         "Claim+release = claim() then abort() of the WriteSlot (the slot is FREE again).",
-        f"{SHM_BATCH}: claim_n + write each + publish_all out; poll + gather of the id + "
-        "release_all in; the round trip flushes a batch of one.",
+        f"{SHM_BATCH}: claim_n + a scatter per field from batch tensors + publish_all out; "
+        "poll + gather of the id + release_all in; tables with room for two batches (128 "
+        "rows: one filled while the other is read); the round trip flushes a batch of one.",
         f"{SHM_LOAN}: as shmslots busy, but the tensor is filled into ws.alloc (a loaned "
         "arena tensor) with one copy_, where shmslots busy hands write() a private tensor "
         "(one copy too, made by write); the bare ring copies the same bytes into its cell.",

@@ -68,7 +68,7 @@ class Transport:
 TRANSPORTS = (
     Transport(SHM_BUSY, bench_shm.table_pair, bench_shm.open_busy, KINDS, True),
     Transport(SHM_BLOCK, bench_shm.table_pair, bench_shm.open_blocking, KINDS, False),
-    Transport(SHM_BATCH, bench_shm.table_pair, bench_shm.open_batch, ROWS, False),
+    Transport(SHM_BATCH, bench_shm.batch_pair, bench_shm.open_batch, ROWS, False),
     Transport(SHM_LOAN, bench_shm.table_pair, bench_shm.open_loan, TENSORS, True),
     Transport(SHM_COPYING, bench_shm.table_pair, bench_shm.open_copying, ROWS, False),
     Transport("bare ring", bench_peers.bare_segment, bench_peers.open_bare, KINDS, True),

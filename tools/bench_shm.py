@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -87,9 +87,10 @@ def record_values(kind: Kind) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def created_table(name: str, kind: Kind) -> Iterator[SlotTable]:
-    """Create a table for `kind` and always close and unlink it (nothing left in /dev/shm)."""
-    slots = kind.in_flight
+def created_table(name: str, kind: Kind, batches: int = 0) -> Iterator[SlotTable]:
+    """Create a table for `kind` (room for `batches` batches of BATCH rows, if given, else
+    the kind's rows in flight) and always close and unlink it (nothing left in /dev/shm)."""
+    slots = batches * BATCH or kind.in_flight
     arena = slots * (kind.nbytes + ARENA_PAGE) if kind.tensor else 0
     table = SlotTable.create(name, fields_for(kind), slots=slots, arena_bytes=arena)
     try:
@@ -111,13 +112,19 @@ def attached(name: str, role: str) -> Iterator[SlotTable]:
 
 
 @contextmanager
-def table_pair(kind: Kind) -> Iterator[tuple[str, str]]:
+def table_pair(kind: Kind, batches: int = 0) -> Iterator[tuple[str, str]]:
     """REQ (the session's kind) and RESP (its reply kind), created here; yields their names."""
     with (
-        created_table(unique_name(f"req-{kind.name}"), kind) as req,
-        created_table(unique_name(f"resp-{kind.name}"), reply_kind(kind)) as resp,
+        created_table(unique_name(f"req-{kind.name}"), kind, batches) as req,
+        created_table(unique_name(f"resp-{kind.name}"), reply_kind(kind), batches) as resp,
     ):
         yield req.name, resp.name
+
+
+def batch_pair(kind: Kind) -> AbstractContextManager[tuple[str, str]]:
+    """table_pair with room for two batches: one is filled while the other is read, as a
+    batch pipeline runs (with one batch's room, each side would wait for the other)."""
+    return table_pair(kind, batches=2)
 
 
 # -- the transport ----------------------------------------------------------------------------
