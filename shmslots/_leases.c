@@ -764,6 +764,25 @@ hand_back_dropped(Handle *h)
     PyErr_Restore(type, value, tb);
 }
 
+/* Between a handle's check that it is open and a RowCodec copy into (or out of) its row, no
+ * Python may run: code that hands the handle back there (its slot then free, or another
+ * owner's) would have the copy land in a row that is not this handle's.  The copy itself
+ * runs none for a plain tensor, but any allocation may start a garbage collection, whose
+ * callbacks and finalizers are Python: collection is held off from the check to the copy.
+ * Returns whether it was on, for collection_back. */
+static int
+hold_collection(void)
+{
+    return PyGC_Disable();
+}
+
+static void
+collection_back(int was_on)
+{
+    if (was_on)
+        PyGC_Enable();
+}
+
 /* -- WriteSlot ------------------------------------------------------------------------------ */
 
 static PyObject *
@@ -775,9 +794,11 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "write() takes fields as keyword arguments only");
         return NULL;
     }
+    int gc_was = hold_collection(); /* from the check that h is open to the copy */
     if (kwargs && usable(h)) {
         PyObject *call[2] = {h->slot, kwargs};
         PyObject *plain = PyObject_Vectorcall(h->core->write, call, 2, NULL);
+        collection_back(gc_was);
         if (!plain)
             return NULL;
         int written_all = plain == Py_True;
@@ -792,6 +813,8 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
                     return NULL;
             return Py_NewRef(h);
         }
+    } else {
+        collection_back(gc_was);
     }
     PyObject *fields = kwargs ? Py_NewRef(kwargs) : PyDict_New();
     if (!fields)
@@ -1353,17 +1376,24 @@ core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t bad;
-    PyObject *items = listed_handles(c, args[0], c->lease, 0, &bad);
-    if (!items)
-        return refused(bad);
-    PyObject *slots = slots_of(items), *r = NULL;
-    if (slots) {
-        PyObject *call[3] = {slots, args[1], args[2]};
-        r = PyObject_Vectorcall(c->gather, call, 3, NULL);
-        Py_DECREF(slots);
+    PyObject *seq = PySequence_Tuple(args[0]); /* may run Python: before the checks */
+    if (!seq)
+        return NULL;
+    int gc_was = hold_collection();
+    PyObject *items = listed_handles(c, seq, c->lease, 0, &bad), *r = NULL;
+    int listed = items != NULL;
+    if (listed) {
+        PyObject *slots = slots_of(items);
+        if (slots) {
+            PyObject *call[3] = {slots, args[1], args[2]};
+            r = PyObject_Vectorcall(c->gather, call, 3, NULL);
+            Py_DECREF(slots);
+        }
+        Py_DECREF(items);
     }
-    Py_DECREF(items);
-    return r;
+    collection_back(gc_was);
+    Py_DECREF(seq);
+    return listed ? r : refused(bad);
 }
 
 /* scatter(write_slots, name, values) -> True | False | index: row k of `values` copied into
@@ -1379,15 +1409,23 @@ core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t bad;
-    PyObject *items = listed_handles(c, args[0], c->write_slot, 1, &bad);
+    PyObject *seq = PySequence_Tuple(args[0]); /* may run Python: before the checks */
+    if (!seq)
+        return NULL;
+    int gc_was = hold_collection();
+    PyObject *items = listed_handles(c, seq, c->write_slot, 1, &bad), *r = NULL;
+    if (items) {
+        PyObject *slots = slots_of(items);
+        if (slots) {
+            PyObject *call[3] = {slots, args[1], args[2]};
+            r = PyObject_Vectorcall(c->scatter, call, 3, NULL);
+            Py_DECREF(slots);
+        }
+    }
+    collection_back(gc_was);
+    Py_DECREF(seq);
     if (!items)
         return refused(bad);
-    PyObject *slots = slots_of(items), *r = NULL;
-    if (slots) {
-        PyObject *call[3] = {slots, args[1], args[2]};
-        r = PyObject_Vectorcall(c->scatter, call, 3, NULL);
-        Py_DECREF(slots);
-    }
     for (Py_ssize_t i = 0; r == Py_True && i < PyTuple_GET_SIZE(items); i++) {
         PyObject *written = lazy_set(&((Handle *)PyTuple_GET_ITEM(items, i))->written);
         if (!written || PySet_Add(written, args[1]) < 0) /* then publish refuses it: unwritten */

@@ -917,28 +917,51 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
         at[k] = s->column + slot * s->item_len;
     }
     char *base = r->base;
-    size_t nbytes = (size_t)s->nbytes;
-    /* memmove: `flat` may be a view of a row.  Big copies let other threads run; an export
-     * of our own keeps the mapping mapped meanwhile, as in write. */
+    size_t nbytes = (size_t)s->nbytes, total = (size_t)n * nbytes;
+    if (!total) { /* nothing to move (and `flat` may be NULL) */
+        if (at != local)
+            PyMem_Free(at);
+        return 0;
+    }
+    /* `flat` may be a view of the rows themselves.  memmove covers one row over its own
+     * item; a batch spanning other slots' items would see rows already moved (row k+1 read
+     * after item k was written over it), so such a batch goes through a copy of its own. */
+    char *stage = NULL;
+    uintptr_t lo = (uintptr_t)flat, map = (uintptr_t)base;
+    if (lo < map + (uintptr_t)r->buf.len && map < lo + total && !(stage = PyMem_Malloc(total))) {
+        if (at != local)
+            PyMem_Free(at);
+        PyErr_NoMemory();
+        return -1;
+    }
+    char *rows = stage ? stage : flat;
+    /* Big copies let other threads run; an export of our own keeps the mapping mapped
+     * meanwhile, as in write. */
     Py_buffer keep;
-    int big = n * s->nbytes >= (1 << 20);
+    int big = total >= (1 << 20);
     if (big && PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(stage);
         if (at != local)
             PyMem_Free(at);
         return -1;
     }
     PyThreadState *released = big ? PyEval_SaveThread() : NULL;
+    if (stage && !out)
+        memcpy(stage, flat, total);
     for (Py_ssize_t k = 0; k < n; k++) {
-        char *row = flat + (size_t)k * nbytes, *item = base + at[k];
+        char *row = rows + (size_t)k * nbytes, *item = base + at[k];
         if (out)
             memmove(row, item, nbytes);
         else
             memmove(item, row, nbytes);
     }
+    if (stage && out)
+        memmove(flat, stage, total);
     if (big) {
         PyEval_RestoreThread(released);
         PyBuffer_Release(&keep);
     }
+    PyMem_Free(stage);
     if (at != local)
         PyMem_Free(at);
     return 0;
@@ -973,8 +996,11 @@ move_field(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const 
         return NULL;
     int modes = on != Py_False;
     Py_DECREF(on);
+    /* Only an exact tensor is asked here: a subclass would answer the queries with its own
+     * Python (which may raise, or change the table); the caller's path copies it first. */
     char *flat;
-    int ok = modes ? 0 : plain_rows(r, s, args[2], n, batched, &flat);
+    int exact = Py_TYPE(args[2]) == (PyTypeObject *)r->rules->tensor_type;
+    int ok = modes || !exact ? 0 : plain_rows(r, s, args[2], n, batched, &flat);
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
     if (!r->held) { /* checking `t` may have run Python, which may have closed the table */

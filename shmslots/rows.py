@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import reprlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -309,6 +310,65 @@ def admit(f: Field, value: Any) -> torch.Tensor:
         value = plain
     tensor: torch.Tensor = value
     return tensor
+
+
+def admit_batch(f: Field, values: object, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """A plain CPU tensor of `shape` (n, *field shape) for `values`, a batch of field `f`:
+    a tensor of the field's dtype, or (nested) lists of the Python numbers write() takes
+    for one element of it, each checked to fit as write() checks it.
+
+    Everything is checked before torch touches the values (a tensor whose storage no longer
+    holds its elements must never be copied: torch would read past it), and the copy is
+    made as admit() makes one, with no autograd and no subclass or mode answering.
+    """
+    want = f"{what}: field {f.name!r} takes {'an' if f.dtype.startswith('int') else 'a'} "
+    want += f"{f.dtype} tensor of shape {shape}"
+    if isinstance(values, (list, tuple)):
+        values = _numbers(f, values, shape, want)
+    elif not isinstance(values, torch.Tensor):
+        raise SchemaError(f"{want}, or a list of numbers; got {reprlib.repr(values)}")
+    code = RULES.check(values, f.torch_dtype, shape)
+    if code in (_DTYPE, _SHAPE):
+        with torch._C.DisableTorchFunction():  # the tensor's own dtype and shape
+            got = f"a {values.dtype} tensor of shape {tuple(values.shape)}"
+        raise SchemaError(f"{want}, got {got}")
+    if code < 0:
+        raise SchemaError(f"{what}: {refusal(f, values, code)}")
+    if code == PLAIN:
+        return values
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        plain = torch.empty(shape, dtype=f.torch_dtype, device="cpu")
+        plain.copy_(values)
+    code = RULES.check(plain, f.torch_dtype, shape)
+    if code != PLAIN:
+        raise SchemaError(f"{what}: {refusal(f, values, code)}")
+    return plain
+
+
+def _numbers(
+    f: Field, values: list[Any] | tuple[Any, ...], shape: tuple[int, ...], want: str
+) -> torch.Tensor:
+    """The tensor of (nested) lists of numbers, each one of a kind write() takes for the
+    field's dtype and fitting it as write() checks (struct; bfloat16 as torch rounds it)."""
+    code = _SCALAR_CODES.get(f.dtype)
+    pack = struct.Struct(code).pack if code else None
+    level: list[Any] = [values]
+    for depth in range(len(shape) + 1):
+        below: list[Any] = []
+        for x in level:
+            if depth < len(shape):
+                if not isinstance(x, (list, tuple)) or len(x) != shape[depth]:
+                    raise SchemaError(f"{want}, got lists of another shape")
+                below.extend(x)
+            elif not _is_scalar_for(f.dtype, x):
+                raise SchemaError(f"{want}, or numbers for it; got {type(x).__name__} {x!r}")
+            elif pack is not None:
+                try:
+                    pack(x)
+                except (struct.error, OverflowError):
+                    raise SchemaError(f"{want}; {x!r} does not fit {f.dtype}") from None
+        level = below
+    return torch.tensor(values, dtype=f.torch_dtype).reshape(shape)  # (0, ...) included
 
 
 def refusal(f: Field, value: Any, code: int) -> str:

@@ -6,9 +6,7 @@ layout.py, the legal transitions in states.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import reprlib
 import time
 import warnings
 import weakref
@@ -37,7 +35,7 @@ from .leases import Lease, Reservation, WriteSlot, handle_core
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
 from .participants import Participant, Registry
 from .recovery import reap
-from .rows import RULES, Rows, check_out, refusal
+from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
 from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
@@ -504,7 +502,8 @@ class SlotTable:
 
         `values` is a tensor (n, *shape) of the field's dtype (any device or layout: a
         plain contiguous CPU one is checked once for the whole batch, the rules being
-        write()'s), or numbers torch.tensor makes one of.  The field counts as written in
+        write()'s), or (nested) lists of that shape of the numbers write() takes for one
+        element, each checked to fit as write() checks it.  The field counts as written in
         each slot.  Every write slot must be open, of this table and listed once, and
         `values` must fit; if anything is wrong, nothing is written.
         """
@@ -515,30 +514,20 @@ class SlotTable:
             return
         if type(got) is int:
             self._refuse_item(items, got, WriteSlot, "scatter")
-        fs = self.schema.slots.get(field) if isinstance(field, str) else None
+        name = str.__str__(field) if isinstance(field, str) else None  # an exact str
+        fs = self.schema.slots.get(name) if name is not None else None
         if fs is None or fs.field.is_handle:
             raise self._not_inline(field, "scatter writes")
-        f, want = fs.field, (len(items), *fs.field.fixed_shape)
-        batch: torch.Tensor | None = values if isinstance(values, torch.Tensor) else None
-        if batch is None:
-            with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):
-                batch = torch.tensor(values, dtype=f.torch_dtype)  # numbers
-        if batch is None or (batch.dtype, tuple(batch.shape)) != (f.torch_dtype, want):
-            seen = (
-                reprlib.repr(values)
-                if batch is None
-                else f"a {batch.dtype} tensor of shape {tuple(batch.shape)}"
-            )
-            raise SchemaError(
-                f"scatter: field {field!r} takes a {f.dtype} tensor of shape {want}, got {seen}"
-            )
-        plain = batch.detach().to("cpu").contiguous()  # a copy only where one is needed
-        code = RULES.check(plain, f.torch_dtype, want)
-        if code < 0:
-            raise SchemaError(f"scatter: {refusal(f, plain, code)}")
-        if self._core.scatter(items, field, plain) is not True:  # a torch-function mode
-            for ws, row in zip(items, plain, strict=True):
-                ws.write(**{field: row})
+        plain = admit_batch(fs.field, values, (len(items), *fs.field.fixed_shape), "scatter")
+        # The copy in one compiled call here too, with no torch-function mode on: row by row
+        # under it, an error part-way (a handle handed back meanwhile) would leave some rows
+        # written.  The rules ask the plain tensor directly, so no mode sees anything.
+        with torch._C.DisableTorchFunction():
+            got = self._core.scatter(items, name, plain)
+        if type(got) is int:  # Python run since the first call handed one back
+            self._refuse_item(items, got, WriteSlot, "scatter")
+        if got is not True:
+            raise SchemaError(f"scatter: field {name!r}: torch made no plain copy of the batch")
 
     def _not_inline(self, field: object, action: str = "gather reads") -> SchemaError:
         fs = self.schema.slots.get(field) if isinstance(field, str) else None

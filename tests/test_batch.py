@@ -6,6 +6,7 @@ part-way leaves what was done done (and says so) and the rest owned by its handl
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import pytest
@@ -260,6 +261,107 @@ def test_scatter_refuses_bad_input_and_writes_nothing(name: str) -> None:
                 t.scatter(items, field, values)  # type: ignore[arg-type]
         assert [row_bytes(t, slot) for slot in range(4)] == before
         assert all(ws._written == set() for ws in slots)
+        for ws in slots:
+            ws.abort()
+
+
+def test_scatter_checks_a_batch_before_torch_copies_it(name: str) -> None:
+    """A strided batch whose storage was resized down is refused before torch is asked for
+    a contiguous copy (which would read past the storage: a crash, or heap bytes in the
+    row); numbers are taken only as write() takes them; a layout without storage, a meta
+    tensor or a subclass whose torch functions raise gets a SchemaError, not torch's."""
+    fields = (*SMALL, Field("u", "uint8", (2,)), Field("x", "float16"), Field("f", "bool"))
+
+    class Raising(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            raise KeyError("no torch functions")
+
+    with SlotTable.create(name, fields, slots=4) as t:
+        slots = t.claim_n(3, tag=1)
+        before = [row_bytes(t, slot) for slot in range(4)]
+        for size in (0, 8):
+            short = torch.full((4, 3), 7.0).t()  # (3, 4), strided
+            short.untyped_storage().resize_(size)
+            with pytest.raises(SchemaError, match="storage no longer holds"):
+                t.scatter(slots, "p", short)
+        numbers = [
+            ("id", [1, 2.5, 3]),
+            ("id", [1, True, 3]),
+            ("u", [[1, 2], [3, -1], [4, 5]]),  # torch would wrap it to 255
+            ("x", [1.0, 1e10, 2.0]),  # torch would make it inf
+            ("f", [True, 5, False]),
+            ("u", [[1, 2], [3], [4, 5]]),
+        ]
+        for field, values in numbers:
+            with pytest.raises(SchemaError, match=f"field '{field}' takes"):
+                t.scatter(slots, field, values)
+        for values in (
+            torch.zeros(3, 4, device="meta"),
+            torch.zeros(3, 4).to_sparse(),
+            torch.nested.nested_tensor([torch.zeros(4)] * 3),
+        ):
+            with pytest.raises(SchemaError):
+                t.scatter(slots, "p", values)
+        assert [row_bytes(t, slot) for slot in range(4)] == before
+        assert all(ws._written == set() for ws in slots)
+        t.scatter(slots, "p", torch.full((3, 4), 2.0).as_subclass(Raising))  # copied first
+        t.scatter(slots, "u", [[1, 2], [3, 4], [5, 6]])
+        t.scatter([], "p", [])
+        assert all(ws._written == {"p", "u"} for ws in slots)
+        for ws in slots:
+            ws.abort()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_scatter_never_writes_a_row_its_handle_was_handed_back_from(name: str, k: int) -> None:
+    """A garbage collection between the check that a write slot is open and the copy runs
+    Python that may abort it and give its slot to a new owner: none happens in between."""
+    with SlotTable.create(name, SMALL, slots=3) as t:
+        slots = t.claim_n(3, tag=1)
+        state: dict[str, object] = {"n": 0}
+
+        def collected(phase: str, info: object) -> None:
+            n = state["n"]
+            if phase != "start" or not isinstance(n, int) or n < 0:
+                return
+            state["n"] = n + 1
+            if n + 1 == k:  # the k-th collection from here on
+                state["n"] = -1
+                slots[1].abort()
+                new = t.claim(tag=9)
+                assert new is not None
+                new.write(p=torch.full((4,), 99.0))
+                state["new"] = new
+
+        threshold = gc.get_threshold()
+        gc.callbacks.append(collected)
+        gc.set_threshold(1)
+        try:
+            t._core.scatter(tuple(slots), "p", torch.ones(3, 4))
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(collected)
+        new = state.get("new")
+        if isinstance(new, WriteSlot):
+            assert t._rows.field_bytes(new.slot, "p") == torch.full((4,), 99.0).numpy().tobytes()
+            new.abort()
+        for ws in slots:
+            if ws._open:
+                ws.abort()
+
+
+def test_scatter_and_gather_of_a_batch_over_the_rows_themselves(name: str) -> None:
+    """A batch tensor that is a view of other slots' items moves as if copied first."""
+    with SlotTable.create(name, (Field("q", "float32", (16,)),), slots=4) as t:
+        slots = t.claim_n(4, tag=1)
+        for i, ws in enumerate(slots):
+            ws.write(q=torch.full((16,), float(i)))
+        column = t._rows.item(0, "q")
+        rows = torch.frombuffer(t._segment.mm, dtype=torch.float32, count=64, offset=column)
+        t.scatter(slots[1:], "q", rows.view(4, 16)[:3])  # slot k + 1 <- slot k
+        assert rows.view(4, 16)[:, 0].tolist() == [0.0, 0.0, 1.0, 2.0]
+        del rows
         for ws in slots:
             ws.abort()
 
