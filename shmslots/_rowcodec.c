@@ -935,17 +935,9 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
         return -1;
     }
     char *rows = stage ? stage : flat;
-    /* Big copies let other threads run; an export of our own keeps the mapping mapped
-     * meanwhile, as in write. */
-    Py_buffer keep;
-    int big = total >= (1 << 20);
-    if (big && PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
-        PyMem_Free(stage);
-        if (at != local)
-            PyMem_Free(at);
-        return -1;
-    }
-    PyThreadState *released = big ? PyEval_SaveThread() : NULL;
+    /* The GIL is held throughout, however big the batch: a thread run meanwhile could hand
+     * one of the handles back and its slot be claimed again, and the copy would land in (or
+     * read) another owner's row. */
     if (stage && !out)
         memcpy(stage, flat, total);
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -957,10 +949,6 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
     }
     if (stage && out)
         memmove(flat, stage, total);
-    if (big) {
-        PyEval_RestoreThread(released);
-        PyBuffer_Release(&keep);
-    }
     PyMem_Free(stage);
     if (at != local)
         PyMem_Free(at);
