@@ -268,8 +268,8 @@ def notes() -> list[str]:
         "poll + gather of the id + release_all in; tables with room for two batches (128 "
         "rows: one filled while the other is read); the round trip flushes a batch of one.",
         f"{SHM_LOAN}: as shmslots busy, but the tensor is filled into ws.alloc (a loaned "
-        "arena tensor) with one copy_, where shmslots busy hands write() a private tensor "
-        "(one copy too, made by write); the bare ring copies the same bytes into its cell.",
+        "arena tensor) by one memmove, the copy the bare ring makes into its cell; shmslots "
+        "busy hands write() a private tensor (one memmove too, made by write).",
         f"{SHM_COPYING}: code as a user first writes it: blocking take(timeout), "
         "lease.copy() of every field, release, and write() of those copies for the reply.",
         f"CLI: {', '.join(CLI_CALLS)} as fresh processes on a live 64-slot EAGLE table, "
