@@ -3,14 +3,14 @@ to "why is this target missed".
 
     python tools/bench_steps.py [--rounds N]
 
-Five tables, each step timed on its own over N rounds (median per round, after a warmup):
+Six tables, each step timed on its own over N rounds (median per round, after a warmup):
 the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
 B echoes the row back through its views, A reads the reply); the same round trip as a user
 first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
 (claim_n, a scatter per field or 64 writes, publish_all, poll, gather of the id,
-release_all); a 1 MiB tensor
-filled into a loan (ws.alloc) and read through lease.tensor.  A last table times the torch
-calls under them: the checks write() makes on each tensor, and making a tensor.
+release_all) of small and of EAGLE rows; a 1 MiB tensor filled into a loan (ws.alloc) and
+read through lease.tensor.  A last table times the torch calls under them: the checks
+write() makes on each tensor, and making a tensor.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from bench_common import SMALL, TENSOR_1M, touch, unique_name
-from bench_shm import BATCH, created_table, record_values
+from bench_common import EAGLE, SMALL, TENSOR_1M, Kind, touch, unique_name
+from bench_shm import BATCH, created_table, id_field, record_values
 
 from shmslots import Lease, SlotTable, WriteSlot
 from shmslots.rows import RULES
@@ -146,31 +146,31 @@ def copying_round_trip(rounds: int) -> Steps:
     return s
 
 
-def batch(rounds: int, scattered: bool) -> Steps:
+def batch(rounds: int, kind: Kind, scattered: bool) -> Steps:
     """tools/bench_shm.BatchEnd's flush and recv (`scattered`), or with a write() per row."""
-    values, s = record_values(SMALL), Steps()
+    values, s, rid = record_values(kind), Steps(), id_field(kind)
     batches = {
         name: value.expand(BATCH, *value.shape).contiguous() for name, value in values.items()
     }
-    with created_table(unique_name("steps"), SMALL) as table:
+    with created_table(unique_name("steps"), kind, batches=1) as table:
         for _ in range(rounds):
             s.start()
             slots: list[WriteSlot] = table.claim_n(BATCH, tag=1)
             s.mark(f"claim_n({BATCH})")
             if scattered:
-                table.scatter(slots, "id", torch.tensor(range(BATCH)))
+                table.scatter(slots, rid, torch.tensor(range(BATCH)))
                 for name, rows in batches.items():
                     table.scatter(slots, name, rows)
-                s.mark("3 scatters (the ids tensor made)")
+                s.mark(f"{len(batches) + 1} scatters (the ids tensor made)")
             else:
                 for i, ws in enumerate(slots):
-                    ws.write(id=i, **values)
-                s.mark(f"{BATCH} x write (int + 2 tensors)")
+                    ws.write(**{rid: i}, **values)
+                s.mark(f"{BATCH} x write (int + {len(values)} tensors)")
             table.publish_all(slots)
             s.mark(f"publish_all({BATCH})")
             leases = table.poll(BATCH)
             s.mark(f"poll({BATCH})")
-            table.gather(leases, "id").tolist()
+            table.gather(leases, rid).tolist()
             s.mark(f"gather({BATCH}, id).tolist()")
             table.release_all(leases)
             s.mark(f"release_all({BATCH})")
@@ -242,9 +242,13 @@ def main() -> None:
     torch.set_num_threads(1)
     busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
-    for scattered, how in ((True, "scatter per field"), (False, "write() per row")):
-        steps = batch(max(1, rounds // 10), scattered)
-        steps.print(f"a batch of {BATCH} small rows, {how}", per=BATCH)
+    for kind, scattered, how in (
+        (SMALL, True, "scatter per field"),
+        (SMALL, False, "write() per row"),
+        (EAGLE, True, "scatter per field"),
+    ):
+        steps = batch(max(1, rounds // 10), kind, scattered)
+        steps.print(f"a batch of {BATCH} {kind.name} rows, {how}", per=BATCH)
     loaned_tensor(max(1, rounds // 5)).print("a 1 MiB tensor through a loan (shmslots loan)")
     torch_costs()
 
