@@ -401,8 +401,10 @@ def markdown(r: dict[str, Any], figs: list[Figures]) -> str:
 
 
 def colour(transport: str) -> str:
-    """The same colour for a transport in every panel and plot."""
-    return f"C{list(BY_NAME).index(transport)}"
+    """The same colour for a transport in every panel and plot, and none shared: the ten
+    of matplotlib's cycle, then black."""
+    i = list(BY_NAME).index(transport)
+    return f"C{i}" if i < 10 else "black"
 
 
 def plot_latency(sessions: list[Session], path: Path) -> None:
@@ -483,8 +485,8 @@ def plot_gather(g: dict[str, Spread], path: Path) -> None:
     ]
     bars = ax.barh([label for _, label in GATHER_BARS], medians, xerr=errors, color="C0")
     ax.bar_label(bars, labels=[f"{m:.1f} us" for m in medians], padding=4)
-    ax.set_xscale("log")
-    ax.set_xlabel("us per batch of 64 rows (log)")
+    ax.set_xlabel("us per batch of 64 rows")
+    ax.set_xlim(0, max(m + e for m, e in zip(medians, errors[1], strict=True)) * 1.2)
     ax.set_title("batching 64 EAGLE hidden states (bf16[4096], 512 KiB)")
     ax.invert_yaxis()
     fig.tight_layout()
