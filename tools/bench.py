@@ -8,9 +8,13 @@ Run from the repository root (inside the project's virtualenv, with the `bench` 
 Peers, all real: multiprocessing.Queue, multiprocessing.Pipe, a torch.multiprocessing queue
 passing tensors, iceoryx2 publish-subscribe (busy-polled, and blocking through its event
 service), and a bare busy-polled shared-memory ring with no ownership, checks or schema (the
-floor). Records: the small row (id, int64[5], float32[64]), the EAGLE metadata row (output id,
-cached tokens, top-k p float32[16], top-k index int64[16], hidden bf16[4096]), and 1 MiB and
-64 MiB CPU tensors (shmslots: a handle field in the table's arena, read with lease.tensor).
+floor). shmslots runs busy (take(0), write() of private tensors, views), blocking
+(take(timeout)), in batches of 64 (claim_n, scatter, publish_all; poll, gather,
+release_all), with loaned tensors (ws.alloc) and as a user first writes it (blocking take,
+lease.copy() of every field). Records: the small row (id, int64[5], float32[64]), the EAGLE
+metadata row (output id, cached tokens, top-k p float32[16], top-k index int64[16], hidden
+bf16[4096]), and 1 MiB and 64 MiB CPU tensors (shmslots: a handle field in the table's
+arena, read with lease.tensor).
 
 Measured, each repeated (3 runs unless said) and reported as median and lowest-highest:
 
@@ -19,15 +23,18 @@ Measured, each repeated (3 runs unless said) and reported as median and lowest-h
 * one-way throughput (rows/s) from A to B, for every record kind;
 * claim+release (claim then abort) in one process, and claims/s with two processes contending;
 * CPU used by a reader blocked in take(timeout=2 s) with nothing published (% of a core);
-* resident memory of a consumer over 1,000,000 small rows (growth from 100k to 1M rows).
+* resident memory of a consumer over 1,000,000 small rows (growth from 100k to 1M rows);
+* gather of 64 EAGLE rows' hidden states against torch.cat and torch.stack of clones;
+* the wall time of one CLI call (`shmslots ls`, `inspect NAME`) as a fresh process.
 
 With two CPUs, A is pinned to the first and B to the second (os.sched_setaffinity); the report
 says whether busy pollers ever shared a core and how often they were preempted.
 
-`--out DIR` (default bench-out/) receives bench.json, bench.md, latency_cdf.png and
-throughput_vs_payload.png; the Markdown is also printed. `--quick` is a short run (about
-1.5 minutes); the full run takes about three minutes on a 2-core machine. `--profile` adds a
-cProfile of both sides of the shmslots busy round trip (profile-a.txt, profile-b.txt).
+`--out DIR` (default bench-out/) receives bench.json, bench.md, latency_cdf.png,
+throughput_vs_payload.png and gather.png; the Markdown is also printed. `--quick` is a short
+run (about 2 minutes); the full run takes about five minutes on a 2-core machine.
+`--profile` adds a cProfile of both sides of the shmslots busy round trip (profile-a.txt,
+profile-b.txt).
 Every shared-memory name is unique to the run and removed, and every child is joined (or
 killed) before the script exits, even on errors.
 """
@@ -47,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         description=(__doc__ or "").split("\n\n")[0],
         epilog="The targets are those of the README's Performance section.",
     )
-    parser.add_argument("--quick", action="store_true", help="a short run (about 1.5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
     parser.add_argument("--out", default="bench-out", help="folder for bench.json/.md and plots")
     parser.add_argument("--profile", action="store_true", help="also cProfile the round trip")
     args = parser.parse_args(argv)
