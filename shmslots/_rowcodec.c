@@ -935,9 +935,10 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
         return -1;
     }
     char *rows = stage ? stage : flat;
-    /* The GIL is held throughout, however big the batch: a thread run meanwhile could hand
-     * one of the handles back and its slot be claimed again, and the copy would land in (or
-     * read) another owner's row. */
+    /* The GIL is held throughout the copy, however big the batch.  (It is not held from the
+     * caller's handle check to here: check() asks torch's is_neg, which releases it, so a
+     * thread sharing the table could still hand a handle back in between; tables are one
+     * thread's each, as the README says.) */
     if (stage && !out)
         memcpy(stage, flat, total);
     for (Py_ssize_t k = 0; k < n; k++) {

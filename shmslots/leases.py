@@ -559,7 +559,13 @@ class Lease(_Handle, LeaseCore):
         codec = self._table._rows._codec
         assert codec is not None  # a table's rows are writable
         if out is None and (made := codec.copied(self.slot, name)) is not None:
-            return made  # an inline field: made, checked and filled in one compiled call
+            # An inline field: made, checked and filled in one compiled call.  torch.empty
+            # in it may start a collection, whose Python may hand this lease back and let
+            # the slot be claimed again: asked again after the copy (a handle never opens
+            # again, so open now means open throughout), the row read is this lease's.
+            if not self._open or self._table._closed:
+                self._check_open("copy")
+            return made
         fs = self._table._rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")
@@ -576,11 +582,13 @@ class Lease(_Handle, LeaseCore):
                     f"copy: out must be a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
                 )
             return out.copy_(tensor)  # any device: torch moves it
-        if out is None:  # a torch-function mode is on: let it make the tensor
+        if out is None:  # a torch-function mode is on (or copied() refused what it made)
             out = torch.empty(f.fixed_shape, dtype=f.torch_dtype, device="cpu")
         if not codec.gather(self.slot, name, out):
             check_out("copy", f, out, f.fixed_shape)
             out.copy_(self._views().tensors[name])  # a torch-function mode, or a subclass
+        if not self._open or self._table._closed:  # as above: Python ran since the check
+            self._check_open("copy")
         return out
 
     def verify(self) -> bool:

@@ -368,7 +368,11 @@ def _numbers(
                 except (struct.error, OverflowError):
                     raise SchemaError(f"{want}; {x!r} does not fit {f.dtype}") from None
         level = below
-    return torch.tensor(values, dtype=f.torch_dtype).reshape(shape)  # (0, ...) included
+    try:  # bfloat16 has no struct code: torch says whether it fits, as for write()
+        tensor = torch.tensor(values, dtype=f.torch_dtype)
+    except (OverflowError, RuntimeError):
+        raise SchemaError(f"{want}; the numbers do not fit {f.dtype}") from None
+    return tensor.reshape(shape)  # (0, ...) included
 
 
 def refusal(f: Field, value: Any, code: int) -> str:

@@ -227,7 +227,7 @@ def test_scatter_writes_a_batch_field_by_field(name: str) -> None:
         for field in ("p", "h"):
             t.scatter(slots, field, _batch_of(5, 2)[field])
         t.scatter([], "p", torch.zeros(0, 4))
-        with _Passthrough():  # a torch-function mode: row by row, through write()
+        with _Passthrough():  # a torch-function mode: admit_batch, then one call with it off
             t.scatter(slots, "p", torch.full((2, 4), 9.0))
         t.publish_all(slots)
         leases = t.poll(8)
@@ -293,6 +293,7 @@ def test_scatter_checks_a_batch_before_torch_copies_it(name: str) -> None:
             ("x", [1.0, 1e10, 2.0]),  # torch would make it inf
             ("f", [True, 5, False]),
             ("u", [[1, 2], [3], [4, 5]]),
+            ("h", [[[10**400] * 8] * 2] * 3),  # bfloat16: torch says it does not fit
         ]
         for field, values in numbers:
             with pytest.raises(SchemaError, match=f"field '{field}' takes"):
@@ -349,6 +350,49 @@ def test_scatter_never_writes_a_row_its_handle_was_handed_back_from(name: str, k
         for ws in slots:
             if ws._open:
                 ws.abort()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("into", [False, True])
+def test_copy_never_returns_a_row_its_lease_was_handed_back_from(
+    name: str, k: int, into: bool
+) -> None:
+    """A collection between copy()'s check that the lease is open and its copy (torch.empty
+    allocates) may run Python that hands the lease back and lets a new owner fill the slot:
+    copy() then refuses, rather than return the new owner's row as this lease's."""
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.claim().write(**small_row(1)).publish()
+        lease = t.take()
+        assert lease is not None
+        state: dict[str, int] = {"n": 0}
+
+        def collected(phase: str, info: object) -> None:
+            if phase != "start" or state["n"] < 0:
+                return
+            state["n"] += 1
+            if state["n"] == k:  # the k-th collection from here on
+                state["n"] = -1
+                lease.release()
+                t.claim(tag=9).write(**small_row(99)).publish()
+
+        out = torch.empty(4) if into else None
+        threshold = gc.get_threshold()
+        gc.callbacks.append(collected)
+        gc.set_threshold(1)
+        try:
+            try:
+                got: torch.Tensor | None = lease.copy("p", out=out)
+            except StaleLeaseError:
+                got = None
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(collected)
+        if got is not None:
+            assert got.tolist() == [1.0] * 4
+        if lease._open:
+            lease.release()
+        if (other := t.take(timeout=0)) is not None:
+            other.release()
 
 
 def test_scatter_and_gather_of_a_batch_over_the_rows_themselves(name: str) -> None:

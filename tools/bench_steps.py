@@ -3,13 +3,13 @@ to "why is this target missed".
 
     python tools/bench_steps.py [--rounds N]
 
-Six tables, each step timed on its own over N rounds (median per round, after a warmup):
+Seven tables, each step timed on its own over N rounds (median per round, after a warmup):
 the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
 B echoes the row back through its views, A reads the reply); the same round trip as a user
 first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
 (claim_n, a scatter per field or 64 writes, publish_all, poll, gather of the id,
-release_all) of small and of EAGLE rows; a 1 MiB tensor filled into a loan (ws.alloc) and
-read through lease.tensor.  A last table times the torch calls under them: the checks
+release_all) of small rows, and by scatter of EAGLE rows; a 1 MiB tensor filled into a loan
+(ws.alloc) and read through lease.tensor.  A last table times the torch calls under them: the checks
 write() makes on each tensor, and making a tensor.
 """
 
