@@ -935,10 +935,18 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
         return -1;
     }
     char *rows = stage ? stage : flat;
-    /* The GIL is held throughout the copy, however big the batch.  (It is not held from the
-     * caller's handle check to here: check() asks torch's is_neg, which releases it, so a
-     * thread sharing the table could still hand a handle back in between; tables are one
-     * thread's each, as the README says.) */
+    /* Big copies let other threads run, as in write; an export of our own keeps the mapping
+     * mapped meanwhile.  A table object is one thread's (README, Use): a thread of its own,
+     * with its own attach, cannot hand these handles back. */
+    Py_buffer keep;
+    int big = total >= (1 << 20);
+    if (big && PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(stage);
+        if (at != local)
+            PyMem_Free(at);
+        return -1;
+    }
+    PyThreadState *released = big ? PyEval_SaveThread() : NULL;
     if (stage && !out)
         memcpy(stage, flat, total);
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -950,6 +958,10 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
     }
     if (stage && out)
         memmove(flat, stage, total);
+    if (big) {
+        PyEval_RestoreThread(released);
+        PyBuffer_Release(&keep);
+    }
     PyMem_Free(stage);
     if (at != local)
         PyMem_Free(at);
