@@ -273,17 +273,21 @@ def _codec_specs(
 
 
 def _spec(f: Field) -> tuple[Field, Callable[[Any], Any] | None]:
-    scalar: Callable[[Any], Any] | None = None
-    if f.shape == () and not f.is_handle:
-        code = _SCALAR_CODES.get(f.dtype)
-        if code is not None:
-            scalar = struct.Struct(code).pack
-        else:  # bfloat16 has no struct code
+    return f, _packer(f) if f.shape == () and not f.is_handle else None
 
-            def scalar(value: Any, dtype: torch.dtype = f.torch_dtype) -> Any:
-                return torch.tensor(value, dtype=dtype)
 
-    return f, scalar
+def _packer(f: Field) -> Callable[[Any], Any]:
+    """How one Python number becomes an element of field `f`, refusing one that does not
+    fit (struct.error, OverflowError or RuntimeError): struct packing, or torch for
+    bfloat16, which has no struct code."""
+    code = _SCALAR_CODES.get(f.dtype)
+    if code is not None:
+        return struct.Struct(code).pack
+
+    def to_bfloat16(value: Any, dtype: torch.dtype = f.torch_dtype) -> Any:
+        return torch.tensor(value, dtype=dtype)
+
+    return to_bfloat16
 
 
 def admit(f: Field, value: Any) -> torch.Tensor:
@@ -298,18 +302,26 @@ def admit(f: Field, value: Any) -> torch.Tensor:
     if code < 0 or (f.is_handle and code & _STRIDED):
         raise SchemaError(refusal(f, value, code))
     if code & ~keep:
-        # no autograd, and neither a subclass nor a mode answering in place of the tensor
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            plain = torch.empty(
-                tuple(value.shape), dtype=value.dtype, device=value.device if keep else "cpu"
-            )
-            plain.copy_(value)
-        code = RULES.check(plain, f.torch_dtype, f.shape)
-        if code & ~keep:
-            raise SchemaError(refusal(f, value, code))
-        value = plain
+        value = _plain_copy(f, value, f.shape, keep)
     tensor: torch.Tensor = value
     return tensor
+
+
+def _plain_copy(
+    f: Field, value: torch.Tensor, shape: tuple[int | None, ...], keep: int, what: str = ""
+) -> torch.Tensor:
+    """The plain copy torch makes of `value`, which RULES admitted with codes beyond `keep`
+    (_ON_GPU: a handle's CUDA tensor stays on its GPU), checked again; with no autograd, and
+    neither a subclass nor a mode answering in place of the tensor."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        plain = torch.empty(
+            tuple(value.shape), dtype=value.dtype, device=value.device if keep else "cpu"
+        )
+        plain.copy_(value)
+    code = RULES.check(plain, f.torch_dtype, shape)
+    if code & ~keep:
+        raise SchemaError(what + refusal(f, value, code))
+    return plain
 
 
 def admit_batch(f: Field, values: object, shape: tuple[int, ...], what: str) -> torch.Tensor:
@@ -319,7 +331,7 @@ def admit_batch(f: Field, values: object, shape: tuple[int, ...], what: str) -> 
 
     Everything is checked before torch touches the values (a tensor whose storage no longer
     holds its elements must never be copied: torch would read past it), and the copy is
-    made as admit() makes one, with no autograd and no subclass or mode answering.
+    admit()'s.
     """
     want = f"{what}: field {f.name!r} takes {'an' if f.dtype.startswith('int') else 'a'} "
     want += f"{f.dtype} tensor of shape {shape}"
@@ -334,24 +346,15 @@ def admit_batch(f: Field, values: object, shape: tuple[int, ...], what: str) -> 
         raise SchemaError(f"{want}, got {got}")
     if code < 0:
         raise SchemaError(f"{what}: {refusal(f, values, code)}")
-    if code == PLAIN:
-        return values
-    with torch.no_grad(), torch._C.DisableTorchFunction():
-        plain = torch.empty(shape, dtype=f.torch_dtype, device="cpu")
-        plain.copy_(values)
-    code = RULES.check(plain, f.torch_dtype, shape)
-    if code != PLAIN:
-        raise SchemaError(f"{what}: {refusal(f, values, code)}")
-    return plain
+    return values if code == PLAIN else _plain_copy(f, values, shape, PLAIN, f"{what}: ")
 
 
 def _numbers(
     f: Field, values: list[Any] | tuple[Any, ...], shape: tuple[int, ...], want: str
 ) -> torch.Tensor:
     """The tensor of (nested) lists of numbers, each one of a kind write() takes for the
-    field's dtype and fitting it as write() checks (struct; bfloat16 as torch rounds it)."""
-    code = _SCALAR_CODES.get(f.dtype)
-    pack = struct.Struct(code).pack if code else None
+    field's dtype and fitting it as write() checks (its `_packer`)."""
+    pack = _packer(f)
     level: list[Any] = [values]
     for depth in range(len(shape) + 1):
         below: list[Any] = []
@@ -362,17 +365,13 @@ def _numbers(
                 below.extend(x)
             elif not _is_scalar_for(f.dtype, x):
                 raise SchemaError(f"{want}, or numbers for it; got {type(x).__name__} {x!r}")
-            elif pack is not None:
+            else:
                 try:
                     pack(x)
-                except (struct.error, OverflowError):
+                except (struct.error, OverflowError, RuntimeError):
                     raise SchemaError(f"{want}; {x!r} does not fit {f.dtype}") from None
         level = below
-    try:  # bfloat16 has no struct code: torch says whether it fits, as for write()
-        tensor = torch.tensor(values, dtype=f.torch_dtype)
-    except (OverflowError, RuntimeError):
-        raise SchemaError(f"{want}; the numbers do not fit {f.dtype}") from None
-    return tensor.reshape(shape)  # (0, ...) included
+    return torch.tensor(values, dtype=f.torch_dtype).reshape(shape)  # (0, ...) included
 
 
 def refusal(f: Field, value: Any, code: int) -> str:
