@@ -1365,14 +1365,18 @@ slots_of(PyObject *items)
     return slots;
 }
 
-/* gather(leases, name, out) -> True | False | index: one field of every lease copied into
- * `out` by RowCodec.gather in one loop.  An index: that item is not an open Lease of this
- * table; False: the field or `out` is not the plain case; either way nothing was written. */
+/* RowCodec batch call `method` (gather or scatter) on the slots of the handles listed in
+ * args[0] — each of `type`, of this table, open, and (if `once`) listed once — with args[1]
+ * and args[2]; no garbage collection runs from the check that they are open to the end of
+ * the copy.  The codec's answer (True, or False having moved nothing), an index (that item
+ * refused, nothing done), or NULL; *items: the handles, when the codec was called. */
 static PyObject *
-core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
+codec_on_listed(Core *c, PyObject *const *args, Py_ssize_t nargs, PyTypeObject *type, int once,
+                PyObject *method, const char *usage, PyObject **items)
 {
+    *items = NULL;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "gather(leases, name, out)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     Py_ssize_t bad;
@@ -1380,20 +1384,34 @@ core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (!seq)
         return NULL;
     int gc_was = hold_collection();
-    PyObject *items = listed_handles(c, seq, c->lease, 0, &bad), *r = NULL;
-    int listed = items != NULL;
+    PyObject *listed = listed_handles(c, seq, type, once, &bad), *r = NULL;
     if (listed) {
-        PyObject *slots = slots_of(items);
+        PyObject *slots = slots_of(listed);
         if (slots) {
             PyObject *call[3] = {slots, args[1], args[2]};
-            r = PyObject_Vectorcall(c->gather, call, 3, NULL);
+            r = PyObject_Vectorcall(method, call, 3, NULL);
             Py_DECREF(slots);
         }
-        Py_DECREF(items);
     }
     collection_back(gc_was);
     Py_DECREF(seq);
-    return listed ? r : refused(bad);
+    if (!listed)
+        return refused(bad);
+    *items = listed;
+    return r;
+}
+
+/* gather(leases, name, out) -> True | False | index: one field of every lease copied into
+ * `out` by RowCodec.gather in one loop.  An index: that item is not an open Lease of this
+ * table; False: the field or `out` is not the plain case; either way nothing was written. */
+static PyObject *
+core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *items;
+    PyObject *r = codec_on_listed(c, args, nargs, c->lease, 0, c->gather,
+                                  "gather(leases, name, out)", &items);
+    Py_XDECREF(items);
+    return r;
 }
 
 /* scatter(write_slots, name, values) -> True | False | index: row k of `values` copied into
@@ -1404,34 +1422,15 @@ core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter(write_slots, name, values)");
-        return NULL;
-    }
-    Py_ssize_t bad;
-    PyObject *seq = PySequence_Tuple(args[0]); /* may run Python: before the checks */
-    if (!seq)
-        return NULL;
-    int gc_was = hold_collection();
-    PyObject *items = listed_handles(c, seq, c->write_slot, 1, &bad), *r = NULL;
-    if (items) {
-        PyObject *slots = slots_of(items);
-        if (slots) {
-            PyObject *call[3] = {slots, args[1], args[2]};
-            r = PyObject_Vectorcall(c->scatter, call, 3, NULL);
-            Py_DECREF(slots);
-        }
-    }
-    collection_back(gc_was);
-    Py_DECREF(seq);
-    if (!items)
-        return refused(bad);
+    PyObject *items;
+    PyObject *r = codec_on_listed(c, args, nargs, c->write_slot, 1, c->scatter,
+                                  "scatter(write_slots, name, values)", &items);
     for (Py_ssize_t i = 0; r == Py_True && i < PyTuple_GET_SIZE(items); i++) {
         PyObject *written = lazy_set(&((Handle *)PyTuple_GET_ITEM(items, i))->written);
         if (!written || PySet_Add(written, args[1]) < 0) /* then publish refuses it: unwritten */
             Py_CLEAR(r);
     }
-    Py_DECREF(items);
+    Py_XDECREF(items);
     return r;
 }
 
