@@ -6,6 +6,7 @@ part-way leaves what was done done (and says so) and the rest owned by its handl
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from collections.abc import Sequence
@@ -315,7 +316,10 @@ def test_scatter_checks_a_batch_before_torch_copies_it(name: str) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_scatter_never_writes_a_row_its_handle_was_handed_back_from(name: str, k: int) -> None:
+@pytest.mark.parametrize("how", ["scatter", "write"])
+def test_no_write_lands_in_a_row_its_handle_was_handed_back_from(
+    name: str, k: int, how: str
+) -> None:
     """A garbage collection between the check that a write slot is open and the copy runs
     Python that may abort it and give its slot to a new owner: none happens in between."""
     with SlotTable.create(name, SMALL, slots=3) as t:
@@ -339,7 +343,11 @@ def test_scatter_never_writes_a_row_its_handle_was_handed_back_from(name: str, k
         gc.callbacks.append(collected)
         gc.set_threshold(1)
         try:
-            t._core.scatter(tuple(slots), "p", torch.ones(3, 4))
+            if how == "scatter":
+                t._core.scatter(tuple(slots), "p", torch.ones(3, 4))
+            else:
+                with contextlib.suppress(StaleLeaseError):  # handed back before the check
+                    slots[1].write(p=torch.ones(4))
         finally:
             gc.set_threshold(*threshold)
             gc.callbacks.remove(collected)
@@ -405,9 +413,13 @@ def test_scatter_and_gather_of_a_batch_over_the_rows_themselves(name: str) -> No
         rows = torch.frombuffer(t._segment.mm, dtype=torch.float32, count=64, offset=column)
         t.scatter(slots[1:], "q", rows.view(4, 16)[:3])  # slot k + 1 <- slot k
         assert rows.view(4, 16)[:, 0].tolist() == [0.0, 0.0, 1.0, 2.0]
+        t.publish_all(slots)
+        leases = t.poll(4)
+        assert [lease.slot for lease in leases] == [0, 1, 2, 3]
+        t.gather(leases[:3], "q", rows.view(4, 16)[1:])  # row k + 1 <- slot k
+        assert rows.view(4, 16)[:, 0].tolist() == [0.0, 0.0, 0.0, 1.0]
         del rows
-        for ws in slots:
-            ws.abort()
+        t.release_all(leases)
 
 
 class _Passthrough(torch.overrides.TorchFunctionMode):
