@@ -893,13 +893,43 @@ plain_rows(RowCodec *r, Spec *s, PyObject *t, Py_ssize_t n, int batched, char **
     return code == T_PLAIN;
 }
 
+/* The spec of field `name` if it may be copied in or out here: 1 (*spec set), 0 (no such
+ * field, a handle field, or a torch-function mode on: the tensor calls would run Python,
+ * so the caller's own path copies), -1 (error set). */
+static int
+plain_field(RowCodec *r, PyObject *name, Spec **spec)
+{
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return -1;
+    }
+    PyObject *i = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(r->index, name) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? -1 : 0;
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    if (s->scalar == HANDLE)
+        return 0;
+    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
+    if (!on)
+        return -1;
+    int modes = on != Py_False;
+    Py_DECREF(on);
+    *spec = s;
+    return !modes;
+}
+
 /* Copy field `s` of each of the n slots (a tuple if `batched`, else one int) between its
  * item and row k of `flat` (contiguous, n x nbytes): out of the rows if `out`, else into
  * them.  Every slot is checked before the first copy; -1 (error set) if one is out of
- * range, and nothing was copied. */
+ * range or the codec was released (the checks before may have run Python, which may have
+ * closed the table), and nothing was copied. */
 static int
 move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, char *flat, int out)
 {
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return -1;
+    }
     Py_ssize_t local[64], *at = n <= 64 ? local : PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
     if (!at) {
         PyErr_NoMemory();
@@ -979,35 +1009,20 @@ move_field(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const 
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
-    if (!r->held) {
-        PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return NULL;
-    }
     PyObject *slots = args[0];
     int batched = PyTuple_Check(slots);
     Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
-    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
-    if (!i)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
-    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-    if (s->scalar == HANDLE)
-        Py_RETURN_FALSE;
-    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on); /* a mode would run Python */
-    if (!on)
-        return NULL;
-    int modes = on != Py_False;
-    Py_DECREF(on);
+    Spec *s;
+    int ok = plain_field(r, args[1], &s);
     /* Only an exact tensor is asked here: a subclass would answer the queries with its own
      * Python (which may raise, or change the table); the caller's path copies it first. */
     char *flat;
-    int exact = Py_TYPE(args[2]) == (PyTypeObject *)r->rules->tensor_type;
-    int ok = modes || !exact ? 0 : plain_rows(r, s, args[2], n, batched, &flat);
+    if (ok == 1)
+        ok = Py_TYPE(args[2]) != (PyTypeObject *)r->rules->tensor_type
+                 ? 0
+                 : plain_rows(r, s, args[2], n, batched, &flat);
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
-    if (!r->held) { /* checking `t` may have run Python, which may have closed the table */
-        PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return NULL;
-    }
     if (move_items(r, s, slots, n, batched, flat, out) < 0)
         return NULL;
     Py_RETURN_TRUE;
@@ -1036,34 +1051,14 @@ rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "copied(slot, name)");
         return NULL;
     }
-    if (!r->held) {
-        PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return NULL;
-    }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    if (slot == -1 && PyErr_Occurred())
-        return NULL;
-    if (slot < 0 || slot >= r->nslots) {
-        PyErr_SetString(PyExc_IndexError, "slot out of range");
-        return NULL;
-    }
-    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
-    if (!i)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-    Rules *rules = r->rules;
-    if (s->scalar == HANDLE)
-        Py_RETURN_NONE;
-    PyObject *on = PyObject_CallNoArgs(rules->modes_on); /* a mode would answer torch.empty */
-    if (!on)
-        return NULL;
-    int modes = on != Py_False;
-    Py_DECREF(on);
-    Py_ssize_t ndim = PyTuple_GET_SIZE(s->shape);
-    if (modes || ndim > MAX_DIMS)
-        Py_RETURN_NONE;
+    Spec *s;
+    int ok = plain_field(r, args[1], &s); /* no mode: none answers torch.empty */
+    if (ok != 1 || PyTuple_GET_SIZE(s->shape) > MAX_DIMS)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     /* torch.empty(*shape, dtype=, device=cpu): sizes as separate ints parse fastest; a 0-d
      * field passes the empty tuple. */
+    Rules *rules = r->rules;
+    Py_ssize_t ndim = PyTuple_GET_SIZE(s->shape);
     PyObject *argv[MAX_DIMS + 2];
     Py_ssize_t npos = ndim ? ndim : 1;
     for (Py_ssize_t d = 0; d < ndim; d++)
@@ -1084,18 +1079,13 @@ rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
      * The rules every copy out of a row follows say whether the bytes fit; else the caller's
      * path (which words the refusal). */
     char *dst = NULL;
-    int ok = plain_rows(r, s, out, 1, 0, &dst);
+    ok = plain_rows(r, s, out, 1, 0, &dst);
+    if (ok == 1 && move_items(r, s, args[0], 1, 0, dst, 1) < 0)
+        ok = -1;
     if (ok != 1) {
         Py_DECREF(out);
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
-    if (!r->held) { /* torch ran; a collection in it may have closed the table */
-        Py_DECREF(out);
-        PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return NULL;
-    }
-    if (s->nbytes)
-        memcpy(dst, item_at(r, s, slot), (size_t)s->nbytes);
     return out;
 }
 
@@ -1175,7 +1165,7 @@ rc_dealloc(RowCodec *r)
 static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
     FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
-    FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False having written nothing"),
+    FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False, nothing written"),
     FAST("copied", rc_copied, "copied(slot, name) -> a new tensor of the field's item, or None"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
