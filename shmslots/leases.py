@@ -563,8 +563,7 @@ class Lease(_Handle, LeaseCore):
             # in it may start a collection, whose Python may hand this lease back and let
             # the slot be claimed again: asked again after the copy (a handle never opens
             # again, so open now means open throughout), the row read is this lease's.
-            if not self._open or self._table._closed:
-                self._check_open("copy")
+            self._check_open("copy")
             return made
         fs = self._table._rows.schema.slots.get(name)
         if fs is None:
@@ -587,8 +586,7 @@ class Lease(_Handle, LeaseCore):
         if not codec.gather(self.slot, name, out):
             check_out("copy", f, out, f.fixed_shape)
             out.copy_(self._views().tensors[name])  # a torch-function mode, or a subclass
-        if not self._open or self._table._closed:  # as above: Python ran since the check
-            self._check_open("copy")
+        self._check_open("copy")  # as above: Python ran since the first check
         return out
 
     def verify(self) -> bool:

@@ -333,8 +333,7 @@ def admit_batch(f: Field, values: object, shape: tuple[int, ...], what: str) -> 
     holds its elements must never be copied: torch would read past it), and the copy is
     admit()'s.
     """
-    want = f"{what}: field {f.name!r} takes {'an' if f.dtype.startswith('int') else 'a'} "
-    want += f"{f.dtype} tensor of shape {shape}"
+    want = f"{what}: field {f.name!r} takes {_a_tensor_of(f)} shape {shape}"
     if isinstance(values, (list, tuple)):
         values = _numbers(f, values, shape, want)
     elif not isinstance(values, torch.Tensor):
@@ -374,6 +373,11 @@ def _numbers(
     return torch.tensor(values, dtype=f.torch_dtype).reshape(shape)  # (0, ...) included
 
 
+def _a_tensor_of(f: Field) -> str:
+    """'an int64 tensor of', 'a float32 tensor of': how refusals name what a field takes."""
+    return f"{'an' if f.dtype.startswith('int') else 'a'} {f.dtype} tensor of"
+
+
 def refusal(f: Field, value: Any, code: int) -> str:
     """Why RULES refused `value` for field `f` (a reason code other than PLAIN)."""
     with torch._C.DisableTorchFunction():  # the tensor's own dtype, shape, device
@@ -387,9 +391,7 @@ def _refusal(f: Field, value: Any, code: int) -> str:
         if f.shape == () and not f.is_handle:
             number = " or a Python bool" if f.dtype == "bool" else " or a Python number"
         return (
-            f"field {name!r} takes {'an' if f.dtype.startswith('int') else 'a'} {f.dtype} "
-            "tensor of "
-            f"shape {f.shape}{number}, "
+            f"field {name!r} takes {_a_tensor_of(f)} shape {f.shape}{number}, "
             f"got {type(value).__name__}"
         )
     if code == _DTYPE:
