@@ -156,19 +156,6 @@ class ShmEnd:
         ws.write(**{self._out_id: rid}, **self._values)
         ws.publish()
 
-    def claim_loaned(self, rid: int) -> None:
-        """send, with the tensor payload filled into a loaned arena tensor (ws.alloc): the
-        one copy a producer makes anyway, straight into the pages the reader maps, made by
-        memmove as the bare ring makes its copy (torch's copy_ into pages not in cache took
-        about twice as long here)."""
-        ws = self._out.claim(tag=1, timeout=STALL_S)
-        payload = self._values["x"]
-        loan = ws.alloc("x", tuple(payload.shape))
-        ctypes.memmove(loan.data_ptr(), payload.data_ptr(), payload.nbytes)
-        del loan
-        ws.write(**{self._out_id: rid})
-        ws.publish()
-
     def recv(self) -> int:
         lease = self._take()
         rid = self._read(lease)
@@ -225,10 +212,19 @@ class LoanEnd(ShmEnd):
     """Busy-polled, tensor payloads written into a loan (ws.alloc) instead of copied in."""
 
     def send(self, rid: int) -> None:
-        if self._out_kind.tensor:
-            self.claim_loaned(rid)
-        else:
+        """The payload is filled into the loan by memmove, as the bare ring makes its copy
+        (torch's copy_ into pages not in cache was slower here): the one copy a producer
+        makes anyway, straight into the pages the reader maps."""
+        if not self._out_kind.tensor:
             super().send(rid)
+            return
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        payload = self._values["x"]
+        loan = ws.alloc("x", tuple(payload.shape))
+        ctypes.memmove(loan.data_ptr(), payload.data_ptr(), payload.nbytes)
+        del loan
+        ws.write(**{self._out_id: rid})
+        ws.publish()
 
 
 def open_loan(names: tuple[str, str], kind: Kind, role: str) -> End:
