@@ -16,6 +16,11 @@ def prefill(name: str, idx: int, room: int) -> None:
         req = SimpleNamespace(
             metadata_buffer_index=idx,
             output_ids=[1234],
+            cached_tokens=0,
+            cached_tokens_device=0,
+            cached_tokens_host=0,
+            cached_tokens_storage=0,
+            return_logprob=False,
             output_topk_p=torch.tensor([0.5, 0.25]),
             output_topk_index=torch.tensor([17, 42]),
             hidden_states_tensor=torch.full((256,), 0.25, dtype=torch.bfloat16),
@@ -26,9 +31,12 @@ def prefill(name: str, idx: int, room: int) -> None:
 
 def main() -> int:
     name = sys.argv[1] if len(sys.argv) > 1 else "sglang-decode"
-    with MetadataBuffers(4, 256, torch.bfloat16, table_name=name) as buffers:
-        allocator = ReqToMetadataIdxAllocator(4, buffers)
+    # SGLang's scheduler's order: the allocator, then the buffers (the last is
+    # max_sampling_mask_tokens, for when SGLANG_ENABLE_DISAGG_SAMPLING_MASK is on)
+    allocator = ReqToMetadataIdxAllocator(4)
+    with MetadataBuffers(4, 256, torch.bfloat16, 16, table_name=name) as buffers:
         req = SimpleNamespace(metadata_buffer_index=allocator.alloc(), bootstrap_room=77)
+        allocator.bind(req, req.metadata_buffer_index)  # the plugin binds SGLang's Req
         engine = mp.get_context("spawn").Process(
             target=prefill, args=(name, req.metadata_buffer_index, req.bootstrap_room)
         )
@@ -37,7 +45,10 @@ def main() -> int:
         idx = req.metadata_buffer_index
         assert buffers.bootstrap_room[idx, 0] != 0  # the metadata gate: it has arrived
         # pop_transferred: commit (no copy), room check, then SGLang frees at once
-        output_ids, *logprobs, topk_p, topk_index, hidden, room = buffers.get_buf(idx)
+        output_ids, *logprobs, topk_p, topk_index, hidden, dsa, room = buffers.get_buf(idx)
+        assert dsa is None  # switched off; the sampling mask too (three more Nones)
+        assert output_ids is not None and topk_p is not None and topk_index is not None
+        assert hidden is not None and room is not None
         assert int(room[0]) == req.bootstrap_room
         buffers.clear_slot(idx)
         allocator.free(idx)  # deferred: the request still owns its row

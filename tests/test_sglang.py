@@ -1,8 +1,10 @@
-"""`shmslots.sglang` holds SGLang's contract: its addressing, field table and calls, in order.
+"""`shmslots.sglang`'s own API, beyond what SGLang's code can drive here.
 
-The rules are a copy of SGLang 0.5.23's (`sglang/srt/disaggregation/utils.py`, `decode.py`),
-not SGLang itself: field i of index s at `ptrs[i] + item_lens[i] * s`, the fields and their
-item lengths, alloc / get_buf / clear_slot / free / release, abort at every stage.
+A prefill side attached by name in another process, writes by address (`write_by_address`),
+a decode side SIGKILLed holding rows, strict refusals, the three policies under load, and
+the request-level calls on requests bound with `bind()`.  The calls are SGLang 0.5.23's, in
+its order, but SGLang is not running: these test shmslots' rules, not compatibility.  SGLang's
+own code runs against the same classes in test_sglang_upstream.py.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from shmslots.sglang import (
     metadata_fields,
 )
 from workers import sglang_flow
-from workers.sglang_flow import HIDDEN, ROOM, TOPK, TOPK_INDEX, TOPK_P, prefill_request
+from workers.sglang_flow import HIDDEN, ROOM, TOPK, TOPK_INDEX, TOPK_P, prefill_request, row_of
 
 HIDDEN_SIZE = 256
 # SGLang's buffers, in get_buf_infos() order, with one row's bytes each
@@ -56,8 +58,8 @@ SGLANG_ITEM_LENS = {
 def _decode_side(
     name: str, size: int = 4, window_s: float = 0.3
 ) -> tuple[MetadataBuffers, ReqToMetadataIdxAllocator]:
-    buffers = MetadataBuffers(size, HIDDEN_SIZE, torch.bfloat16, table_name=name)
-    return buffers, ReqToMetadataIdxAllocator(size, buffers, late_write_window_s=window_s)
+    allocator = ReqToMetadataIdxAllocator(size, late_write_window_s=window_s)
+    return MetadataBuffers(size, HIDDEN_SIZE, torch.bfloat16, 16, table_name=name), allocator
 
 
 def _transfer(name: str, idx: int, rid: int) -> None:
@@ -100,16 +102,18 @@ def test_buffer_infos_are_sglangs_fields_in_order_with_its_item_lengths(name: st
         assert idx is not None
         _transfer(name, idx, 41)
         buf = buffers.get_buf(idx)
-        for k, view in enumerate(buf):  # every view is the engine's address for (field, idx)
+        assert len(buf) == 14 and sum(t is None for t in buf) == 4  # sampling mask, DSA: off
+        views = [t for t in buf if t is not None]
+        for k, view in enumerate(views):  # every view is the engine's address for (field, idx)
             assert view.data_ptr() == ptrs[k] + item_lens[k] * idx
-        assert [t.dtype for t in buf] == [torch.int32, torch.int32, torch.float32, torch.int32,
+        assert [t.dtype for t in views] == [torch.int32, torch.int32, torch.float32, torch.int32,
                                           torch.float32, torch.int32, torch.float32, torch.int64,
                                           torch.bfloat16, torch.uint64]  # fmt: skip
-        del buf, view
+        del buf, view, views
         allocator.release(idx)
-    assert [f.name for f in metadata_fields(16, torch.float32)] == list(SGLANG_ITEM_LENS)
+    assert [f.name for f in metadata_fields(16, torch.float32, 16)] == list(SGLANG_ITEM_LENS)
     with pytest.raises(SchemaError, match="multiple of 64"):
-        metadata_fields(100, torch.bfloat16)  # 200-byte rows: SGLang's engines would disagree
+        metadata_fields(100, torch.bfloat16, 16)  # 200-byte rows: SGLang's engines would disagree
 
 
 @pytest.mark.timeout(120)
@@ -131,18 +135,20 @@ def test_sglangs_calls_in_order_keep_the_draft_state_until_it_is_consumed(
                 consumed = [req for req, _ in batch]
                 del batch  # the batch drops its views
                 allocator.release_consumed(consumed)  # the one call SGLang lacks
-                assert all(req.metadata_buffer_index == -1 for req in consumed)
+                assert all(allocator.slot_of(req) is None for req in consumed)
                 idx = allocator.alloc()
             assert buffers.bootstrap_room[idx, 0] == 0  # the gate: not arrived yet
             jobs.put((idx, rid))  # the index goes to prefill, which writes by address
             assert done.get(timeout=30) == rid  # the engine says the transfer is done
             assert buffers.bootstrap_room[idx, 0] == rid + 1  # arrived
-            buf = buffers.get_buf(idx)  # commit, in place
+            buf = row_of(buffers.get_buf(idx))  # commit, in place
             assert int(buf[ROOM][0]) == rid + 1  # SGLang's room check
             buffers.clear_slot(idx)
             allocator.free(idx)  # right after commit, as SGLang does: deferred
             assert buffers.table.slot_info(idx)[0] is State.HELD
-            parked.append((Req(rid, idx), buf))
+            req = Req(rid, idx)
+            allocator.bind(req, idx)
+            parked.append((req, buf))
         del buf
         jobs.put(None)
         assert all(_intact(buf, req.rid) for req, buf in parked)
@@ -183,10 +189,13 @@ def test_misuse_raises_instead_of_corrupting_the_free_list(name: str) -> None:
         with pytest.raises(OwnershipError, match="double free"):
             allocator.free(b)
         assert allocator.available_size() == 1  # b waits out its late-write window
-        with pytest.raises(OwnershipError, match="already"):
-            ReqToMetadataIdxAllocator(2, buffers)
-        with pytest.raises(SchemaError, match="size"):
-            ReqToMetadataIdxAllocator(3, buffers)
+    with pytest.raises(OwnershipError, match="ReqToMetadataIdxAllocator"):
+        MetadataBuffers(2, HIDDEN_SIZE, torch.bfloat16, 16, table_name=name)  # none built
+    ReqToMetadataIdxAllocator(3)
+    with pytest.raises(OwnershipError, match="ReqToMetadataIdxAllocator"):
+        MetadataBuffers(2, HIDDEN_SIZE, torch.bfloat16, 16, table_name=name)  # not its size
+    with pytest.raises(OwnershipError, match="no MetadataBuffers"):
+        ReqToMetadataIdxAllocator(2).alloc()
 
 
 @pytest.mark.timeout(60)
@@ -198,6 +207,7 @@ def test_abort_at_every_stage(name: str, stage: str) -> None:
         idx = allocator.alloc()
         assert idx is not None
         req = Req(0, idx)
+        allocator.bind(req, idx)
         if stage == "before transfer":
             allocator.abort_request(req)
         elif stage == "during transfer":
@@ -205,7 +215,7 @@ def test_abort_at_every_stage(name: str, stage: str) -> None:
             _transfer(name, idx, 0)  # the engine was slow: its write lands after the abort
         else:
             _transfer(name, idx, 0)
-            buf = buffers.get_buf(idx)
+            buf = row_of(buffers.get_buf(idx))
             allocator.free(idx)
             if stage == "after consumption":
                 assert _intact(buf, 0)
@@ -215,10 +225,10 @@ def test_abort_at_every_stage(name: str, stage: str) -> None:
                 del buf
             allocator.abort_request(req)  # after consumption: nothing left to do
             assert allocator.available_size() == 1  # released at once
-            assert req.metadata_buffer_index == -1
+            assert allocator.slot_of(req) is None
             allocator.abort_request(req)  # a second abort is no second release
             return
-        assert req.metadata_buffer_index == -1
+        assert allocator.slot_of(req) is None
         assert allocator.available_size() == 0 and allocator.alloc() is None  # quarantined
         assert buffers.table.slot_info(idx)[0] is State.RESERVED
         deadline = time.monotonic() + 5
@@ -249,7 +259,7 @@ def test_a_late_write_from_an_aborted_transfer_never_reaches_the_next_request(
             time.sleep(0.02)
             if (second := allocator.alloc()) is not None:
                 _transfer(name, second, 1)
-        buf = buffers.get_buf(second)
+        buf = row_of(buffers.get_buf(second))
         assert _intact(buf, 1)  # request 1's own row
         del buf
         allocator.release(second)
@@ -274,8 +284,8 @@ def test_the_sglang_flow_holds_under_hold_and_clone_and_breaks_under_early_relea
 
 def _decode_that_dies(name: str, ready: Any) -> None:
     """A decode side holding a committed row and a reservation when it is SIGKILLed."""
-    buffers = MetadataBuffers.attach(name, role="decode")
-    allocator = ReqToMetadataIdxAllocator(buffers.size, buffers)
+    allocator = ReqToMetadataIdxAllocator(4)
+    buffers = MetadataBuffers.attach(name, role="decode", allocator=allocator)
     held, _reserved = allocator.alloc(), allocator.alloc()
     assert held is not None
     buffers.set_buf(prefill_request(5, held, HIDDEN_SIZE))
@@ -288,7 +298,8 @@ def _decode_that_dies(name: str, ready: Any) -> None:
 def test_a_dead_decode_sides_slots_all_come_back(name: str, children: Children) -> None:
     """Its committed rows are dropped, not queued for a reader that will never come, and its
     reservations freed: the table is whole again after a reap."""
-    buffers = MetadataBuffers(4, HIDDEN_SIZE, torch.bfloat16, table_name=name)
+    ReqToMetadataIdxAllocator(4)
+    buffers = MetadataBuffers(4, HIDDEN_SIZE, torch.bfloat16, 16, table_name=name)
     with buffers:
         ready = SPAWN.Event()
         proc = children.start(_decode_that_dies, name, ready)
@@ -343,7 +354,7 @@ def test_a_table_that_is_not_sglangs_is_refused(name: str) -> None:
     fields = [Field("bootstrap_room", "int8", (3,))]
     with SlotTable.create(name, fields, slots=2), pytest.raises(IncompatibleTable):
         MetadataBuffers.attach(name)
-    fields = list(metadata_fields(HIDDEN_SIZE, torch.bfloat16))  # SGLang's fields, but a
+    fields = list(metadata_fields(HIDDEN_SIZE, torch.bfloat16, 16))  # SGLang's fields, but a
     redeliver = f"{name}-redeliver"  # dead decode side's rows would be queued for nobody
     with SlotTable.create(redeliver, fields, slots=2), pytest.raises(IncompatibleTable):
         MetadataBuffers.attach(redeliver)
@@ -355,7 +366,7 @@ def test_a_refused_release_keeps_the_index_the_requests(name: str) -> None:
         idx = allocator.alloc()
         assert idx is not None
         _transfer(name, idx, 3)
-        buf = buffers.get_buf(idx)
+        buf = row_of(buffers.get_buf(idx))
         with warnings.catch_warnings():
             warnings.simplefilter("error", LeakedViewWarning)
             with pytest.raises(LeakedViewWarning):

@@ -34,14 +34,21 @@ from typing import Literal
 import torch
 
 from shmslots import LeakedViewWarning
-from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
+from shmslots.sglang import GET_BUF_ORDER, MetadataBuffers, ReqToMetadataIdxAllocator
 
 Policy = Literal["hold", "clone", "early-release"]
 POLICIES: tuple[Policy, ...] = ("hold", "clone", "early-release")
 TOPK = 8
-# get_buf()'s tuple, in SGLang's order
-OUTPUT_IDS, ROOM = 0, 9
-TOPK_P, TOPK_INDEX, HIDDEN = 6, 7, 8
+# places in get_buf()'s tuple, SGLang's order
+OUTPUT_IDS, ROOM = GET_BUF_ORDER.index("output_ids"), GET_BUF_ORDER.index("bootstrap_room")
+TOPK_P, TOPK_INDEX = GET_BUF_ORDER.index("output_topk_p"), GET_BUF_ORDER.index("output_topk_index")
+HIDDEN = GET_BUF_ORDER.index("output_hidden_states")
+_OFF = torch.empty(0)
+
+
+def row_of(buf: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    """get_buf()'s row with each switched-off field (None) as an empty tensor, places kept."""
+    return tuple(_OFF if t is None else t for t in buf)
 
 
 def prefill_request(rid: int, idx: int, hidden: int) -> SimpleNamespace:
@@ -51,6 +58,9 @@ def prefill_request(rid: int, idx: int, hidden: int) -> SimpleNamespace:
         metadata_buffer_index=idx,
         output_ids=[rid % 50_000],
         cached_tokens=rid % 13,
+        cached_tokens_device=rid % 7,
+        cached_tokens_host=0,
+        cached_tokens_storage=0,
         return_logprob=False,
         output_topk_p=torch.arange(TOPK, dtype=torch.float32) / (rid + 1),
         output_topk_index=torch.arange(TOPK, dtype=torch.int64) + 1000 * rid,
@@ -116,15 +126,13 @@ class _Req:
 
 def decode(
     buffers: MetadataBuffers,
+    allocator: ReqToMetadataIdxAllocator,
     cfg: FlowConfig,
     jobs: Queue[tuple[int, int] | None],
     done: Queue[int],
 ) -> FlowReport:
     """The decode scheduler: SGLang's calls, in SGLang's order, under `cfg.policy`."""
     rng = random.Random(cfg.seed)
-    allocator = ReqToMetadataIdxAllocator(
-        cfg.slots, buffers, late_write_window_s=cfg.late_write_window_s
-    )
     report = FlowReport(cfg.policy)
     in_flight: dict[int, _Req] = {}
     waiting: deque[_Req] = deque()
@@ -136,6 +144,7 @@ def decode(
             # prealloc: a slot per new request while there is room, sent to prefill
             while next_rid < cfg.requests and (idx := allocator.alloc()) is not None:
                 req = _Req(next_rid, idx)
+                allocator.bind(req, idx)
                 next_rid += 1
                 in_flight[req.rid] = req
                 jobs.put((idx, req.rid))
@@ -181,7 +190,7 @@ def _pop_transferred(
             continue
         idx = req.metadata_buffer_index
         assert buffers.bootstrap_room[idx, 0] != 0  # the metadata gate
-        buf = buffers.get_buf(idx)
+        buf = row_of(buffers.get_buf(idx))
         if int(buf[ROOM][0]) != rid + 1:  # SGLang's room check
             allocator.abort_request(req)
             ended += 1
@@ -253,11 +262,13 @@ def run(cfg: FlowConfig, name: str) -> FlowReport:
     ctx = multiprocessing.get_context("spawn")
     jobs: Queue[tuple[int, int] | None] = ctx.Queue()
     done: Queue[int] = ctx.Queue()
-    with MetadataBuffers(cfg.slots, cfg.hidden, torch.bfloat16, table_name=name) as buffers:
+    # SGLang's scheduler's order: the allocator, then the buffers it hands out
+    allocator = ReqToMetadataIdxAllocator(cfg.slots, late_write_window_s=cfg.late_write_window_s)
+    with MetadataBuffers(cfg.slots, cfg.hidden, torch.bfloat16, 16, table_name=name) as buffers:
         proc = ctx.Process(target=prefill, args=(name, cfg.hidden, jobs, done), daemon=True)
         proc.start()
         try:
-            report = decode(buffers, cfg, jobs, done)
+            report = decode(buffers, allocator, cfg, jobs, done)
             proc.join(30)
         finally:
             if proc.is_alive():
@@ -268,4 +279,13 @@ def run(cfg: FlowConfig, name: str) -> FlowReport:
     return report
 
 
-__all__ = ["POLICIES", "FlowConfig", "FlowReport", "Policy", "decode", "prefill", "run"]
+__all__ = [
+    "POLICIES",
+    "FlowConfig",
+    "FlowReport",
+    "Policy",
+    "decode",
+    "prefill",
+    "row_of",
+    "run",
+]

@@ -1,0 +1,177 @@
+"""shmslots as an SGLang general plugin: SGLang's own decode scheduler, unchanged, on shmslots.
+
+Registered under the `sglang.srt.plugins` entry-point group as `shmslots`; SGLang's
+`load_plugins()` calls `register()` in every scheduler process.  It does nothing unless
+`SHMSLOTS_SGLANG=1`, so installing shmslots leaves SGLang as shipped.  Switched on, it
+registers hooks with SGLang's `HookRegistry`:
+
+- the decode side's `ReqToMetadataIdxAllocator` and `MetadataBuffers` are shmslots' (one
+  table per scheduler process, named `sglang-<port>-tp<rank>-<pid>`).  The prefill side keeps
+  SGLang's own: it frees an index only after its transfer is done, and nothing there holds
+  views of a row past that, so it has no bug to fix;
+- after `DecodeTransferQueue.pop_transferred`, each row committed and freed there is bound to
+  its `Req` if the request was kept, and handed back at once if it was aborted at commit
+  (room mismatch, room 0); failed transfers are SGLang's own `free()` before commit, which
+  holds the slot for the late-write window;
+- after `process_prebuilt` has stacked each request's draft state into the batch, that state
+  is dropped from the `Req` and its slot is released;
+- after `Scheduler._release_aborted_request` (an abort in the waiting queue), the slot is
+  aborted; a request garbage-collected holding a slot hands it back; at exit every slot is
+  handed back and the table unlinked;
+- a request retracted after its slot went back is resumed with a zero draft state, which the
+  target model's verify rejects (SGLang reuses the first token's stale one there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from .buffers import MetadataBuffers, ReqToMetadataIdxAllocator
+
+ENV = "SHMSLOTS_SGLANG"
+UTILS = "sglang.srt.disaggregation.utils"
+DECODE = "sglang.srt.disaggregation.decode"
+MIXIN = "sglang.srt.disaggregation.decode_schedule_batch_mixin"
+SCHEDULER = "sglang.srt.managers.scheduler"
+# the Req attributes that carry a committed row's draft state (views of the row)
+DRAFT_STATE = ("output_topk_p", "output_topk_index", "hidden_states_tensor")
+DSA_STATE = "output_dsa_topk_indices"
+
+_sglang_classes: dict[str, Any] = {}  # SGLang's own classes, for the prefill side
+_allocators: weakref.WeakSet[ReqToMetadataIdxAllocator] = weakref.WeakSet()
+_drained: weakref.WeakKeyDictionary[Any, ReqToMetadataIdxAllocator] = weakref.WeakKeyDictionary()
+
+
+def active() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def register() -> None:
+    """SGLang's entry point: register the hooks when `SHMSLOTS_SGLANG=1`."""
+    if not active():
+        return
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _sglang_classes.setdefault("allocator", utils.ReqToMetadataIdxAllocator)
+    _sglang_classes.setdefault("buffers", utils.MetadataBuffers)
+    hooks = [
+        (f"{UTILS}.ReqToMetadataIdxAllocator", DecodeAllocator, HookType.REPLACE),
+        (f"{UTILS}.MetadataBuffers", DecodeMetadataBuffers, HookType.REPLACE),
+        (f"{DECODE}.DecodeTransferQueue.pop_transferred", _pop_transferred, HookType.AROUND),
+        (f"{DECODE}.DecodePreallocQueue.resume_retracted_reqs", _resumed, HookType.AFTER),
+        (
+            f"{MIXIN}.ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
+            _prebuilt,
+            HookType.AFTER,
+        ),
+        (f"{SCHEDULER}.Scheduler._release_aborted_request", _aborted, HookType.AFTER),
+    ]
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
+
+
+def _on_decode_side() -> bool:
+    from sglang.srt.runtime_context import get_disagg
+
+    return bool(get_disagg().disaggregation_mode == "decode")
+
+
+def _table_name() -> str:
+    """Which server and TP rank a table belongs to, for `shmslots ls` and `inspect`."""
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    try:
+        port, rank = get_server_args().port, get_parallel().tp_rank
+    except (AttributeError, RuntimeError, ValueError):
+        port, rank = "x", "x"
+    return f"sglang-{port}-tp{rank}-{os.getpid()}"
+
+
+class DecodeAllocator(ReqToMetadataIdxAllocator):
+    """SGLang's `ReqToMetadataIdxAllocator` as its scheduler names it: shmslots' on the decode
+    side, SGLang's own elsewhere."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not _on_decode_side():
+            return _sglang_classes["allocator"](*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, size: int, **kwargs: Any) -> None:
+        super().__init__(size, **kwargs)
+        _allocators.add(self)
+
+
+class DecodeMetadataBuffers(MetadataBuffers):
+    """SGLang's `MetadataBuffers` as its scheduler names it: shmslots' on the decode side
+    (closed and unlinked at exit), SGLang's own elsewhere."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not _on_decode_side():
+            return _sglang_classes["buffers"](*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("table_name", _table_name())
+        super().__init__(*args, **kwargs)
+        atexit.register(self.close)
+
+
+def _allocator_of(queue: Any) -> ReqToMetadataIdxAllocator | None:
+    allocator = queue.req_to_metadata_buffer_idx_allocator
+    return allocator if isinstance(allocator, ReqToMetadataIdxAllocator) else None
+
+
+def _pop_transferred(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+    allocator = _allocator_of(queue)
+    if allocator is None:
+        return original(queue, *args, **kwargs)
+    pending = [(dr.req, dr.metadata_buffer_index) for dr in queue.queue]
+    kept = original(queue, *args, **kwargs)
+    allocator.settle_commits(pending, kept)
+    return kept
+
+
+def _prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """The batch has stacked its requests' draft state: drop it from each request, then
+    hand its slot back."""
+    for allocator in list(_allocators):
+        held = [req for req in batch.reqs if allocator.slot_of(req) is not None]
+        for req in held:
+            if req.hidden_states_tensor is not None:
+                _drained[req] = allocator
+            _drop_draft_state(req)
+        allocator.release_consumed(held)
+
+
+def _aborted(result: Any, scheduler: Any, req: Any) -> None:
+    """An aborted request's draft state is never read: drop it, then abort its slot."""
+    for allocator in list(_allocators):
+        if allocator.slot_of(req) is not None:
+            _drop_draft_state(req)
+            allocator.abort_request(req)
+
+
+def _drop_draft_state(req: Any) -> None:
+    for name in (*DRAFT_STATE, DSA_STATE):
+        setattr(req, name, None)
+
+
+def _resumed(resumed: Any, *args: Any, **kwargs: Any) -> None:
+    """A retracted request whose draft state went with its slot gets a zero one (shaped as
+    the table's fields), so SGLang's draft builder finds what it expects."""
+    for req in resumed or ():
+        allocator = _drained.pop(req, None)
+        if allocator is None or allocator.buffers is None:
+            continue
+        slots = allocator.buffers.table.schema.slots
+        for name, field in zip(
+            DRAFT_STATE, ("output_topk_p", "output_topk_index", "output_hidden_states"), strict=True
+        ):
+            f = slots[field].field
+            setattr(req, name, torch.zeros(f.fixed_shape, dtype=f.torch_dtype))

@@ -1,0 +1,278 @@
+"""SGLang 0.5.23's own decode code on shmslots, through the plugin SGLang's `load_plugins()` loads.
+
+Not a copy of SGLang's rules: `pop_transferred`, `_commit_transfer_to_req`, the metadata gate,
+`AuxDataCodec`, `set_buf`, `process_prebuilt` and `build_eagle_disagg_draft_input` are SGLang's
+(tests/sglang_env.py says what stands in, and why).  The plugin is switched on in this process
+(`SHMSLOTS_SGLANG=1`), as in a decode scheduler; a child process checks SGLang without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sglang_env as env
+import torch
+
+from shmslots import InvalidSlot, OwnershipError, ShmSlotsError
+from shmslots.sglang import GET_BUF_ORDER, MetadataBuffers, ReqToMetadataIdxAllocator
+from shmslots.sglang.plugin import DecodeAllocator, DecodeMetadataBuffers
+
+pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLANG_MISSING or "")
+HIDDEN, TOPK = 64, 4
+
+
+@pytest.fixture(scope="module")
+def sglang_decode() -> None:
+    env.load_sglang(plugin=True)
+    env.start_decode_runtime(TOPK)
+
+
+@pytest.fixture
+def lanes(sglang_decode: None) -> Iterator[list[env.Lane]]:
+    made: list[env.Lane] = []
+    yield made
+    for lane in made:
+        lane.close()
+
+
+def _lane(lanes: list[env.Lane], slots: int = 4, **kwargs: Any) -> env.Lane:
+    lane = env.Lane(slots, HIDDEN, TOPK, **kwargs)
+    lanes.append(lane)
+    return lane
+
+
+def _rid(req: Any) -> int:
+    return int(req.rid.split("-")[1])
+
+
+def _owned(lane: env.Lane) -> int:
+    """Slots owned in the table itself (not the allocator's own count)."""
+    return sum(n for state, n in lane.buffers.table.stats().states.items() if state != "FREE")
+
+
+def test_the_scheduler_builds_shmslots_buffers_with_sglangs_item_lengths(
+    lanes: list[env.Lane],
+) -> None:
+    lane = _lane(lanes, dsa_dim=64)
+    assert isinstance(lane.allocator, DecodeAllocator)
+    assert isinstance(lane.buffers, DecodeMetadataBuffers)
+    assert not isinstance(lane.prefill, MetadataBuffers)  # the prefill side keeps SGLang's
+    _, data_lens, item_lens = lane.buffers.get_buf_infos()
+    assert (data_lens, item_lens) == tuple(lane.prefill.get_buf_infos()[1:])
+    assert lane.buffers.enable_sampling_mask is lane.prefill.enable_sampling_mask is False
+    assert (
+        lane.buffers.table.name.startswith("sglang-")
+        and f"-{os.getpid()}" in lane.buffers.table.name
+    )
+
+
+def test_optional_fields_follow_sglangs_switches(
+    sglang_decode: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_DISAGG_SAMPLING_MASK", "1")
+    args: dict[str, Any] = dict(
+        hidden_size=HIDDEN,
+        hidden_states_dtype=torch.float16,
+        max_sampling_mask_tokens=32,
+        max_top_logprobs_num=64,
+        custom_mem_pool=None,
+        output_dsa_topk_indices_dim=48,
+        kv_checksum_enabled=True,
+    )
+    theirs = env.SGLANG_CLASSES["buffers"](8, **args)
+    ReqToMetadataIdxAllocator(8)
+    with MetadataBuffers(8, **args) as ours:
+        assert ours.get_buf_infos()[1:] == theirs.get_buf_infos()[1:]
+        assert ours.enable_sampling_mask and ours.output_dsa_topk_indices_dim == 48
+        idx = ours._allocator.alloc()  # type: ignore[union-attr]
+        assert idx is not None
+        req = env.sglang_req(3, HIDDEN, TOPK)
+        req.metadata_buffer_index = idx
+        ours.set_kv_checksum(req, 0xDEAD, 0xBEEF)
+        assert ours.get_kv_checksum(idx) == (0xDEAD, 0xBEEF)
+        row = ours.get_buf(idx)
+        assert len(row) == len(GET_BUF_ORDER) == 14
+        dsa = row[GET_BUF_ORDER.index("output_dsa_topk_indices")]
+        assert dsa is not None and int(dsa[0]) == -1  # SGLang's "none written"
+        del dsa
+        del row
+
+
+def test_pop_transferred_commits_every_transfer_in_place_and_each_draft_survives_slot_reuse(
+    lanes: list[env.Lane],
+) -> None:
+    lane = _lane(lanes)
+    rng = random.Random(7)
+    ptrs, data_lens, _ = lane.buffers.get_buf_infos()
+    hidden_column = lane.buffers._names.index("output_hidden_states")
+    ptr, data_len = ptrs[hidden_column], data_lens[hidden_column]
+    waiting: list[Any] = []
+    sent = checked = 0
+    while checked < 60:
+        while sent < 60 and lane.allocator.available_size() > 0 and rng.random() < 0.7:
+            lane.land(lane.send(sent))
+            sent += 1
+        for req in lane.pop():
+            # zero copy: the request's draft state is a view of its slot's row
+            assert ptr <= req.hidden_states_tensor.data_ptr() < ptr + data_len
+            waiting.append(req)
+        rng.shuffle(waiting)
+        take = rng.randint(1, 3)
+        batch, waiting = waiting[:take], waiting[take:]
+        if not batch:
+            continue
+        spec = lane.prebuild(batch).spec_info
+        for i, req in enumerate(batch):
+            topk_p, topk_index, hidden = env.expected_draft(_rid(req), HIDDEN, TOPK)
+            assert torch.equal(spec.topk_p[i], topk_p)
+            assert torch.equal(spec.topk_index[i], topk_index)
+            assert torch.equal(spec.hidden_states[i], hidden)
+            assert req.output_ids == [_rid(req) % 50_000]
+            assert req.hidden_states_tensor is None  # consumed, and its slot handed back
+        checked += len(batch)
+    stats = lane.allocator.stats
+    assert stats.committed == stats.deferred_frees == stats.released == 60
+    assert lane.allocator.available_size() == 4 and _owned(lane) == 0
+
+
+def test_a_failed_transfer_holds_its_slot_for_the_late_write_window(
+    lanes: list[env.Lane],
+) -> None:
+    lane = _lane(lanes, slots=2)
+    lane.allocator.quarantine.window_s = 0.3
+    failed = lane.send(1)
+    failed.kv_receiver.fail()  # KVPoll.Failed: SGLang frees the index before any commit
+    assert lane.pop() == []
+    assert lane.allocator.available_size() == 1 and _owned(lane) == 1
+    ok = lane.send(2)
+    lane.land(failed, succeed=False)  # the failed transfer's write lands late
+    lane.land(ok)
+    [req] = lane.pop()
+    assert _rid(req) == 2 and ok.metadata_buffer_index != failed.metadata_buffer_index
+    lane.prebuild([req])
+    deadline = time.monotonic() + 5
+    while lane.allocator.available_size() < 2:
+        assert time.monotonic() < deadline
+    again = lane.send(3)  # the quarantined slot, reset: the gate waits for this transfer
+    assert lane.buffers.bootstrap_room[again.metadata_buffer_index, 0].item() == 0
+    lane.land(again)
+    [req] = lane.pop()
+    spec = lane.prebuild([req]).spec_info
+    assert torch.equal(spec.hidden_states[0], env.expected_draft(3, HIDDEN, TOPK)[2])
+
+
+def test_a_room_mismatch_at_commit_hands_the_slot_back_at_once(lanes: list[env.Lane]) -> None:
+    lane = _lane(lanes, slots=2)
+    decode_req = lane.send(5)
+    decode_req.req.bootstrap_room = 999  # the row that lands is another request's
+    lane.land(decode_req)
+    assert lane.pop() == []
+    assert decode_req.req.finished_reason is not None  # SGLang aborted it
+    assert lane.allocator.available_size() == 2 and _owned(lane) == 0
+    assert lane.allocator.stats.released == 1
+
+
+def test_an_abort_in_the_waiting_queue_releases_once_and_a_stale_one_spares_the_next_owner(
+    lanes: list[env.Lane],
+) -> None:
+    lane = _lane(lanes, slots=1)
+    lane.land(lane.send(1))
+    [first] = lane.pop()
+    lane.abort_waiting(first)
+    assert lane.allocator.available_size() == 1 and _owned(lane) == 0
+    lane.land(lane.send(2))
+    [second] = lane.pop()
+    lane.abort_waiting(first)  # stale: the slot is the second request's now
+    assert lane.allocator.stats.stale_calls == 0  # the hook only acts for a holder
+    lane.allocator.abort_request(first)
+    assert lane.allocator.stats.stale_calls == 1
+    spec = lane.prebuild([second]).spec_info
+    assert torch.equal(spec.hidden_states[0], env.expected_draft(2, HIDDEN, TOPK)[2])
+    assert lane.allocator.available_size() == 1
+
+
+def test_a_request_dropped_while_holding_its_slot_hands_it_back(lanes: list[env.Lane]) -> None:
+    lane = _lane(lanes, slots=2)
+    lane.land(lane.send(1))
+    reqs = lane.pop()
+    assert lane.allocator.available_size() == 1
+    del reqs
+    gc.collect()
+    assert lane.allocator.available_size() == 2 and _owned(lane) == 0
+    assert lane.allocator.stats.orphaned == 1
+
+
+def test_misuse_raises_a_shmslots_error_and_changes_nothing(lanes: list[env.Lane]) -> None:
+    lane = _lane(lanes, slots=2)
+    lane.land(lane.send(1))
+    [req] = lane.pop()
+    idx = lane.allocator.slot_of(req)
+    with pytest.raises(OwnershipError):
+        lane.allocator.free(idx)  # SGLang freed it after commit already
+    for bad in (-1, 2, True, "0", None):
+        with pytest.raises(InvalidSlot):
+            lane.allocator.free(bad)
+    free_idx = 1 - idx
+    with pytest.raises(OwnershipError):
+        lane.allocator.free(free_idx)
+    with pytest.raises(ShmSlotsError):
+        lane.buffers.get_buf(free_idx)
+    assert lane.allocator.available_size() == 1 and _owned(lane) == 1
+    lane.prebuild([req])
+    assert _owned(lane) == 0
+
+
+def test_a_retracted_request_resumed_after_its_slot_went_back_gets_a_zero_draft(
+    lanes: list[env.Lane],
+) -> None:
+    """The hook is called as `resume_retracted_reqs`' AFTER hook would call it (resuming a
+    retracted request for real needs SGLang's KV pools)."""
+    from shmslots.sglang import plugin
+
+    lane = _lane(lanes, slots=1)
+    lane.land(lane.send(1))
+    [req] = lane.pop()
+    lane.prebuild([req])
+    plugin._resumed([req])
+    spec = lane.prebuild([req]).spec_info
+    assert not spec.hidden_states.any() and spec.hidden_states.shape == (1, HIDDEN)
+
+
+CHILD = Path(__file__).with_name("sglang_plugin_child.py")
+
+
+@pytest.mark.parametrize("switch", ["1", None])
+def test_load_plugins_puts_shmslots_in_sglangs_scheduler_only_when_switched_on(
+    switch: str | None,
+) -> None:
+    child_env = {k: v for k, v in os.environ.items() if k != "SHMSLOTS_SGLANG"}
+    if switch is not None:
+        child_env["SHMSLOTS_SGLANG"] = switch
+    out = subprocess.run(
+        [sys.executable, str(CHILD)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+    ).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    if switch:
+        assert got["decode"] == ["DecodeAllocator", "DecodeMetadataBuffers"]
+        assert got["prefill"] == ["ReqToMetadataIdxAllocator", "MetadataBuffers"]
+        assert got["prefill_module"] == "sglang.srt.disaggregation.utils"
+        assert got["flow"] == {"committed": 3, "released": 2, "aborted_after_commit": 1, "free": 4}
+    else:
+        assert got["decode"] == ["ReqToMetadataIdxAllocator", "MetadataBuffers"]
+        assert got["decode_module"] == "sglang.srt.disaggregation.utils"
+        assert "flow" not in got
