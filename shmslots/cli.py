@@ -88,11 +88,10 @@ from .errors import (
 )
 from .layout import MAGIC, MAX_SLOTS
 from .reaper import Reaper
-from .segment import unlink, validate_name
+from .segment import SHM_DIR, unlink, validate_name
 from .snapshot import SlotSnapshot, TableSnapshot, TableView
 from .states import State
 
-SHM_DIR = "/dev/shm"
 REAP_REASONS = {
     "reclaimed_writing": "WRITING slots returned to FREE",
     "reclaimed_reserved": "RESERVED slots returned to FREE",

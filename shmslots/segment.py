@@ -161,6 +161,9 @@ def _no_room(name: str, size: int, fd: int, why: str | None) -> str:
     )
 
 
+SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared-memory objects, by name
+
+
 def unlink(name: str) -> None:
     validate_name(name)
     try:

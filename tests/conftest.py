@@ -41,7 +41,13 @@ def small_row(i: int) -> dict[str, Any]:
 
 
 def _ours() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)}
+    """This run's segments: the tests' own names, and the SGLang plugin's tables made here."""
+    mine = f"-{os.getpid()}-"
+    return {
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith(PREFIX) or (n.startswith("sglang-") and mine in n)
+    }
 
 
 @pytest.fixture(autouse=True)

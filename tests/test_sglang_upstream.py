@@ -8,6 +8,7 @@ Not a copy of SGLang's rules: `pop_transferred`, `_commit_transfer_to_req`, the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -159,12 +161,14 @@ def test_a_failed_transfer_holds_its_slot_for_the_late_write_window(
     lane.land(ok)
     [req] = lane.pop()
     assert _rid(req) == 2 and ok.metadata_buffer_index != failed.metadata_buffer_index
+    quarantined = failed.metadata_buffer_index
     lane.prebuild([req])
     deadline = time.monotonic() + 5
     while lane.allocator.available_size() < 2:
         assert time.monotonic() < deadline
     again = lane.send(3)  # the quarantined slot, reset: the gate waits for this transfer
-    assert lane.buffers.bootstrap_room[again.metadata_buffer_index, 0].item() == 0
+    assert again.metadata_buffer_index == quarantined
+    assert lane.buffers.bootstrap_room[quarantined, 0].item() == 0
     lane.land(again)
     [req] = lane.pop()
     spec = lane.prebuild([req]).spec_info
@@ -237,8 +241,11 @@ def test_a_retracted_request_resumed_after_its_slot_went_back_gets_a_zero_draft(
 ) -> None:
     """The hook is called as `resume_retracted_reqs`' AFTER hook would call it (resuming a
     retracted request for real needs SGLang's KV pools)."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
     from shmslots.sglang import plugin
 
+    assert DecodePreallocQueue.resume_retracted_reqs.__wrapped__  # the hook is installed
     lane = _lane(lanes, slots=1)
     lane.land(lane.send(1))
     [req] = lane.pop()
@@ -246,6 +253,65 @@ def test_a_retracted_request_resumed_after_its_slot_went_back_gets_a_zero_draft(
     plugin._resumed([req])
     spec = lane.prebuild([req]).spec_info
     assert not spec.hidden_states.any() and spec.hidden_states.shape == (1, HIDDEN)
+
+
+def test_a_configuration_a_table_cannot_hold_keeps_sglangs_classes(
+    sglang_decode: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampling mask of 1,000 tokens is 4,000 bytes a row, not a multiple of 64: SGLang
+    allows it, so the decode side runs as shipped (with a warning) instead of failing."""
+    from sglang.srt.managers import scheduler
+
+    monkeypatch.setenv("SGLANG_ENABLE_DISAGG_SAMPLING_MASK", "1")
+    allocator = scheduler.ReqToMetadataIdxAllocator(4)
+    buffers = scheduler.MetadataBuffers(
+        4, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=1000
+    )
+    assert type(buffers) is env.SGLANG_CLASSES["buffers"]
+    idx = allocator.alloc()
+    assert idx is not None and allocator.available_size() == 3
+    allocator.free(idx)
+    assert allocator.available_size() == 4
+
+
+def test_a_role_switch_removes_the_table_and_a_dead_schedulers_table_is_removed_at_start(
+    sglang_decode: None,
+) -> None:
+    from sglang.srt.disaggregation import role_switch
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers import scheduler
+
+    args: dict[str, Any] = dict(
+        hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=16
+    )
+    scheduler.ReqToMetadataIdxAllocator(4)
+    first = scheduler.MetadataBuffers(4, **args)
+    assert isinstance(first, MetadataBuffers)
+    name = first.table.name
+    prefix = name[: name.rindex("-", 0, name.rindex("-")) + 1]  # sglang-<port>-tp<rank>-
+    dead = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, torch; from shmslots import SlotTable, Field; "
+         "import os; t = SlotTable.create(sys.argv[1] + str(os.getpid()) + '-0', "
+         "[Field('x', 'int64')], slots=2); print('up', flush=True); time.sleep(60)", prefix],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert dead.stdout is not None and dead.stdout.readline().strip() == "up"
+    finally:
+        dead.kill()
+        dead.wait(10)
+    orphan = f"{prefix}{dead.pid}-0"
+    assert os.path.exists(f"/dev/shm/{orphan}")
+    standin = SimpleNamespace(  # a mode with nothing else to tear down
+        disaggregation_mode=DisaggregationMode.NULL, disagg_metadata_buffers=first
+    )
+    with contextlib.suppress(AttributeError):  # its prefix cache is not ours to stand in for
+        role_switch.teardown_disaggregation(standin)
+    assert first.table.closed and not os.path.exists(f"/dev/shm/{name}")
+    scheduler.ReqToMetadataIdxAllocator(4)
+    with scheduler.MetadataBuffers(4, **args) as second:  # decode again: a fresh table
+        assert second.table.name != name
+        assert not os.path.exists(f"/dev/shm/{orphan}")  # the dead scheduler's, removed
 
 
 CHILD = Path(__file__).with_name("sglang_plugin_child.py")

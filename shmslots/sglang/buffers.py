@@ -227,7 +227,6 @@ class MetadataBuffers:
         # a dead decode side's rows are dropped: no other reader would ever take them
         self._bind(SlotTable.create(name, fields, slots=size, on_consumer_death="drop"))
         self.custom_mem_pool = custom_mem_pool
-        _unjoined.allocator = None
         allocator._join(self)
 
     def _bind(self, table: SlotTable) -> None:
@@ -481,6 +480,12 @@ class ReqToMetadataIdxAllocator:
         _unjoined.allocator = self
 
     def _join(self, buffers: MetadataBuffers) -> None:
+        if self.buffers is not None:
+            raise OwnershipError(
+                f"this allocator already hands out the slots of table {self.buffers.table.name!r}"
+            )
+        if getattr(_unjoined, "allocator", None) is self:
+            _unjoined.allocator = None
         self.buffers = buffers
         self.table = buffers.table
         buffers._allocator = self
@@ -527,6 +532,9 @@ class ReqToMetadataIdxAllocator:
         old = self.slot_of(req)
         if old == idx:
             return
+        bound = self._request_of.get(idx)
+        if bound is not None and bound[1]() is not None:
+            raise OwnershipError(f"metadata index {idx} is another request's")
         if old is not None:
             self.abort(old)
         self._unbind(idx)
@@ -671,7 +679,8 @@ class ReqToMetadataIdxAllocator:
             self._unbind(idx)
             self.stats.orphaned += 1
             if idx in self._held:
-                self._held.pop(idx).abort()
+                self._held[idx].abort()
+                del self._held[idx]
                 self._freed.discard(idx)
             elif idx in self._reserved:
                 self.quarantine.hold(self._reserved.pop(idx))

@@ -6,9 +6,11 @@ Registered under the `sglang.srt.plugins` entry-point group as `shmslots`; SGLan
 registers hooks with SGLang's `HookRegistry`:
 
 - the decode side's `ReqToMetadataIdxAllocator` and `MetadataBuffers` are shmslots' (one
-  table per scheduler process, named `sglang-<port>-tp<rank>-<pid>`).  The prefill side keeps
-  SGLang's own: it frees an index only after its transfer is done, and nothing there holds
-  views of a row past that, so it has no bug to fix;
+  table per scheduler process, named `sglang-<port>-tp<rank>-<pid>-<n>`; tables of the same
+  server and rank whose schedulers died are removed first).  The prefill side keeps SGLang's
+  own: it frees an index only after its transfer is done, and nothing there holds views of a
+  row past that, so it has no bug to fix.  Where SGLang's arguments give an item length that
+  is not a multiple of 64 bytes, SGLang keeps its own classes there too, with a warning;
 - after `DecodeTransferQueue.pop_transferred`, each row committed and freed there is bound to
   its `Req` if the request was kept, and handed back at once if it was aborted at commit
   (room mismatch, room 0); failed transfers are SGLang's own `free()` before commit, which
@@ -16,8 +18,8 @@ registers hooks with SGLang's `HookRegistry`:
 - after `process_prebuilt` has stacked each request's draft state into the batch, that state
   is dropped from the `Req` and its slot is released;
 - after `Scheduler._release_aborted_request` (an abort in the waiting queue), the slot is
-  aborted; a request garbage-collected holding a slot hands it back; at exit every slot is
-  handed back and the table unlinked;
+  aborted; a request garbage-collected holding a slot hands it back; at exit, or when a role
+  switch tears the decode side down, every slot is handed back and the table unlinked;
 - a request retracted after its slot went back is resumed with a zero draft state, which the
   target model's verify rejects (SGLang reuses the first token's stale one there).
 """
@@ -25,24 +27,40 @@ registers hooks with SGLang's `HookRegistry`:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import inspect
+import itertools
+import logging
 import os
 import weakref
 from typing import Any
 
 import torch
 
-from .buffers import MetadataBuffers, ReqToMetadataIdxAllocator
+from ..errors import SchemaError, ShmSlotsError
+from ..segment import SHM_DIR, unlink
+from ..snapshot import TableView
+from .buffers import (
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+    _unjoined,
+    metadata_fields,
+    sampling_mask_enabled,
+)
 
 ENV = "SHMSLOTS_SGLANG"
 UTILS = "sglang.srt.disaggregation.utils"
 DECODE = "sglang.srt.disaggregation.decode"
 MIXIN = "sglang.srt.disaggregation.decode_schedule_batch_mixin"
 SCHEDULER = "sglang.srt.managers.scheduler"
+ROLE_SWITCH = "sglang.srt.disaggregation.role_switch"
 # the Req attributes that carry a committed row's draft state (views of the row)
 DRAFT_STATE = ("output_topk_p", "output_topk_index", "hidden_states_tensor")
 DSA_STATE = "output_dsa_topk_indices"
 
+log = logging.getLogger(__name__)
 _sglang_classes: dict[str, Any] = {}  # SGLang's own classes, for the prefill side
+_built = itertools.count()
 _allocators: weakref.WeakSet[ReqToMetadataIdxAllocator] = weakref.WeakSet()
 _drained: weakref.WeakKeyDictionary[Any, ReqToMetadataIdxAllocator] = weakref.WeakKeyDictionary()
 
@@ -71,6 +89,7 @@ def register() -> None:
             HookType.AFTER,
         ),
         (f"{SCHEDULER}.Scheduler._release_aborted_request", _aborted, HookType.AFTER),
+        (f"{ROLE_SWITCH}.teardown_disaggregation", _tearing_down, HookType.BEFORE),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
@@ -83,19 +102,34 @@ def _on_decode_side() -> bool:
 
 
 def _table_name() -> str:
-    """Which server and TP rank a table belongs to, for `shmslots ls` and `inspect`."""
+    """Which server and TP rank a table belongs to, for `shmslots ls` and `inspect`; the
+    tables of this server and rank left by dead schedulers (SGLang stops them with SIGKILL,
+    so no exit handler runs) are removed first."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
     try:
         port, rank = get_server_args().port, get_parallel().tp_rank
     except (AttributeError, RuntimeError, ValueError):
         port, rank = "x", "x"
-    return f"sglang-{port}-tp{rank}-{os.getpid()}"
+    prefix = f"sglang-{port}-tp{rank}-"
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(prefix) and not entry.name.startswith(f"{prefix}{os.getpid()}-"):
+            _remove_if_orphaned(entry.name)
+    return f"{prefix}{os.getpid()}-{next(_built)}"
+
+
+def _remove_if_orphaned(name: str) -> None:
+    with contextlib.suppress(ShmSlotsError, OSError):
+        with TableView.open(name) as view:
+            alive = any(p.alive for p in view.snapshot().participants)
+        if not alive:
+            unlink(name)
+            log.warning("shmslots: removed %s, left by a scheduler that died", name)
 
 
 class DecodeAllocator(ReqToMetadataIdxAllocator):
     """SGLang's `ReqToMetadataIdxAllocator` as its scheduler names it: shmslots' on the decode
-    side, SGLang's own elsewhere."""
+    side, SGLang's own elsewhere (and where the buffers could not be shmslots')."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if not _on_decode_side():
@@ -104,7 +138,24 @@ class DecodeAllocator(ReqToMetadataIdxAllocator):
 
     def __init__(self, size: int, **kwargs: Any) -> None:
         super().__init__(size, **kwargs)
+        self.sglang_allocator: Any = None  # set when the buffers fell back to SGLang's
         _allocators.add(self)
+
+    def available_size(self) -> int:
+        if self.sglang_allocator is not None:
+            return int(self.sglang_allocator.available_size())
+        return super().available_size()
+
+    def alloc(self) -> int | None:
+        if self.sglang_allocator is not None:
+            got: int | None = self.sglang_allocator.alloc()
+            return got
+        return super().alloc()
+
+    def free(self, free_index: int) -> None:
+        if self.sglang_allocator is not None:
+            return self.sglang_allocator.free(free_index)  # type: ignore[no-any-return]
+        super().free(free_index)
 
 
 class DecodeMetadataBuffers(MetadataBuffers):
@@ -114,12 +165,46 @@ class DecodeMetadataBuffers(MetadataBuffers):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if not _on_decode_side():
             return _sglang_classes["buffers"](*args, **kwargs)
+        why = _unsupported(args, kwargs)
+        allocator = getattr(_unjoined, "allocator", None)
+        if why is not None and isinstance(allocator, DecodeAllocator):
+            log.warning("shmslots: SGLang keeps its own metadata buffers here: %s", why)
+            _unjoined.allocator = None
+            allocator.sglang_allocator = _sglang_classes["allocator"](allocator.size)
+            return _sglang_classes["buffers"](*args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("table_name", _table_name())
         super().__init__(*args, **kwargs)
-        atexit.register(self.close)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+
+def _unsupported(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why SGLang's arguments make rows a table cannot hold (an item length that is not a
+    multiple of 64 bytes, which SGLang's own tensors allow), or None."""
+    call = inspect.signature(MetadataBuffers.__init__).bind(None, *args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    try:
+        metadata_fields(
+            a["hidden_size"],
+            a["hidden_states_dtype"],
+            a["max_sampling_mask_tokens"],
+            a["max_top_logprobs_num"],
+            a["output_dsa_topk_indices_dim"],
+            sampling_mask=sampling_mask_enabled(),
+            kv_checksum=a["kv_checksum_enabled"],
+        )
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
+def _close_at_exit(ref: weakref.ref[DecodeMetadataBuffers]) -> None:
+    buffers = ref()
+    if buffers is not None:
+        buffers.close()
 
 
 def _allocator_of(queue: Any) -> ReqToMetadataIdxAllocator | None:
@@ -155,6 +240,15 @@ def _aborted(result: Any, scheduler: Any, req: Any) -> None:
         if allocator.slot_of(req) is not None:
             _drop_draft_state(req)
             allocator.abort_request(req)
+
+
+def _tearing_down(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """A role switch drops the decode side: hand its slots back and remove its table."""
+    buffers = getattr(scheduler, "disagg_metadata_buffers", None)
+    if isinstance(buffers, MetadataBuffers):
+        if buffers._allocator is not None:
+            _allocators.discard(buffers._allocator)
+        buffers.close()
 
 
 def _drop_draft_state(req: Any) -> None:

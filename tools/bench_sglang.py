@@ -1,0 +1,104 @@
+"""SGLang's decode-side commit path per request: shmslots' buffers against SGLang 0.5.23's own.
+
+    python tools/bench_sglang.py [--requests 20000] [--runs 5] [--hidden 4096]
+
+Needs SGLang 0.5.23 (`pip install --no-deps -r tests/sglang-0.5.23.txt`).  One request's
+metadata life on the decode side, as SGLang's scheduler calls it, the row already landed:
+
+* SGLang: `alloc()`, `get_buf(idx)` (clones its 14 fields), `clear_slot(idx)`, `free(idx)`;
+* shmslots: `alloc()`, `get_buf(idx)` (commits in place, zero-copy views), `clear_slot(idx)`,
+  `free(idx)` (deferred), then the release after consumption (`release_consumed`).
+
+Both with EAGLE's fields (hidden state bf16[--hidden]), in one process, one after the other,
+each run alternating; prints µs per request (median, min-max of the runs) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import sglang_env
+
+
+def _sglang_requests(utils: Any, n: int, hidden: int) -> float:
+    allocator = utils.ReqToMetadataIdxAllocator(64)
+    buffers = utils.MetadataBuffers(
+        64, hidden_size=hidden, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=16
+    )
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        idx = allocator.alloc()
+        row = buffers.get_buf(idx)
+        buffers.clear_slot(idx)
+        allocator.free(idx)
+        del row
+    return (time.perf_counter_ns() - start) / n / 1000
+
+
+def _shmslots_requests(n: int, hidden: int, name: str) -> float:
+    from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
+
+    allocator = ReqToMetadataIdxAllocator(64)
+    with MetadataBuffers(
+        64,
+        hidden_size=hidden,
+        hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16,
+        table_name=name,
+    ) as buffers:
+        req = SimpleNamespace()
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            idx = allocator.alloc()
+            assert idx is not None
+            allocator.bind(req, idx)
+            row = buffers.get_buf(idx)
+            buffers.clear_slot(idx)
+            allocator.free(idx)
+            del row  # process_prebuilt has consumed the draft state
+            allocator.release_consumed([req])
+        return (time.perf_counter_ns() - start) / n / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=4096)
+    args = parser.parse_args(argv)
+    if sglang_env.SGLANG_MISSING:
+        print(f"tools/bench_sglang.py: {sglang_env.SGLANG_MISSING}", file=sys.stderr)
+        return 2
+    sglang_env.install_torchvision_stand_in()
+    from sglang.srt.disaggregation import utils
+
+    theirs: list[float] = []
+    ours: list[float] = []
+    for run in range(args.runs):
+        name = f"shmslots-bench-sglang-{os.getpid()}-{run}"
+        theirs.append(_sglang_requests(utils, args.requests, args.hidden))
+        ours.append(_shmslots_requests(args.requests, args.hidden, name))
+
+    def line(label: str, xs: list[float]) -> str:
+        return f"{label:<44} {statistics.median(xs):7.2f} µs  ({min(xs):.2f}-{max(xs):.2f})"
+
+    print(f"{args.requests} requests a run, {args.runs} runs, hidden bf16[{args.hidden}]")
+    print(line("SGLang 0.5.23 (alloc, get_buf clone, clear, free)", theirs))
+    print(line("shmslots (alloc, get_buf views, clear, free, release)", ours))
+    ratio = statistics.median(theirs) / statistics.median(ours)
+    print(f"SGLang / shmslots per request: {ratio:.2f}x (target >= 4x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
