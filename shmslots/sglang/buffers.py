@@ -226,6 +226,9 @@ class MetadataBuffers:
         name = table_name or f"sglang-metadata-{os.getpid()}-{next(_names)}"
         # a dead decode side's rows are dropped: no other reader would ever take them
         self._bind(SlotTable.create(name, fields, slots=size, on_consumer_death="drop"))
+        if DSA_TOPK in self._columns:  # SGLang's buffer starts as -1: "no indices"
+            ptr, item_len = self._columns[DSA_TOPK]
+            ctypes.memset(ptr, 0xFF, item_len * size)
         self.custom_mem_pool = custom_mem_pool
         allocator._join(self)
 
@@ -243,6 +246,12 @@ class MetadataBuffers:
         ptrs, _, item_lens = self._infos
         # name -> (this process's address of its slot-0 item, item length)
         self._columns = dict(zip(self._names, zip(ptrs, item_lens, strict=True), strict=True))
+        self._cleared = (ROOM, KV_CHECKSUM) if self._kv_checksum else (ROOM,)
+        # get_buf()'s plan: a view, a copy (the sampling mask) or None, field by field
+        self._row_plan = tuple(
+            (name, name in SAMPLING_MASK) if name in slots else (None, False)
+            for name in GET_BUF_ORDER
+        )
         self.bootstrap_room = _RoomColumn(self)
 
     @classmethod
@@ -370,14 +379,14 @@ class MetadataBuffers:
         for address, src in copies:
             ctypes.memmove(address, src.data_ptr(), src.nbytes)
 
-    def _reset(self, idx: int, names: Iterable[str]) -> None:
-        """Set fields of slot `idx` (checked) to SGLang's "not yet written": zero, and -1 for
-        the DSA top-k indices (SGLang fills that buffer with -1 and reads all -1 as none).
-        The caller owns the slot and nobody else reads it."""
+    def _clear(self, idx: int) -> None:
+        """SGLang's `clear_slot`: zero slot `idx`'s room (and kv checksum), so the next owner's
+        gate reads "not yet written"; the other fields keep their bytes, as in SGLang's
+        buffers.  The caller owns the slot and nobody else reads it."""
         self._check_index(idx)
-        for name in names:
+        for name in self._cleared:
             address, item_len = self._item(idx, name)
-            ctypes.memset(address, 0xFF if name == DSA_TOPK else 0, item_len)
+            ctypes.memset(address, 0, item_len)
 
     def _words(self, idx: object, name: str) -> tuple[int, ...]:
         """The 8 uint64 words of field `name` (room or checksum) of slot `idx`, by copy."""
@@ -416,13 +425,10 @@ class MetadataBuffers:
     def row(self, lease: Lease) -> tuple[torch.Tensor | None, ...]:
         """The row held by `lease`, in SGLang's get_buf() order: zero-copy views, copies of the
         sampling mask, None for fields these buffers do not have."""
+        view, copy = lease.view, lease.copy
         return tuple(
-            None
-            if name not in self._columns
-            else lease.copy(name)
-            if name in SAMPLING_MASK
-            else lease.view(name)
-            for name in GET_BUF_ORDER
+            None if name is None else copy(name) if copied else view(name)
+            for name, copied in self._row_plan
         )
 
     def _decode_side(self) -> ReqToMetadataIdxAllocator:
@@ -503,9 +509,9 @@ class ReqToMetadataIdxAllocator:
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
-        """Reserve a slot for a transfer; None when every slot is taken.  Its row is reset to
-        "not yet written" (ours: nobody else can see it yet), so SGLang's gate waits for this
-        transfer's room."""
+        """Reserve a slot for a transfer; None when every slot is taken.  Its room is zeroed
+        (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
+        for this transfer's room."""
         buffers = self._decode_buffers()
         self._sweep()
         try:
@@ -514,7 +520,7 @@ class ReqToMetadataIdxAllocator:
             return None
         idx = reservation.slot
         try:
-            buffers._reset(idx, buffers._names)
+            buffers._clear(idx)
         except BaseException:
             reservation.end()
             raise
@@ -577,12 +583,11 @@ class ReqToMetadataIdxAllocator:
         return buffers.row(lease)
 
     def clear_slot(self, idx: int) -> None:
-        """SGLang resets the room (and checksum) for the next owner right after commit; a
-        committed row stays its request's, untouched, and `alloc()` resets every slot it
-        hands out.  A reservation is reset at once (a failed transfer's)."""
+        """SGLang zeroes the room (and checksum) for the next owner right after commit; a
+        committed row stays its request's, untouched, and `alloc()` clears every slot it hands
+        out.  A reservation is cleared at once (a failed transfer's)."""
         if self._check(idx) in self._reserved:
-            buffers = self._decode_buffers()
-            buffers._reset(idx, [ROOM, KV_CHECKSUM] if buffers.kv_checksum else [ROOM])
+            self._decode_buffers()._clear(idx)
 
     def free(self, free_index: int) -> None:
         """SGLang's free: after commit the request still owns the slot (counted); before
