@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, TypeVar
 
 import torch
 
@@ -51,6 +51,15 @@ _HELD = int(State.HELD)
 _REDELIVER = int(Event.REDELIVER)
 _M64 = (1 << 64) - 1
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
+
+
+T = TypeVar("T")
+
+
+def _check_count(n: object, what: str) -> None:
+    """How many slots a batch call may move: an int >= 0 (not a bool), for every batch call."""
+    if type(n) is not int or n < 0:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {n!r}")
 
 
 def _check_tag(tag: object) -> None:
@@ -332,12 +341,9 @@ class SlotTable:
             return got
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
-        waited = wait_for(
-            self._atomics,
+        waited = self._wait(
             lambda: core.acquire(self, event, tag),
-            own.release_seq,
-            own.claimers_waiting,
-            own.claimers_until,
+            (own.release_seq, own.claimers_waiting, own.claimers_until),
             timeout,
             self.reap,  # between naps: an owner may have died since the first reap
         )
@@ -365,12 +371,9 @@ class SlotTable:
         lease = self._settle(got)
         if lease is None and timeout != 0.0:
             own = self._own
-            lease = wait_for(
-                self._atomics,
+            lease = self._wait(
                 self._take_once,
-                own.publish_seq,
-                own.readers_waiting,
-                own.readers_until,
+                (own.publish_seq, own.readers_waiting, own.readers_until),
                 timeout,
             )
         if lease is not None and self._sites is not None:
@@ -384,6 +387,7 @@ class SlotTable:
         are handed back unread (queued again), and CorruptTable is raised.
         """
         self._check_open()
+        _check_count(max_n, "max_n")
         leases = self._core.poll(self, max_n)
         if self._strict:
             self._verify_all(leases)
@@ -413,8 +417,7 @@ class SlotTable:
         """Up to `n` FREE slots to write, claimed in one compiled call; fewer (even none)
         if fewer are free now: it never waits, as `poll` does not (`claim` waits)."""
         self._check_open()
-        if type(n) is not int or n < 0:
-            raise InvalidArgument(f"n must be an int >= 0, got {n!r}")
+        _check_count(n, "n")
         _check_tag(tag)
         if self._rows.schema.has_handles:
             self._handles.collect_own()  # as claim: drop tensors whose consumers are done
@@ -484,6 +487,7 @@ class SlotTable:
         shape) is filled instead of a new tensor.  Every lease must be open and
         of this table; if anything is wrong, nothing is written.
         """
+        self._check_open()
         items = leases if isinstance(leases, (list, tuple)) else list(leases)
         if out is None:
             spec = self._inline.get(field)
@@ -762,6 +766,21 @@ class SlotTable:
         self.close()
         if self.created_here and not forked:  # a forked child must not unlink the parent's
             self.unlink()
+
+    def _wait(
+        self,
+        attempt: Callable[[], T | None],
+        words: tuple[int, int, int],
+        timeout: float | None,
+        on_idle: Callable[[], object] | None = None,
+    ) -> T | None:
+        """`wait_for` on this table's futex `words` (sequence, sleepers, deadline); a close
+        by another thread while it waits ends it with TableClosed, as every later call."""
+        try:
+            return wait_for(self._atomics, attempt, *words, timeout, on_idle)
+        except ValueError:
+            self._check_open()
+            raise
 
     def _check_open(self) -> None:
         if self._forked:

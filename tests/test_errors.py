@@ -7,6 +7,8 @@ import os
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -262,12 +264,45 @@ def test_a_closed_table_refuses_every_call_with_table_closed(name: str) -> None:
     t.close()
     t.unlink()
     calls: list[Callable[[], object]] = [
-        t.claim, t.stats, t.take, t.reserve, lambda: t.poll(1), lambda: t.slot_info(0)
+        t.claim, t.stats, t.take, t.reserve, lambda: t.poll(1), lambda: t.slot_info(0),
+        lambda: t.gather([], "id"), lambda: t.claim_n(1),
     ]  # fmt: skip
     for call in calls:
         with pytest.raises(TableClosed, match="is closed") as info:
             call()
         assert isinstance(info.value, ShmSlotsError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.timeout(30)
+def test_a_close_by_another_thread_ends_a_waiting_take_with_table_closed(name: str) -> None:
+    t = SlotTable.create(name, SMALL, slots=2)
+    got: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            t.take(timeout=5)
+        except BaseException as exc:
+            got.append(exc)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    time.sleep(0.3)  # past the spin: asleep on the futex
+    t.close()
+    t.unlink()
+    taker.join(10)
+    assert len(got) == 1 and isinstance(got[0], TableClosed), got
+
+
+def test_batch_calls_share_one_count_rule(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        ws = t.claim()
+        ws.write(**small_row(1))
+        ws.publish()
+        for bad in (-5, True, 1.0, "1", None):
+            for call in (t.poll, t.claim_n):
+                with pytest.raises(InvalidArgument, match="must be an int >= 0"):
+                    call(bad)  # type: ignore[arg-type]
+        assert t.stats().states["READY"] == 1 and t.stats().states["FREE"] == 1
 
 
 def test_a_table_inherited_through_fork_is_table_closed(name: str) -> None:
