@@ -380,9 +380,11 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
     return 1;
 }
 
-/* HELD(owner) -> READY and queued again: 1, 0 if the word is not `word`, RING_CORRUPT. */
+/* HELD(owner) -> READY and queued again: 1, 0 if the word is not `word`, RING_CORRUPT.
+ * `unread`: the take that made it HELD handed nothing to its caller, so its delivery is
+ * taken back while the slot is still held (no reader can count one meanwhile). */
 static int
-redeliver(HotPath *h, Py_ssize_t slot, uint64_t word)
+redeliver(HotPath *h, Py_ssize_t slot, uint64_t word, int unread)
 {
     Py_ssize_t entry = entry_of(h, slot);
     uint64_t ready;
@@ -392,8 +394,15 @@ redeliver(HotPath *h, Py_ssize_t slot, uint64_t word)
     /* Its old entry (if a reader died before popping it) goes stale first. */
     st(h, entry + h->qpos_off, NO_POS);
     st(h, entry + h->stamp_off, now);
-    if (!cas(h, entry, word, ready))
+    uint64_t *deliveries = w64(h, entry + h->deliveries_off);
+    unread = unread && __atomic_load_n(deliveries, __ATOMIC_SEQ_CST) > 0;
+    if (unread)
+        __atomic_fetch_sub(deliveries, 1, __ATOMIC_SEQ_CST);
+    if (!cas(h, entry, word, ready)) {
+        if (unread) /* still HELD by someone: no reader counted anything since */
+            __atomic_fetch_add(deliveries, 1, __ATOMIC_SEQ_CST);
         return 0;
+    }
     count(h, C_REDELIVERED);
     return queue_ready(h, slot, now) == RING_CORRUPT ? RING_CORRUPT : 1;
 }
@@ -424,7 +433,7 @@ reclaim_owner(HotPath *h, uint64_t owner, int drop_held, Reclaimed *done)
             if (drop_held) {
                 done->held_dropped += to_free(h, slot, word, E_RECLAIM);
             } else {
-                int r = redeliver(h, slot, word);
+                int r = redeliver(h, slot, word, 0); /* its reader may have read it */
                 if (r == RING_CORRUPT) {
                     corrupt_ring(h);
                     return -1;
@@ -683,7 +692,7 @@ hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
                                               (unsigned long long)ld(h, entry + h->tag_off),
                                               (unsigned long long)before);
                 if (!got) /* out of memory: back to READY rather than owned by nobody */
-                    redeliver(h, slot, held);
+                    redeliver(h, slot, held, 1);
                 return got;
             }
             continue;
@@ -717,20 +726,25 @@ hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(0);
 }
 
-/* redeliver(slot, generation) -> 0, or -1 if the slot is not HELD by this participant at
- * `generation`: a lease handed back unread goes to READY and is queued again. */
+/* redeliver(slot, generation, unread) -> 0, or -1 if the slot is not HELD by this participant
+ * at `generation`: a lease handed back goes to READY and is queued again; `unread` (its
+ * caller never saw the row: a strict check refused a batch, a handle could not be made)
+ * takes back the delivery its take counted. */
 static PyObject *
 hp_redeliver(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
     uint64_t gen;
-    if (!need(h, nargs, 2, "redeliver") || !slot_arg(h, args[0], &slot) ||
+    if (!need(h, nargs, 3, "redeliver") || !slot_arg(h, args[0], &slot) ||
         !gen_arg(args[1], &gen))
+        return NULL;
+    int unread = PyObject_IsTrue(args[2]);
+    if (unread < 0)
         return NULL;
     uint64_t mine = owned_word(gen, h->me, S_HELD);
     if (ld(h, entry_of(h, slot)) != mine)
         return PyLong_FromLong(-1);
-    int r = redeliver(h, slot, mine);
+    int r = redeliver(h, slot, mine, unread);
     if (r == RING_CORRUPT)
         return corrupt_ring(h);
     return PyLong_FromLong(r ? 0 : -1);

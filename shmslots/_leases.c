@@ -688,11 +688,12 @@ held_state(Handle *h)
 enum { STEP_DONE = 0, STEP_REFUSED = -1, STEP_QUEUE_FULL = -2, STEP_ERROR = -3 };
 
 /* The handle's last transition and the end of its ownership, in one step that runs no Python
- * code: `event` is PUBLISH (a WriteSlot), REDELIVER (a Lease handed back unread), or RELEASE or
- * ABORT.  STEP_DONE (the handle is closed), STEP_REFUSED (not this handle's slot any more:
- * nothing changed), STEP_QUEUE_FULL (publish: nothing changed), STEP_ERROR (error set). */
+ * code: `event` is PUBLISH (a WriteSlot), REDELIVER (a Lease handed back: `unread` if its
+ * caller never saw the row, which takes back the take's delivery), or RELEASE or ABORT.
+ * STEP_DONE (the handle is closed), STEP_REFUSED (not this handle's slot any more: nothing
+ * changed), STEP_QUEUE_FULL (publish: nothing changed), STEP_ERROR (error set). */
 static int
-step(Handle *h, PyObject *event)
+step(Handle *h, PyObject *event, int unread)
 {
     Core *c = h->core;
     PyObject *call[4] = {h->slot, h->generation, held_state(h), event}, *r;
@@ -703,8 +704,10 @@ step(Handle *h, PyObject *event)
                     PyObject_RichCompareBool(event, c->ev_redeliver, Py_EQ) == 1;
     if (publish)
         r = PyObject_Vectorcall(c->publish, call, 2, NULL);
-    else if (redeliver)
-        r = PyObject_Vectorcall(c->redeliver, call, 2, NULL);
+    else if (redeliver) {
+        call[2] = unread ? Py_True : Py_False;
+        r = PyObject_Vectorcall(c->redeliver, call, 3, NULL);
+    }
     else
         r = PyObject_Vectorcall(c->free, call, 4, NULL);
     if (!r)
@@ -730,7 +733,7 @@ handle_hand_back(Handle *h, PyObject *event)
     }
     if (!usable(h))
         return PyLong_FromLong(STEP_REFUSED);
-    int code = step(h, event);
+    int code = step(h, event, 1); /* the table hands leases back before their caller sees them */
     return code == STEP_ERROR ? NULL : PyLong_FromLong(code);
 }
 
@@ -752,7 +755,7 @@ hand_back_dropped(Handle *h)
         PyList_SetItem(c->views, slot, Py_NewRef(Py_None));
     PyErr_Clear();
     int lease = PyObject_TypeCheck(h, &LeaseType);
-    int done = step(h, lease && c->redeliver_dropped ? c->ev_redeliver : c->ev_abort);
+    int done = step(h, lease && c->redeliver_dropped ? c->ev_redeliver : c->ev_abort, 0);
     if (done == STEP_DONE &&
         PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                          "%s of slot %S (tag %S) was garbage-collected while it still owned its "
@@ -849,7 +852,7 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         if (!r)
             return NULL;
         Py_DECREF(r);
-        int code = step(h, c->ev_publish);
+        int code = step(h, c->ev_publish, 0);
         if (code == STEP_ERROR)
             return NULL;
         if (code == STEP_DONE)
@@ -865,7 +868,7 @@ ws_abort(Handle *h, PyObject *unused)
         return NULL;
     if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) &&
         (!h->opened || h->opened == Py_None)) {
-        int code = step(h, h->core->ev_abort);
+        int code = step(h, h->core->ev_abort, 0);
         if (code == STEP_ERROR)
             return NULL;
         if (code == STEP_DONE)
@@ -977,7 +980,7 @@ lease_end(Handle *h, int release)
         if (leaked < 0)
             return NULL;
         if (!leaked) {
-            int code = step(h, event);
+            int code = step(h, event, 0);
             if (code == STEP_ERROR)
                 return NULL;
             if (code == STEP_DONE)
@@ -1009,8 +1012,8 @@ undo(Core *c, PyObject *slot, PyObject *generation, PyObject *state)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     int held = state == c->st_held;
-    PyObject *call[4] = {slot, generation, state, c->ev_abort};
-    PyObject *r = held ? PyObject_Vectorcall(c->redeliver, call, 2, NULL)
+    PyObject *call[4] = {slot, generation, held ? Py_True : state, c->ev_abort};
+    PyObject *r = held ? PyObject_Vectorcall(c->redeliver, call, 3, NULL) /* unread */
                        : PyObject_Vectorcall(c->free, call, 4, NULL);
     if (!r)
         PyErr_WriteUnraisable(held ? c->redeliver : c->free);
@@ -1159,16 +1162,17 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* A batch that cannot be returned: hand back `one` (the handle that could not join it, or
- * NULL) and every handle of `list` through `event`, keeping the error that got us here. */
+ * NULL) and every handle of `list` through `event` (leases unread: nobody saw them),
+ * keeping the error that got us here. */
 static void
 hand_back_all(PyObject *one, PyObject *list, PyObject *event)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (one && step((Handle *)one, event) == STEP_ERROR)
+    if (one && step((Handle *)one, event, 1) == STEP_ERROR)
         PyErr_WriteUnraisable(one);
     for (Py_ssize_t j = 0; list && j < PyList_GET_SIZE(list); j++)
-        if (step((Handle *)PyList_GET_ITEM(list, j), event) == STEP_ERROR)
+        if (step((Handle *)PyList_GET_ITEM(list, j), event, 1) == STEP_ERROR)
             PyErr_WriteUnraisable(PyList_GET_ITEM(list, j));
     PyErr_Restore(type, value, tb);
 }

@@ -120,6 +120,8 @@ def test_a_strict_poll_that_fails_leaves_nothing_owned(name: str) -> None:
         assert states == {1: State.READY, 2: State.FREE, 3: State.READY}
         leases = t.poll(3)
         assert sorted(lease.tag for lease in leases) == [1, 3]
+        # handed back unread: their first real delivery says so (#24, defect 7)
+        assert [lease.deliveries for lease in leases] == [0, 0]
         for lease in leases:
             lease.release()
 
