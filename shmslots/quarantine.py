@@ -38,6 +38,7 @@ class Quarantine:
             )
         self.window_s = float(window_s)
         self._held: deque[tuple[float, Reservation]] = deque()  # in deadline order
+        self._holding: set[tuple[int, int]] = set()  # (slot, generation) of each held
         self.released = 0  # reservations freed after their window
 
     def __len__(self) -> int:
@@ -45,25 +46,39 @@ class Quarantine:
 
     def hold(self, reservation: Reservation) -> None:
         """Keep an aborted reservation owned until its window has passed (then `sweep` frees
-        it).  A reservation that already ended is not held."""
+        it).  A reservation that already ended is not held; one held already is refused."""
         if not isinstance(reservation, Reservation):
             raise InvalidArgument(f"a quarantine holds Reservations, not {reservation!r}")
         if not reservation._open:
             return
+        key = (reservation.slot, reservation.generation)
+        if key in self._holding:
+            raise InvalidArgument(f"slot {key[0]} (generation {key[1]}) is held already")
         self._held.append((time.monotonic() + self.window_s, reservation))
+        self._holding.add(key)
         self.sweep()
 
     def sweep(self) -> int:
-        """Free every held reservation whose window has passed; returns how many."""
+        """Free every held reservation whose window has passed; returns how many.  Each is
+        ended before it is forgotten (`end` may be called again), so an interrupt between
+        the two leaves it held, never owned and forgotten."""
         now, freed = time.monotonic(), 0
         while self._held and self._held[0][0] <= now:
-            _, reservation = self._held.popleft()
-            freed += reservation._open  # one that ended meanwhile (its table closed) is not
-            reservation.end()
+            freed += self._end_first()
         self.released += freed
         return freed
 
     def close(self) -> None:
         """Free everything held now (the owner is closing: its engine stops writing)."""
         while self._held:
-            self._held.popleft()[1].end()
+            self._end_first()
+
+    def _end_first(self) -> bool:
+        """End the reservation with the nearest deadline, then forget it; whether it was
+        still open (one whose table closed meanwhile ended with it)."""
+        reservation = self._held[0][1]
+        was_open = reservation._open
+        reservation.end()
+        self._held.popleft()
+        self._holding.discard((reservation.slot, reservation.generation))
+        return was_open

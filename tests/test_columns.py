@@ -274,3 +274,11 @@ def test_a_quarantine_holds_only_reservations(name: str) -> None:
         with pytest.raises(InvalidArgument):
             Quarantine(1.0).hold(ws)  # type: ignore[arg-type]
         ws.abort()
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        quarantine, reservation = Quarantine(60.0), t.reserve()
+        quarantine.hold(reservation)
+        with pytest.raises(InvalidArgument, match="held already"):
+            quarantine.hold(reservation)  # once is the rule (#24, defect 8)
+        assert len(quarantine) == 1
+        quarantine.close()
+        assert len(quarantine) == 0 and t.stats().states["FREE"] == 1

@@ -360,6 +360,28 @@ def test_a_table_that_is_not_sglangs_is_refused(name: str) -> None:
         MetadataBuffers.attach(redeliver)
 
 
+def test_a_release_interrupted_before_the_book_forgot_it_does_not_block_the_index(
+    name: str,
+) -> None:
+    """An interrupt between `lease.release()` and the allocator forgetting the index left a
+    closed lease in its book, and the next alloc() of that index conflicted (#24, defect 8)."""
+    buffers, allocator = _decode_side(name, size=1)
+    with buffers:
+        idx = allocator.alloc()
+        assert idx is not None
+        _transfer(name, idx, 7)
+        buffers.get_buf(idx)  # committed; its views dropped at once
+        allocator._held[idx].release()  # the release ran; the interrupt came before _forget
+        again = allocator.alloc()
+        assert again == idx and allocator._held == {}
+        _transfer(name, again, 8)
+        buf = row_of(buffers.get_buf(again))
+        assert _intact(buf, 8)
+        del buf
+        allocator.release(again)
+        assert allocator.available_size() == 1
+
+
 def test_a_refused_release_keeps_the_index_the_requests(name: str) -> None:
     buffers, allocator = _decode_side(name, size=1)
     with buffers:

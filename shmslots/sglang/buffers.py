@@ -519,6 +519,7 @@ class ReqToMetadataIdxAllocator:
         except SlotsExhausted:
             return None
         idx = reservation.slot
+        self._settle(idx)
         try:
             buffers._clear(idx)
         except BaseException:
@@ -655,6 +656,17 @@ class ReqToMetadataIdxAllocator:
                     self.bind(req, idx)
                 else:
                     self.release(idx)
+
+    def _settle(self, idx: int) -> None:
+        """Forget a handle of `idx` that ended without this book hearing of it (an interrupt
+        between a release and `_forget`): the table gave the slot out again, so it is over."""
+        lease = self._held.get(idx)
+        if lease is not None and not lease._open:
+            self._forget(idx)
+        reservation = self._reserved.get(idx)
+        if reservation is not None and not reservation._open:
+            del self._reserved[idx]
+            self._unbind(idx)
 
     def _forget(self, idx: int) -> None:
         del self._held[idx]
