@@ -26,6 +26,7 @@ from .errors import (
     OwnershipError,
     RegistryFull,
     RowRejected,
+    RowsLeftWarning,
     SchemaError,
     ShmSlotsError,
     SlotsExhausted,
@@ -33,6 +34,7 @@ from .errors import (
     TableClosed,
     TableExists,
     TableNotFound,
+    TableNotReady,
     TablePermissionError,
 )
 from .participants import Participant
@@ -86,6 +88,7 @@ __all__ = [
     "RegistryFull",
     "Reservation",
     "RowRejected",
+    "RowsLeftWarning",
     "SchemaError",
     "ShmSlotsError",
     "SlotAge",
@@ -97,6 +100,7 @@ __all__ = [
     "TableClosed",
     "TableExists",
     "TableNotFound",
+    "TableNotReady",
     "TablePermissionError",
     "WriteSlot",
     "row_hash",

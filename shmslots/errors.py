@@ -27,6 +27,11 @@ class IncompatibleTable(ShmSlotsError):
     """The segment is not a table this version can use (magic, version, uid, size)."""
 
 
+class TableNotReady(IncompatibleTable):
+    """The object exists but its creator has not sized or initialised it yet (or died doing
+    so): `attach(timeout=...)` waits through this."""
+
+
 class CorruptTable(IncompatibleTable):
     """The segment claims to be a table but its contents are inconsistent."""
 
@@ -61,6 +66,11 @@ class StaleLeaseError(OwnershipError):
 
 class LeakedViewError(ShmSlotsError):
     """A field view is still referenced while its slot is being released (strict mode)."""
+
+
+class RowsLeftWarning(UserWarning):
+    """The creator unlinked a table while rows were still queued or held: attaches after it
+    cannot reach them."""
 
 
 class LeakedViewWarning(UserWarning):

@@ -21,6 +21,7 @@ from .errors import (
     ShmSlotsError,
     TableExists,
     TableNotFound,
+    TableNotReady,
     TablePermissionError,
 )
 from .units import fmt_bytes
@@ -108,8 +109,8 @@ class Segment:
         fd = shm.fd
         try:
             size = os.fstat(fd).st_size
-            if size == 0:
-                raise IncompatibleTable(f"{name!r} is empty: not a shmslots table")
+            if size == 0:  # created, not sized yet: a creator at work, or one that died there
+                raise TableNotReady(f"{name!r} is empty: not a shmslots table (yet)")
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
             try:
                 mm = mmap.mmap(fd, size, access=access)

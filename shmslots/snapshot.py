@@ -117,6 +117,16 @@ class TableView:
     def name(self) -> str:
         return self._segment.name
 
+    def live_participants(self) -> list[Participant]:
+        """Participants still alive (their kernel-held lock says so), without a full snapshot."""
+        return [p for p in self._registry.participants() if p.alive]
+
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the object mapped: another object made under the same name later
+        has another."""
+        st = os.fstat(self._segment.fd)
+        return st.st_dev, st.st_ino
+
     def unlinked(self) -> bool:
         """Whether the table's name was removed (this mapping stays readable meanwhile)."""
         return os.fstat(self._segment.fd).st_nlink == 0

@@ -6,6 +6,7 @@ layout.py, the legal transitions in states.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -18,6 +19,7 @@ from typing import Literal, NoReturn, TypeVar
 import torch
 
 from . import layout as L
+from . import orphans
 from ._atomic import AtomicView
 from ._leases import HandleBase
 from .arena import Arena
@@ -25,10 +27,14 @@ from .errors import (
     CorruptTable,
     InvalidArgument,
     OwnershipError,
+    RowsLeftWarning,
     SchemaError,
     ShmSlotsError,
     SlotsExhausted,
     TableClosed,
+    TableExists,
+    TableNotFound,
+    TableNotReady,
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core
@@ -40,7 +46,7 @@ from .schema import Field, RowSchema
 from .segment import Segment
 from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
 from .tracing import Holding, SiteWriter, describe_holders, holdings, site_of, trace_from_env
-from .validate import read_schema, read_valid_header
+from .validate import INIT_WAIT_S, read_schema, read_valid_header
 from .waiting import wait_for
 
 _CLAIM = int(Event.CLAIM)
@@ -65,6 +71,38 @@ def _check_count(n: object, what: str) -> None:
 def _check_tag(tag: object) -> None:
     if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _M64:
         raise InvalidArgument(f"tag must be an int in 0..2**64-1, got {tag!r}")
+
+
+def _create_segment(name: str, size: int, replace_orphaned: bool) -> Segment:
+    """Segment.create, saying who uses a table already there, or replacing it if orphaned."""
+    try:
+        return Segment.create(name, size)
+    except TableExists:
+        if not (replace_orphaned and orphans.remove_if_orphaned(name)):
+            raise TableExists(
+                f"a table named {name!r} already exists: {orphans.describe(name)}"
+            ) from None
+    return Segment.create(name, size)
+
+
+def _open_segment(name: str, timeout: float) -> Segment:
+    """Segment.open, retried through "missing" for `timeout` s and through "being created"
+    (not sized yet) for at least INIT_WAIT_S."""
+    start = time.monotonic()
+    while True:
+        try:
+            return Segment.open(name)
+        except TableNotFound:
+            if time.monotonic() - start >= timeout:
+                raise
+        except TableNotReady:
+            if time.monotonic() - start >= max(timeout, INIT_WAIT_S):
+                raise
+        time.sleep(0.005)
+
+
+def _names_of(fields: tuple[Field, ...]) -> list[str]:
+    return [f.name for f in fields]
 
 
 def _disown_after_fork() -> None:
@@ -178,8 +216,13 @@ class SlotTable:
         role: str = "owner",
         trace: bool | None = None,
         trace_sites: int = L.DEFAULT_TRACE_SITES,
+        replace_orphaned: bool = False,
     ) -> SlotTable:
         """Create a new table (exclusive; mode 0600) and attach to it.
+
+        A table of that name already there raises TableExists, saying who uses it; with
+        `replace_orphaned`, one whose every participant is dead (its creator was killed) is
+        removed and the table made anew, and one with a live participant is still refused.
 
         `strict` makes leaked views raise and every take verify its row.
         `on_consumer_death` says what happens to slots a dead consumer held.
@@ -210,7 +253,7 @@ class SlotTable:
         flags = (L.FLAG_STRICT if strict else 0) | (
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
         )
-        segment = Segment.create(name, lay.total_size)
+        segment = _create_segment(name, lay.total_size, replace_orphaned)
         try:
             mm = segment.mm
             mm[lay.schema : lay.schema + len(blob)] = blob
@@ -242,12 +285,44 @@ class SlotTable:
             raise
 
     @classmethod
-    def attach(cls, name: str, role: str = "participant", *, label: str | None = None) -> SlotTable:
-        """Attach to an existing table by name; refuses anything that is not a valid table."""
-        segment = Segment.open(name)
+    def attach(
+        cls,
+        name: str,
+        role: str = "participant",
+        *,
+        label: str | None = None,
+        timeout: float = 0.0,
+        expect: Sequence[Field] | None = None,
+    ) -> SlotTable:
+        """Attach to an existing table by name; refuses anything that is not a valid table.
+
+        `timeout` s are waited through a table that does not exist yet (TableNotFound after
+        them); one being created is waited for at least INIT_WAIT_S whatever `timeout` says,
+        so a half-made table is never taken for a corrupt one.  `expect`, the fields the
+        caller will use, refuses with SchemaError a table whose fields differ.
+        """
+        if not isinstance(role, str):
+            raise InvalidArgument(
+                f"role must be a str, got {role!r}; the fields a table must have go in expect="
+            )
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)) or not (
+            0 <= timeout < float("inf")
+        ):
+            raise InvalidArgument(f"timeout must be a finite number >= 0 s, got {timeout!r}")
+        start = time.monotonic()
+        segment = _open_segment(name, timeout)
         try:
-            header = read_valid_header(segment)
+            left = max(INIT_WAIT_S, timeout - (time.monotonic() - start))
+            header = read_valid_header(segment, left)
             schema = read_schema(segment, header)
+            if expect is not None and tuple(expect) != schema.fields:
+                raise SchemaError(
+                    f"table {name!r} has fields {_names_of(schema.fields)}, not the expected "
+                    f"{_names_of(tuple(expect))}"
+                    if _names_of(schema.fields) != _names_of(tuple(expect))
+                    else f"table {name!r}'s fields differ in dtype or shape from the expected: "
+                    f"{list(schema.fields)} != {list(expect)}"
+                )
             return cls(segment, header, schema, role, label or f"{role}-{os.getpid()}")
         except BaseException:
             segment.close()
@@ -761,11 +836,28 @@ class SlotTable:
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Close; the process that created the table also unlinks it."""
+        """Close; the process that created the table also unlinks it, saying so if rows were
+        left queued or held (attaches after this cannot reach them).  A table already
+        unlinked from outside (`shmslots unlink --force`) just closes."""
         forked = self._forked
+        unlinking = self.created_here and not forked  # a forked child must not unlink it
+        if unlinking and not self._closed:
+            self._warn_rows_left()
         self.close()
-        if self.created_here and not forked:  # a forked child must not unlink the parent's
-            self.unlink()
+        if unlinking:
+            with contextlib.suppress(TableNotFound):
+                self.unlink()
+
+    def _warn_rows_left(self) -> None:
+        states = self._own.occupancy()
+        queued, held = states["READY"], states["HELD"]
+        if queued or held:
+            warnings.warn(
+                f"table {self.name!r} unlinked by its creator with {queued} row(s) queued and "
+                f"{held} held: a consumer attaching later will not find them",
+                RowsLeftWarning,
+                stacklevel=3,
+            )
 
     def _wait(
         self,

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from .. import orphans
 from ..errors import SchemaError, ShmSlotsError
-from ..segment import SHM_DIR, unlink
-from ..snapshot import TableView
+from ..segment import SHM_DIR
 from .buffers import (
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
@@ -120,10 +120,7 @@ def _table_name() -> str:
 
 def _remove_if_orphaned(name: str) -> None:
     with contextlib.suppress(ShmSlotsError, OSError):
-        with TableView.open(name) as view:
-            alive = any(p.alive for p in view.snapshot().participants)
-        if not alive:
-            unlink(name)
+        if orphans.remove_if_orphaned(name):
             log.warning("shmslots: removed %s, left by a scheduler that died", name)
 
 
