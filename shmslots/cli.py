@@ -47,7 +47,8 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   "histograms": {"held" | "ready_wait": {"bounds_s": [..] (upper bounds; the last count is
   beyond them), "counts": [..], "count" (their total), "sum_s" (of the times observed),
   "p50_s", "p99_s" (null when empty)}},
-  "older_than_s" (null if not given), "problems": [str...]}`
+  "older_than_s" (null if not given), "problems": [str...], "broken_seals": [slot...]
+  (published rows that do not match their seal)}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
   nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older",
@@ -195,14 +196,15 @@ def _inspect(args: argparse.Namespace) -> int:
             return _inspect_slot(view, args.slot, args.json)
         snap = view.snapshot()
         dead = view.dead_owned(snap)
+        broken = view.broken_seals(snap)
     older_than = args.older_than if args.older_than is not None else snap.max_hold_s
     if args.json:
-        _print_json(R.table_doc(snap, older_than, dead, args.older_than))
+        _print_json(R.table_doc(snap, older_than, dead, args.older_than, broken))
     elif args.by_site:
-        _console().print(R.by_site_view(snap, args.older_than, dead))
+        _console().print(R.by_site_view(snap, args.older_than, dead, broken))
     else:
-        _console().print(R.inspect_view(snap, older_than, dead, args.older_than))
-    return 1 if dead else 0
+        _console().print(R.inspect_view(snap, older_than, dead, args.older_than, broken))
+    return 1 if dead or broken else 0
 
 
 def _inspect_slot(view: TableView, n: int, as_json: bool) -> int:

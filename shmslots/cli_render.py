@@ -87,13 +87,25 @@ def owner_text(snap: TableSnapshot, owner: int) -> Text:
     return Text(f"{owner} pid {p.pid} {p.role} (dead)", style="bold red")
 
 
-def problems(snap: TableSnapshot, dead: Sequence[SlotSnapshot]) -> list[str]:
+def problems(
+    snap: TableSnapshot, dead: Sequence[SlotSnapshot], broken: Sequence[SlotSnapshot] = ()
+) -> list[str]:
+    """What `inspect` exits 1 for: slots owned by dead participants, published rows that do
+    not match their seal; each with the command that deals with it."""
     parts = by_index(snap)
     out = []
     for s in dead:
         p = parts.get(s.owner)
         who = f"participant {s.owner} (pid {p.pid} {p.role})" if p else f"participant {s.owner}"
-        out.append(f"slot {s.slot} {state_name(s)} is owned by dead {who}")
+        out.append(
+            f"slot {s.slot} {state_name(s)} is owned by dead {who} (run `shmslots reap "
+            f"{snap.name}`)"
+        )
+    for s in broken:
+        out.append(
+            f"slot {s.slot} {state_name(s)} generation {s.generation}: its row does not match "
+            f"its seal, checksum bad (`shmslots inspect {snap.name} --slot {s.slot}` shows it)"
+        )
     return out
 
 
@@ -257,15 +269,18 @@ def histogram_text(snap: TableSnapshot) -> str:
 
 
 def by_site_view(
-    snap: TableSnapshot, only_older: float | None, dead: Sequence[SlotSnapshot]
+    snap: TableSnapshot,
+    only_older: float | None,
+    dead: Sequence[SlotSnapshot],
+    broken: Sequence[SlotSnapshot] = (),
 ) -> Group:
     parts: list[RenderableType] = [
         Text(f"{snap.name}: states {state_counts(snap.states)}  (queued {snap.queued})"),
         Text(""),
         holdings_table(snap, only_older),
     ]
-    for line in problems(snap, dead):
-        parts.append(Text(f"problem: {line} (run `shmslots reap {snap.name}`)", style="bold red"))
+    for line in problems(snap, dead, broken):
+        parts.append(Text(f"problem: {line}", style="bold red"))
     return Group(*parts)
 
 
@@ -274,6 +289,7 @@ def inspect_view(
     older_than: float | None,
     dead: Sequence[SlotSnapshot],
     only_older: float | None = None,
+    broken: Sequence[SlotSnapshot] = (),
 ) -> Group:
     sections: list[RenderableType] = [
         header_table(snap),
@@ -294,8 +310,8 @@ def inspect_view(
         parts.append(
             Text(f"{n} slot(s) not FREE for {fmt_duration(older_than)} or longer", style="yellow")
         )
-    for line in problems(snap, dead):
-        parts.append(Text(f"problem: {line} (run `shmslots reap {snap.name}`)", style="bold red"))
+    for line in problems(snap, dead, broken):
+        parts.append(Text(f"problem: {line}", style="bold red"))
     return Group(*parts)
 
 
@@ -463,6 +479,7 @@ def table_doc(
     older_than: float | None,
     dead: Sequence[SlotSnapshot],
     only_older: float | None = None,
+    broken: Sequence[SlotSnapshot] = (),
 ) -> dict[str, Any]:
     now = time.time_ns()
     return {
@@ -513,7 +530,8 @@ def table_doc(
         "by_site": holdings_doc(snap, only_older),
         "histograms": histograms_doc(snap),
         "older_than_s": older_than,
-        "problems": problems(snap, dead),
+        "problems": problems(snap, dead, broken),
+        "broken_seals": [s.slot for s in broken],
     }
 
 

@@ -212,25 +212,49 @@ class TableView:
         mm = self._segment.mm
         values: dict[str, list[int] | list[float]] = {}
         handles: dict[str, dict[str, Any]] = {}
-        items = []
         for name, fs in self.schema.slots.items():
             f = fs.field
             start = self.layout.column(fs.before) + fs.item_len * slot
-            items.append(memoryview(mm)[start : start + f.nbytes])
             if f.is_handle:
                 try:
-                    handles[name] = decode_handle(bytes(items[-1]))
+                    handles[name] = decode_handle(bytes(mm[start : start + f.nbytes]))
                 except CorruptTable as exc:
                     handles[name] = {"error": str(exc)}
                 continue
             values[name] = _decode(f, mm, start)
+        generation, ok = self.seal(slot)
+        return DecodedRow(slot, values, generation, ok, handles)
+
+    def seal(self, slot: int) -> tuple[int, bool]:
+        """(the generation a row was sealed at, whether its bytes hash to its seal)."""
+        mm = self._segment.mm
+        items = []
+        for fs in self.schema.slots.values():
+            start = self.layout.column(fs.before) + fs.item_len * slot
+            items.append(memoryview(mm)[start : start + fs.field.nbytes])
         generation, crc = L.SEAL.unpack_from(mm, self.layout.seal(slot))
         try:
-            ok = crc == row_hash(items)
+            return generation, crc == row_hash(items)
         finally:
             for item in items:
                 item.release()
-        return DecodedRow(slot, values, generation, ok, handles)
+
+    def broken_seals(self, snap: TableSnapshot) -> list[SlotSnapshot]:
+        """Published rows (READY or HELD) that do not match their seal (bytes or generation),
+        each confirmed by a second read of its slot (a row released and rewritten meanwhile
+        is no finding)."""
+        broken = []
+        for s in snap.slot_states:
+            if s.state not in (State.READY, State.HELD):
+                continue
+            generation, ok = self.seal(s.slot)
+            again = self.slot(s.slot)
+            if not (ok and generation == s.generation) and (again.state, again.generation) == (
+                s.state,
+                s.generation,
+            ):
+                broken.append(s)
+        return broken
 
     def close(self) -> None:
         self._segment.close()

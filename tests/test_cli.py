@@ -201,6 +201,23 @@ def test_inspect_slot_decodes_a_published_row(busy: SlotTable, name: str) -> Non
     assert "[2.0, 2.0, 2.0, 2.0]" in text.stdout
 
 
+def test_inspect_checks_every_published_rows_seal_and_names_a_bad_one(
+    busy: SlotTable, name: str
+) -> None:
+    """`inspect NAME` exited 0 on a table whose published row failed its checksum (#28)."""
+    assert cli("inspect", name).returncode == 0
+    ready = next(i for i in range(busy.slots) if busy.slot_info(i)[3] == 2)
+    at = busy._rows.item(ready, "id")
+    busy._segment.mm[at] ^= 0xFF  # a stray write into a queued row
+    text = cli("inspect", name)
+    assert text.returncode == 1
+    assert f"slot {ready} READY" in text.stdout and "checksum bad" in text.stdout
+    doc = cli("inspect", name, "--json")
+    assert doc.returncode == 1 and json.loads(doc.stdout)["broken_seals"] == [ready]
+    busy._segment.mm[at] ^= 0xFF
+    assert cli("inspect", name).returncode == 0
+
+
 def test_inspect_slot_shows_what_a_handle_field_points_to(name: str) -> None:
     fields = (Field("id", "int64"), Field("blob", "float32", (None,), kind="handle"))
     with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 20) as table:
