@@ -712,6 +712,20 @@ class SlotTable:
         self._check_open()
         return self._handles.collect()
 
+    def peers(self) -> list[Participant]:
+        """The other participants attached now and alive (by their kernel-held locks): a
+        consumer whose producer died sees none, and can let go so a restart replaces it."""
+        self._check_open()
+        me = self.participant
+        return [p for p in self._registry.participants(me) if p.alive and p.index != me]
+
+    @property
+    def unlinked(self) -> bool:
+        """Whether the table's name was removed (a new table may have it now); this mapping
+        keeps working until closed."""
+        self._check_open()
+        return os.fstat(self._segment.fd).st_nlink == 0
+
     def stats(self) -> Stats:
         self._check_open()
         pages, blocks = self._arena.usage() if self._arena is not None else (0, 0)

@@ -46,6 +46,15 @@ def test_strict_leak_check(name: str) -> None:
     assert out[1] == "with block: leaked_views = 1"
 
 
+@pytest.mark.timeout(120)
+def test_service(name: str) -> None:
+    out = run_example(ROOT / "examples/service.py", name).splitlines()
+    assert out == [
+        "producer run 0: rows reached the consumer, then SIGKILL",
+        "producer run 1: rows reached the consumer, then SIGTERM",
+    ]
+
+
 def test_sglang_decode(name: str) -> None:
     out = run_example(ROOT / "examples/sglang_decode.py", name).splitlines()
     assert out == [

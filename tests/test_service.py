@@ -182,3 +182,14 @@ def test_a_creator_that_leaves_rows_queued_says_so(name: str) -> None:
             lease = t.take()
             assert lease is not None
             lease.release()
+
+
+def test_peers_and_unlinked_tell_a_consumer_its_producer_has_gone(name: str) -> None:
+    proc = _creator(name, 1)
+    with SlotTable.attach(name, "decode") as t:
+        assert [p.pid for p in t.peers()] == [proc.pid] and not t.unlinked
+        proc.kill()
+        proc.wait(10)
+        assert t.peers() == []  # its lock went with it
+        unlink(name)
+        assert t.unlinked
