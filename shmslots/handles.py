@@ -28,7 +28,7 @@ from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .handle_codec import LENGTH, decode
 from .ownership import Ownership
-from .rows import PLAIN, RULES, contiguous_strides, mapped_tensor, refusal
+from .rows import PLAIN, RULES, UNPINNED, contiguous_strides, mapped_tensor, refusal
 from .schema import Field
 from .torch_dtypes import DTYPE_NAMES, DTYPES
 
@@ -51,11 +51,16 @@ class HandleStore:
         self._own = own
         self._arena = arena
         self._mm = mm
+        self._pin = memoryview(mm)  # held by every tensor opened here (see mapped_tensor)
         self._table = table
         self._pins: list[Pin] = []
         self.ipc = cuda_ipc.IpcLedger(cuda_ipc.CudaIpc())  # every share and its one release
 
     # -- producer side ---------------------------------------------------------------
+    def drop_mapping(self) -> None:
+        """The table is closing: let go of the mapping; tensors opened here still hold it."""
+        self._pin = UNPINNED
+
     def pin(self, slot: int, generation: int, f: Field, tensor: torch.Tensor) -> tuple[bytes, Pin]:
         """Encode `tensor` for the row of (slot, generation) and keep it alive."""
         if self.ipc.takes(tensor):
@@ -83,7 +88,7 @@ class HandleStore:
     def loaned(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor over a loan's pages."""
         assert pin.offset is not None
-        return mapped_tensor(self._mm, pin.offset, f.torch_dtype, shape)
+        return mapped_tensor(self._pin, pin.offset, f.torch_dtype, shape)
 
     def _arena_handle(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
         return {
@@ -204,7 +209,7 @@ class HandleStore:
         dtype = DTYPES[d["dtype"]]
         if d["n"] != _numel(d["shape"]) * dtype.itemsize:
             raise CorruptTable(f"handle of {name!r}: {d['n']} bytes for shape {d['shape']}")
-        return mapped_tensor(self._mm, start, dtype, tuple(d["shape"]))
+        return mapped_tensor(self._pin, start, dtype, tuple(d["shape"]))
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -46,18 +46,23 @@ _SCALAR_CODES = {name: "<" + c for name, c in DTYPE_CODES.items() if name != "bf
 _INT_DTYPES = frozenset(name for name in DTYPE_CODES if name.startswith(("int", "uint")))
 
 
+UNPINNED = memoryview(b"")  # what a closed pin is replaced by
+
+
 def mapped_tensor(
-    buffer: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+    pin: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor over bytes of a mapping, with a storage of its own and no base tensor.
 
     Its own storage, so the storage's use count tells whether a slice of it is alive;
     no base, because a base tensor would be a second way to the memory that no count sees.
+    `pin` is a memoryview of the mapping: the tensor keeps it, and its export keeps the
+    mapping from being unmapped (`Segment.close` waits) while the tensor lives.
     """
     count = math.prod(shape)
     if not count:  # nothing to map (frombuffer refuses an empty span)
         return torch.empty(shape, dtype=dtype)
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    tensor = torch.frombuffer(pin, dtype=dtype, count=count, offset=offset)
     if len(shape) != 1:  # reshaped in place: a view would bring a base
         tensor.as_strided_(shape, contiguous_strides(shape))
     return tensor
@@ -110,6 +115,7 @@ class Rows:
     ) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
+        self._pin = memoryview(mm)  # held by every view made here (see mapped_tensor)
         self._layout = lay
         self.schema = schema
         # name -> (column, item_len): slot i's item of the field is at column + item_len * i
@@ -150,7 +156,7 @@ class Rows:
             cached = self._views[slot] = WatchedTensors(
                 {
                     name: mapped_tensor(
-                        self._mm, self.item(slot, name), fs.field.torch_dtype, fs.field.fixed_shape
+                        self._pin, self.item(slot, name), fs.field.torch_dtype, fs.field.fixed_shape
                     )
                     for name, fs in self.schema.slots.items()
                     if not fs.field.is_handle
@@ -241,6 +247,7 @@ class Rows:
         if self._codec is not None:
             self._codec.release()
         self._mv.release()
+        self._pin = UNPINNED  # dropped, not released: views still alive keep the mapping
         return leaked
 
 

@@ -26,8 +26,6 @@ from .errors import (
 )
 from .units import fmt_bytes
 
-# Mappings that views still point into; unmapping them would turn reads into segfaults.
-_KEPT_MAPPINGS: list[mmap.mmap] = []
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 
 
@@ -140,13 +138,6 @@ class Segment:
                 os.close(self.fd)
                 self.fd = -1
         return True
-
-    def keep_mapped_forever(self) -> None:
-        """Close the fd but never unmap: live tensors still point into the mapping."""
-        _KEPT_MAPPINGS.append(self.mm)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
     def unlink(self) -> None:
         unlink(self.name)

@@ -815,18 +815,17 @@ class SlotTable:
         self._closed = self._core.closed = True
         os.close(self._lock_fd)
         leaked = self._rows.close()
+        self._handles.drop_mapping()
         self._mv.release()
         self._atomics.release()
         self._own.hot.release()
         if leaked:
             warnings.warn(
                 f"table {self.name!r} closed while views are referenced ({', '.join(leaked)}); "
-                "its mapping is kept until the process exits",
+                "its mapping is kept until the last of them is gone",
                 stacklevel=2,
             )
-            self._segment.keep_mapped_forever()
-        else:
-            self._segment.close()
+        self._segment.close()  # unmaps now, or when the last tensor over the mapping goes
 
     def unlink(self) -> None:
         """Remove the name; processes already attached keep working until they close."""

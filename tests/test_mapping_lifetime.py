@@ -72,3 +72,76 @@ def test_closing_a_table_under_a_big_copy_does_not_crash(
     assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
     outcome = results.get(timeout=5)
     assert outcome.startswith(("ShmSlotsError", "ValueError")), outcome
+
+
+def _keep_past_close(name: str, kind: str, results: Queue[str]) -> None:
+    """Make one kind of tensor over the mapping, close (and unlink) the table, touch it."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # the leaks are the point: each is reported as it happens
+    fields = [Field("h", "float32", (4,)), Field("big", "float32", (None,), kind="handle")]
+    table = SlotTable.create(name, fields, slots=2, arena_bytes=1 << 20)
+    ws = table.claim()
+    ws.write(h=torch.full((4,), 3.0))
+    loan = ws.alloc("big", (8,))
+    loan.fill_(5.0)
+    ws.publish()
+    lease = table.take()
+    assert lease is not None
+    kept = {
+        "view reported at release": lambda: lease.view("h"),
+        "loan kept past publish": lambda: loan,
+        "handle opened on a lease open at close": lambda: lease.tensor("big"),
+    }[kind]()
+    if kind == "view reported at release":
+        lease.release()  # reported as leaked, and dropped from the cache close() checks
+    table.close()
+    table.unlink()
+    kept.add_(1.0)  # writes and reads: the mapping is still there
+    results.put(f"{kind}: {kept.sum().item()}")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "view reported at release",
+        "loan kept past publish",
+        "handle opened on a lease open at close",
+    ],
+)
+def test_a_tensor_kept_past_close_keeps_its_mapping(
+    name: str, children: Children, kind: str
+) -> None:
+    """close() unmapped under live tensors and touching them was SIGSEGV (#24, defect 1)."""
+    results: Queue[str] = SPAWN.Queue()
+    proc = children.start(_keep_past_close, name, kind, results)
+    proc.join(60)
+    assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
+    want = {"view reported at release": 16.0}.get(kind, 48.0)
+    assert results.get(timeout=5) == f"{kind}: {want}"
+
+
+def _sglang_views_past_close(name: str, results: Queue[str]) -> None:
+    import warnings
+
+    from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
+
+    warnings.simplefilter("ignore")
+    allocator = ReqToMetadataIdxAllocator(2)
+    buffers = MetadataBuffers(2, 64, torch.bfloat16, 16, table_name=name)
+    idx = allocator.alloc()
+    assert idx is not None
+    buffers.write_by_address(idx, {"output_ids": [7], "bootstrap_room": [1]})
+    row = buffers.get_buf(idx)
+    buffers.close()
+    output_ids = row[0]
+    assert output_ids is not None
+    results.put(f"output_ids[0] after close: {int(output_ids[0])}")
+
+
+def test_sglang_get_buf_views_outlive_the_buffers_close(name: str, children: Children) -> None:
+    results: Queue[str] = SPAWN.Queue()
+    proc = children.start(_sglang_views_past_close, name, results)
+    proc.join(60)
+    assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
+    assert results.get(timeout=5) == "output_ids[0] after close: 7"
