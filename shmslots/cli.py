@@ -48,7 +48,7 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   beyond them), "counts": [..], "count" (their total), "sum_s" (of the times observed),
   "p50_s", "p99_s" (null when empty)}},
   "older_than_s" (null if not given), "problems": [str...], "broken_seals": [slot...]
-  (published rows that do not match their seal)}`
+  (queued rows that do not match their seal)}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
   nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older",

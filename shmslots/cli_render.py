@@ -90,8 +90,8 @@ def owner_text(snap: TableSnapshot, owner: int) -> Text:
 def problems(
     snap: TableSnapshot, dead: Sequence[SlotSnapshot], broken: Sequence[SlotSnapshot] = ()
 ) -> list[str]:
-    """What `inspect` exits 1 for: slots owned by dead participants, published rows that do
-    not match their seal; each with the command that deals with it."""
+    """What `inspect` exits 1 for: slots owned by dead participants, queued rows that do not
+    match their seal; each with the command that deals with it."""
     parts = by_index(snap)
     out = []
     for s in dead:

@@ -442,6 +442,10 @@ class WriteSlot(_Handle, WriteSlotCore):
                 "written through them is not in the row; write those fields again"
             )
 
+    def end(self) -> None:
+        """Abort unless it was published or already ended; safe to call again."""
+        self.__exit__(None, None, None)
+
     def __enter__(self) -> WriteSlot:
         return self
 
@@ -475,6 +479,14 @@ class Reservation(_Handle):
     def abort(self) -> None:
         self._check_open("abort")
         self._end_with(_ABORT, _RESERVED)
+
+    def close_to_writers(self) -> WriteSlot:
+        """Open this reservation oneself (RESERVED -> WRITING, still this process's): the
+        producer that still holds (slot, generation) is refused from now on, and a reaper
+        frees the slot at once if this process dies.  For a reservation aborted while a
+        write by address may still land (`Quarantine`)."""
+        self._check_open("close to writers")
+        return self._table.open_reserved(self.slot, self.generation)
 
     def end(self) -> None:
         """Abort unless a producer opened it or it already ended; safe to call again."""

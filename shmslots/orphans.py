@@ -11,19 +11,29 @@ from __future__ import annotations
 
 import os
 
-from .errors import ShmSlotsError, TableNotFound
-from .segment import SHM_DIR, unlink
+from .errors import ShmSlotsError, TableNotFound, TableNotReady
+from .participants import close_gate, release_gate
+from .segment import SHM_DIR, Segment, unlink
 from .snapshot import TableView
 
 
 def describe(name: str) -> str:
-    """Who uses table `name`, for an error message: its live participants, or that it is
-    orphaned and how to remove it."""
+    """Who uses table `name`, for an error message: its live participants, a process still
+    creating or attaching to it, or that it is orphaned and how to remove it."""
     try:
-        with TableView.open(name) as view:
-            alive = view.live_participants()
+        segment = Segment.open(name)
     except ShmSlotsError as exc:
         return f"it cannot be read ({exc}); `shmslots unlink --force {name}` removes it"
+    try:
+        if not close_gate(segment.fd):
+            return "a process is creating it or attaching to it"
+        release_gate(segment.fd)
+        try:
+            alive = TableView(segment).live_participants()
+        except ShmSlotsError as exc:
+            return f"it cannot be read ({exc}); `shmslots unlink --force {name}` removes it"
+    finally:
+        segment.close()
     if alive:
         who = ", ".join(f"pid {p.pid} ({p.role})" for p in alive[:3])
         return f"{len(alive)} live participant(s) use it: {who}"
@@ -34,20 +44,41 @@ def describe(name: str) -> str:
 
 
 def remove_if_orphaned(name: str) -> bool:
-    """Unlink table `name` if no participant of it is alive; whether it did.  One that cannot
-    be read (a creator that died making it) raises: only `shmslots unlink --force` decides."""
+    """Unlink table `name` if no participant of it is alive; whether it did.  Under the
+    table's gate (participants.GATE), taken exclusively: a process creating or attaching to
+    it holds the gate until it is registered, so it is never taken for dead; and of two
+    replacers only the first acts.  One that cannot be read (a creator that died making it)
+    is left to `shmslots unlink --force`."""
     try:
-        with TableView.open(name) as view:
-            if view.live_participants():
-                return False
-            identity = view.identity()
-    except TableNotFound:
+        segment = Segment.open(name)
+    except (TableNotFound, TableNotReady):
         return False
-    st = os.stat(f"{SHM_DIR}/{name}")
-    if (st.st_dev, st.st_ino) != identity:
-        return False  # replaced meanwhile: not the table we looked at
     try:
-        unlink(name)
+        if not close_gate(segment.fd):
+            return False
+        try:
+            return _unlink_if_orphaned(segment)
+        finally:
+            release_gate(segment.fd)
+    finally:
+        segment.close()
+
+
+def _unlink_if_orphaned(segment: Segment) -> bool:
+    try:
+        if TableView(segment).live_participants():
+            return False
+    except ShmSlotsError:
+        return False
+    try:  # only the object looked at: the name may have been given to another since
+        st = os.stat(f"{SHM_DIR}/{segment.name}")
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(segment.fd)
+    if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+        return False
+    try:
+        unlink(segment.name)
     except TableNotFound:
         return False
     return True

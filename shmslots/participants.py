@@ -29,6 +29,30 @@ def _lock_request(kind: int, index: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
 
 
+# A lock byte past every registry entry's: held shared by a process between opening a table
+# (or creating it) and holding its own registry entry, when nothing else shows it is there.
+# Whoever replaces an orphaned table first takes it exclusively (orphans.py).
+GATE = 1 << 40
+
+
+def hold_gate(fd: int) -> None:
+    """Say a participant is being made on this table (waits out a replacer that holds it)."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _lock_request(fcntl.F_RDLCK, GATE))
+
+
+def release_gate(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_UNLCK, GATE))
+
+
+def close_gate(fd: int) -> bool:
+    """The gate exclusively, or False: a participant is being made, or another replacer."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, GATE))
+    except OSError:
+        return False
+    return True
+
+
 def process_start_ticks(pid: int) -> int:
     """Start time of `pid` in clock ticks since boot (0 if it is gone)."""
     try:

@@ -4,9 +4,10 @@ A slot whose addresses were handed to a writer that writes by address (a transfe
 through `table.buffer_infos()`) may be aborted while that write is still in flight: the
 request was cancelled, or its transfer timed out.  Freed at once, the slot could be reserved
 again and the late write would land in the next request's row, where nothing can tell it
-apart (the engine writes bytes, not generations).  So the owner keeps it RESERVED — owned,
-visible in `shmslots inspect`, taken by no one — until `window_s` has passed, as SGLang's
-own deferred release waits for the prefill side before freeing an index.
+apart (the engine writes bytes, not generations).  So the owner opens it itself (RESERVED ->
+WRITING, `Reservation.close_to_writers`) and keeps it so — owned, visible in `shmslots
+inspect`, opened by no producer, taken by no reader — until `window_s` has passed, as
+SGLang's own deferred release waits for the prefill side before freeing an index.
 
 The window is the promise that bounds it: no write for a reservation arrives more than
 `window_s` after the reservation is aborted.  An owner that dies takes its engine's
@@ -20,12 +21,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from .errors import InvalidArgument
-from .leases import Reservation
+from .errors import InvalidArgument, OwnershipError
+from .leases import Reservation, WriteSlot
 
 
 class Quarantine:
-    """Reservations aborted by their owner, each freed once `window_s` has passed."""
+    """Slots of transfers aborted by their owner, each freed once `window_s` has passed."""
 
     def __init__(self, window_s: float) -> None:
         if not (
@@ -37,24 +38,31 @@ class Quarantine:
                 f"late-write window must be a finite number >= 0 s, got {window_s!r}"
             )
         self.window_s = float(window_s)
-        self._held: deque[tuple[float, Reservation]] = deque()  # in deadline order
+        self._held: deque[tuple[float, WriteSlot]] = deque()  # in deadline order
         self._holding: set[tuple[int, int]] = set()  # (slot, generation) of each held
-        self.released = 0  # reservations freed after their window
+        self.released = 0  # slots freed after their window
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, reservation: Reservation) -> None:
-        """Keep an aborted reservation owned until its window has passed (then `sweep` frees
-        it).  A reservation that already ended is not held; one held already is refused."""
-        if not isinstance(reservation, Reservation):
-            raise InvalidArgument(f"a quarantine holds Reservations, not {reservation!r}")
-        if not reservation._open:
-            return
-        key = (reservation.slot, reservation.generation)
+    def hold(self, handle: Reservation | WriteSlot) -> None:
+        """Keep a slot whose transfer was aborted owned and closed to writers until its window
+        has passed (then `sweep` frees it): a reservation is opened here first, a write slot
+        (a row refused while a write was landing) is kept as it is.  One that already ended,
+        or that its producer opened, is not held; one held already is refused."""
+        if not isinstance(handle, (Reservation, WriteSlot)):
+            raise InvalidArgument(f"a quarantine holds Reservations, not {handle!r}")
+        key = (handle.slot, handle.generation)
         if key in self._holding:
             raise InvalidArgument(f"slot {key[0]} (generation {key[1]}) is held already")
-        self._held.append((time.monotonic() + self.window_s, reservation))
+        if not handle._open:
+            return
+        if isinstance(handle, Reservation):
+            try:
+                handle = handle.close_to_writers()
+            except OwnershipError:  # its producer opened it: the slot is the producer's
+                return
+        self._held.append((time.monotonic() + self.window_s, handle))
         self._holding.add(key)
         self.sweep()
 
@@ -74,11 +82,11 @@ class Quarantine:
             self._end_first()
 
     def _end_first(self) -> bool:
-        """End the reservation with the nearest deadline, then forget it; whether it was
-        still open (one whose table closed meanwhile ended with it)."""
-        reservation = self._held[0][1]
-        was_open = reservation._open
-        reservation.end()
+        """End the slot with the nearest deadline, then forget it; whether it was still open
+        (one whose table closed meanwhile ended with it)."""
+        ws = self._held[0][1]
+        was_open = ws._open
+        ws.end()
         self._held.popleft()
-        self._holding.discard((reservation.slot, reservation.generation))
+        self._holding.discard((ws.slot, ws.generation))
         return was_open

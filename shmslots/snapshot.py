@@ -240,12 +240,12 @@ class TableView:
                 item.release()
 
     def broken_seals(self, snap: TableSnapshot) -> list[SlotSnapshot]:
-        """Published rows (READY or HELD) that do not match their seal (bytes or generation),
-        each confirmed by a second read of its slot (a row released and rewritten meanwhile
-        is no finding)."""
+        """Queued rows (READY) that do not match their seal (bytes or generation), each
+        confirmed by a second read of its slot (a row taken and rewritten meanwhile is no
+        finding).  HELD rows are their holder's: a lease may change its row in place."""
         broken = []
         for s in snap.slot_states:
-            if s.state not in (State.READY, State.HELD):
+            if s.state is not State.READY:
                 continue
             generation, ok = self.seal(s.slot)
             again = self.slot(s.slot)

@@ -92,6 +92,11 @@ def state_of(word: int) -> State:
     return State(word & _STATE_MASK)
 
 
+def in_state(word: int, state: State) -> bool:
+    """Whether `word` is in `state`; never raises, whatever the word (corruption included)."""
+    return word & _STATE_MASK == state
+
+
 def owner_of(word: int) -> int:
     return (word >> _OWNER_SHIFT) & _OWNER_MASK
 

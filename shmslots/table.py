@@ -39,15 +39,24 @@ from .errors import (
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
-from .participants import Participant, Registry
+from .participants import Participant, Registry, hold_gate, release_gate
 from .recovery import reap
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
-from .states import GEN_MASK, KNOWN_STATES, Event, State, generation_of, owner_of, state_of
+from .states import (
+    GEN_MASK,
+    KNOWN_STATES,
+    Event,
+    State,
+    generation_of,
+    in_state,
+    owner_of,
+    state_of,
+)
 from .tracing import Holding, SiteWriter, describe_holders, holdings, site_of, trace_from_env
 from .validate import INIT_WAIT_S, read_schema, read_valid_header
-from .waiting import wait_for
+from .waiting import NAP_S, wait_for
 
 _CLAIM = int(Event.CLAIM)
 _RESERVE = int(Event.RESERVE)
@@ -78,11 +87,10 @@ def _create_segment(name: str, size: int, replace_orphaned: bool) -> Segment:
     try:
         return Segment.create(name, size)
     except TableExists:
-        if not (replace_orphaned and orphans.remove_if_orphaned(name)):
-            raise TableExists(
-                f"a table named {name!r} already exists: {orphans.describe(name)}"
-            ) from None
-    return Segment.create(name, size)
+        if replace_orphaned and orphans.remove_if_orphaned(name):
+            with contextlib.suppress(TableExists):  # else another restart made it first
+                return Segment.create(name, size)
+    raise TableExists(f"a table named {name!r} already exists: {orphans.describe(name)}")
 
 
 def _open_segment(name: str, timeout: float) -> Segment:
@@ -99,6 +107,28 @@ def _open_segment(name: str, timeout: float) -> Segment:
             if time.monotonic() - start >= max(timeout, INIT_WAIT_S):
                 raise
         time.sleep(0.005)
+
+
+def _open_gated(name: str, timeout: float) -> Segment:
+    """_open_segment, holding the table's gate until the caller registers: a table replaced
+    (its name unlinked) between the open and the gate is let go, and the name opened again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        segment = _open_segment(name, max(0.0, deadline - time.monotonic()))
+        hold_gate(segment.fd)
+        if os.fstat(segment.fd).st_nlink:
+            return segment
+        segment.close()
+
+
+def _fields_expected(expect: object) -> tuple[Field, ...] | None:
+    """attach()'s `expect`: None, or a sequence of Fields (read once: a generator too)."""
+    if expect is None:
+        return None
+    wanted = tuple(expect) if isinstance(expect, Iterable) else None
+    if wanted is None or not all(isinstance(f, Field) for f in wanted):
+        raise InvalidArgument(f"expect takes a sequence of Fields, got {expect!r}")
+    return wanted
 
 
 def _names_of(fields: tuple[Field, ...]) -> list[str]:
@@ -162,6 +192,7 @@ class SlotTable:
         # the mapping holds: a forked child can then drop its copy (see _disown).
         self._lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
         self._closed = False
+        self._waiters = 0  # this object's threads inside _wait (close wakes them first)
         try:
             self._registry = Registry(self._atomics, self._mv, self.layout, self._lock_fd)
             index, died_here = self._registry.register(role, name)
@@ -254,6 +285,7 @@ class SlotTable:
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
         )
         segment = _create_segment(name, lay.total_size, replace_orphaned)
+        hold_gate(segment.fd)  # until registered: no replacer takes it for an orphan
         try:
             mm = segment.mm
             mm[lay.schema : lay.schema + len(blob)] = blob
@@ -272,7 +304,7 @@ class SlotTable:
             )
             mm[: len(header)] = header
             L.publish_magic(mm)  # last, a release store: attachers never see a half-built table
-            return cls(
+            table = cls(
                 segment,
                 L.read_header(mm[: L.HEADER_SIZE], lay.total_size),
                 schema,
@@ -283,6 +315,8 @@ class SlotTable:
             segment.close()
             segment.unlink()
             raise
+        release_gate(segment.fd)
+        return table
 
     @classmethod
     def attach(
@@ -309,24 +343,27 @@ class SlotTable:
             0 <= timeout < float("inf")
         ):
             raise InvalidArgument(f"timeout must be a finite number >= 0 s, got {timeout!r}")
+        wanted = _fields_expected(expect)
         start = time.monotonic()
-        segment = _open_segment(name, timeout)
+        segment = _open_gated(name, timeout)
         try:
             left = max(INIT_WAIT_S, timeout - (time.monotonic() - start))
             header = read_valid_header(segment, left)
             schema = read_schema(segment, header)
-            if expect is not None and tuple(expect) != schema.fields:
+            if wanted is not None and wanted != schema.fields:
                 raise SchemaError(
                     f"table {name!r} has fields {_names_of(schema.fields)}, not the expected "
-                    f"{_names_of(tuple(expect))}"
-                    if _names_of(schema.fields) != _names_of(tuple(expect))
+                    f"{_names_of(wanted)}"
+                    if _names_of(schema.fields) != _names_of(wanted)
                     else f"table {name!r}'s fields differ in dtype or shape from the expected: "
-                    f"{list(schema.fields)} != {list(expect)}"
+                    f"{list(schema.fields)} != {list(wanted)}"
                 )
-            return cls(segment, header, schema, role, label or f"{role}-{os.getpid()}")
+            table = cls(segment, header, schema, role, label or f"{role}-{os.getpid()}")
         except BaseException:
-            segment.close()
+            segment.close()  # its gate goes with its descriptor
             raise
+        release_gate(segment.fd)
+        return table
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -713,11 +750,25 @@ class SlotTable:
         return self._handles.collect()
 
     def peers(self) -> list[Participant]:
-        """The other participants attached now and alive (by their kernel-held locks): a
-        consumer whose producer died sees none, and can let go so a restart replaces it."""
+        """The other participants attached now and alive (by their kernel-held locks)."""
         self._check_open()
         me = self.participant
         return [p for p in self._registry.participants(me) if p.alive and p.index != me]
+
+    def creator_attached(self) -> bool:
+        """Whether the process that created the table is still attached and alive: a
+        consumer whose producer died (or closed) can drain the table and let go of it, so
+        that a restart can replace it."""
+        pid = self._header.creator_pid
+        return any(p.pid == pid for p in self.peers()) or pid == os.getpid()
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the object mapped: a table made later under the same name (a
+        restart's) has another."""
+        self._check_open()
+        st = os.fstat(self._segment.fd)
+        return st.st_dev, st.st_ino
 
     @property
     def unlinked(self) -> bool:
@@ -813,6 +864,7 @@ class SlotTable:
         # after it, the compiled steps refuse to act in this participant's name.
         self._own.hot.leave(self._lock_fd, self.drop_on_consumer_death)
         self._closed = self._core.closed = True
+        self._wake_waiters()
         os.close(self._lock_fd)
         leaked = self._rows.close()
         self._handles.drop_mapping()
@@ -826,6 +878,15 @@ class SlotTable:
                 stacklevel=2,
             )
         self._segment.close()  # unmaps now, or when the last tensor over the mapping goes
+
+    def _wake_waiters(self) -> None:
+        """Wake this object's threads asleep in a wait and let them leave it (bounded), so
+        each takes its count of sleepers out of the table before the views go."""
+        deadline = time.monotonic() + 2 * NAP_S
+        while self._waiters and time.monotonic() < deadline:
+            for seq in (self._own.publish_seq, self._own.release_seq):
+                self._atomics.futex_wake(seq, 1 << 30)
+            time.sleep(0.001)  # lets them run
 
     def unlink(self) -> None:
         """Remove the name; processes already attached keep working until they close."""
@@ -849,28 +910,31 @@ class SlotTable:
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Close; the process that created the table also unlinks it, saying so if rows were
-        left queued or held (attaches after this cannot reach them).  A table already
-        unlinked from outside (`shmslots unlink --force`) just closes."""
-        forked = self._forked
-        unlinking = self.created_here and not forked  # a forked child must not unlink it
-        if unlinking and not self._closed:
-            self._warn_rows_left()
+        """Close; the process that created the table also unlinks it, and then says so if rows
+        were left queued, or held here (attaches after this cannot reach them; rows other
+        consumers hold, they finish).  A table already unlinked from outside (`shmslots unlink
+        --force`) just closes.  While an exception unwinds the block, nothing is added to it."""
+        unlinking = self.created_here and not self._forked  # a forked child must not unlink
+        left = self._rows_left() if unlinking and not self._closed else (0, 0)
         self.close()
         if unlinking:
             with contextlib.suppress(TableNotFound):
                 self.unlink()
-
-    def _warn_rows_left(self) -> None:
-        states = self._own.occupancy()
-        queued, held = states["READY"], states["HELD"]
-        if queued or held:
+        if any(left) and et is None:
             warnings.warn(
-                f"table {self.name!r} unlinked by its creator with {queued} row(s) queued and "
-                f"{held} held: a consumer attaching later will not find them",
+                f"table {self.name!r} unlinked by its creator with {left[0]} row(s) queued and "
+                f"{left[1]} held here: a consumer attaching later will not find them",
                 RowsLeftWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
+
+    def _rows_left(self) -> tuple[int, int]:
+        """(READY rows, rows HELD by this participant) now."""
+        own = self._own
+        words = [own.word(slot) for slot in range(self.slots)]
+        queued = sum(1 for w in words if in_state(w, State.READY))
+        held = sum(1 for w in words if in_state(w, State.HELD) and owner_of(w) == own.me)
+        return queued, held
 
     def _wait(
         self,
@@ -879,13 +943,21 @@ class SlotTable:
         timeout: float | None,
         on_idle: Callable[[], object] | None = None,
     ) -> T | None:
-        """`wait_for` on this table's futex `words` (sequence, sleepers, deadline); a close
-        by another thread while it waits ends it with TableClosed, as every later call."""
+        """`wait_for` on this table's futex `words` (sequence, sleepers, deadline), for
+        `timeout` s (None: no limit); a close by another thread while it waits ends it with
+        TableClosed, as every later call."""
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0
+        ):  # NaN fails >= 0 too: it would never time out
+            raise InvalidArgument(f"timeout must be a number >= 0 s or None, got {timeout!r}")
+        self._waiters += 1
         try:
             return wait_for(self._atomics, attempt, *words, timeout, on_idle)
         except ValueError:
             self._check_open()
             raise
+        finally:
+            self._waiters -= 1
 
     def _check_open(self) -> None:
         if self._forked:

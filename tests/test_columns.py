@@ -21,6 +21,7 @@ from shmslots import (
     Field,
     InvalidArgument,
     LeakedViewWarning,
+    OwnershipError,
     Quarantine,
     RowRejected,
     SchemaError,
@@ -270,10 +271,9 @@ def test_a_quarantine_holds_only_reservations(name: str) -> None:
     for bad in (True, -1.0, float("inf"), "1"):
         with pytest.raises(InvalidArgument):
             Quarantine(bad)  # type: ignore[arg-type]
-    with SlotTable.create(name, FIELDS, slots=1) as t, t.claim() as ws:
+    for bad_handle in (42, None, "slot 0"):
         with pytest.raises(InvalidArgument):
-            Quarantine(1.0).hold(ws)  # type: ignore[arg-type]
-        ws.abort()
+            Quarantine(1.0).hold(bad_handle)  # type: ignore[arg-type]
     with SlotTable.create(name, FIELDS, slots=1) as t:
         quarantine, reservation = Quarantine(60.0), t.reserve()
         quarantine.hold(reservation)
@@ -282,3 +282,18 @@ def test_a_quarantine_holds_only_reservations(name: str) -> None:
         assert len(quarantine) == 1
         quarantine.close()
         assert len(quarantine) == 0 and t.stats().states["FREE"] == 1
+
+
+def test_a_quarantined_reservation_is_closed_to_its_producer(name: str) -> None:
+    """Quarantine.hold() changed nothing in shared memory: the producer that still held
+    (slot, generation) could open, write and publish the cancelled request's row (#24, 4)."""
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        reservation, quarantine = t.reserve(tag=9), Quarantine(60.0)
+        quarantine.hold(reservation)
+        with SlotTable.attach(name, "producer") as producer:
+            with pytest.raises(OwnershipError):
+                producer.open_reserved(reservation.slot, reservation.generation)
+            assert producer.take() is None
+        assert t.stats().states["WRITING"] == 1 and len(quarantine) == 1
+        quarantine.close()
+        assert t.stats().states["FREE"] == 1

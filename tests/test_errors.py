@@ -284,13 +284,26 @@ def test_a_close_by_another_thread_ends_a_waiting_take_with_table_closed(name: s
         except BaseException as exc:
             got.append(exc)
 
+    other = SlotTable.attach(name, "watcher")  # reads the shared sleeper count after
     taker = threading.Thread(target=take)
     taker.start()
     time.sleep(0.3)  # past the spin: asleep on the futex
+    assert other._atomics.load32(other._own.readers_waiting) == 1
     t.close()
     t.unlink()
     taker.join(10)
     assert len(got) == 1 and isinstance(got[0], TableClosed), got
+    assert other._atomics.load32(other._own.readers_waiting) == 0  # its count went with it
+    other.close()
+
+
+def test_a_timeout_that_never_ends_is_refused(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        ws = t.claim()  # full, and nothing to take: every call below would wait
+        for call in (t.take, t.claim, t.reserve):
+            with pytest.raises(InvalidArgument, match="timeout"):
+                call(timeout=float("nan"))  # NaN never times out: it waited forever
+        ws.abort()
 
 
 def test_batch_calls_share_one_count_rule(name: str) -> None:

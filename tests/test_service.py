@@ -26,6 +26,7 @@ from shmslots import (
     TableNotFound,
     TableNotReady,
 )
+from shmslots.participants import hold_gate
 from shmslots.segment import unlink
 
 CREATOR = """
@@ -193,3 +194,55 @@ def test_peers_and_unlinked_tell_a_consumer_its_producer_has_gone(name: str) -> 
         assert t.peers() == []  # its lock went with it
         unlink(name)
         assert t.unlinked
+
+
+def test_a_table_being_attached_is_not_replaced_as_an_orphan(name: str) -> None:
+    """A process between opening a table and registering was invisible, and a restart's
+    replace_orphaned unlinked the table under it (review of #28)."""
+    proc = _creator(name, 1)
+    proc.kill()
+    proc.wait(10)
+    shm = posix_ipc.SharedMemory("/" + name)  # an attacher, not registered yet
+    try:
+        hold_gate(shm.fd)
+        with pytest.raises(TableExists, match="creating it or attaching to it"):
+            SlotTable.create(name, SMALL, slots=2, replace_orphaned=True)
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        os.close(shm.fd)  # its gate goes with it
+    with SlotTable.create(name, SMALL, slots=2, replace_orphaned=True):
+        pass
+
+
+def test_creator_attached_tells_each_of_two_consumers_the_producer_died(name: str) -> None:
+    proc = _creator(name, 1)
+    with SlotTable.attach(name, "a") as a, SlotTable.attach(name, "b") as b:
+        assert a.creator_attached() and b.creator_attached()
+        proc.kill()
+        proc.wait(10)
+        assert not a.creator_attached() and not b.creator_attached()
+        assert [p.role for p in a.peers()] == ["b"]  # the other consumer is still there
+        assert a.identity == b.identity
+    unlink(name)
+
+
+def test_rows_left_warning_as_an_error_leaks_nothing_and_hides_no_exception(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RowsLeftWarning)
+        with pytest.raises(RowsLeftWarning), SlotTable.create(name, SMALL, slots=2) as t:
+            t.claim().write(**small_row(1)).publish()
+        assert t.closed and not os.path.exists(f"/dev/shm/{name}")
+        with pytest.raises(KeyError), SlotTable.create(name, SMALL, slots=2) as t:
+            t.claim().write(**small_row(2)).publish()
+            raise KeyError("the block's own error")
+        assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_attach_refuses_an_expect_that_is_not_fields(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2):
+        for bad in (["id"], SMALL[0], 5):
+            with pytest.raises(InvalidArgument, match="sequence of Fields"):
+                SlotTable.attach(name, expect=bad)  # type: ignore[arg-type]
+        fields = (f for f in SMALL)
+        with SlotTable.attach(name, expect=fields) as t:  # type: ignore[arg-type]
+            assert t.schema.fields == tuple(SMALL)

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument, OwnershipError, RowRejected, SchemaError, TableClosed
-from ..leases import Reservation
+from ..leases import Reservation, WriteSlot
 from ..quarantine import Quarantine
 from ..table import SlotTable
 from .engine import Engine
@@ -201,7 +201,7 @@ class RemoteServer:
             else:
                 self.stats.rejected += 1
                 self._settled.rejected.append(reservation.tag)
-                if matched:  # all its bytes were in: none of this write is on the way
+                if matched:  # ours matched: refused by the table's check only if still landing
                     reservation.end()
                 else:  # torn, or its commit outran its bytes: the rest may still land
                     self._hold(reservation)
@@ -211,16 +211,22 @@ class RemoteServer:
             ws = self.table.open_reserved(reservation.slot, reservation.generation)
         except OwnershipError:  # reclaimed behind our back: only by corruption or a reaper
             return False
-        with ws:  # leaving the block unpublished aborts
+        held = False
+        try:
             try:  # the table's own check; the row changed since ours only if a write is landing
                 ws.written_in_place(checksum)
-            except RowRejected:
+            except RowRejected:  # so the rest of it may still land: held back, not freed
+                self._hold(ws)
+                held = True
                 return False
             ws.publish()
-        return True
+            return True
+        finally:
+            if not held:
+                ws.end()  # unpublished: aborted; published: nothing left to do
 
-    def _hold(self, reservation: Reservation) -> None:
-        self._quarantine.hold(reservation)
+    def _hold(self, handle: Reservation | WriteSlot) -> None:
+        self._quarantine.hold(handle)
         self.stats.quarantined += 1
 
     def _expire(self, now: float) -> None:
