@@ -241,19 +241,23 @@ def _frames(view: TableView, interval: float, count: int | None) -> Iterator[R.F
 
 def _watch(args: argparse.Namespace) -> int:
     console = _console()
+    last: R.Frame | None = None
     with TableView.open(args.name) as view:
         frames = _frames(view, args.interval, args.count)
         try:
             if console.is_terminal:
                 with Live(console=console, auto_refresh=False) as live:
-                    for frame in frames:
-                        live.update(R.watch_view(frame), refresh=True)
+                    for last in frames:
+                        live.update(R.watch_view(last), refresh=True)
             else:
-                for frame in frames:
-                    print(R.watch_text(frame), flush=True)
+                for last in frames:
+                    print(R.watch_text(last), flush=True)
         except KeyboardInterrupt:
             pass  # Ctrl-C is how a watch without --count ends
-    return 0
+        dead = view.dead_owned(last.snap) if last is not None else []
+    for line in R.problems(last.snap, dead) if last is not None else []:
+        print(f"problem: {line}", file=sys.stderr)
+    return 1 if dead else 0
 
 
 def _metrics(args: argparse.Namespace) -> int:
@@ -261,13 +265,15 @@ def _metrics(args: argparse.Namespace) -> int:
 
     from .metrics import registry_for
 
-    for name in args.names:  # a missing table is an error here, not a silent scrape error
-        _look(name)
+    # a missing table is an error here, not a silent scrape error
+    looks = [_look(name) for name in args.names]
     registry = registry_for(*args.names)
     if args.serve is None:
         sys.stdout.write(generate_latest(registry).decode())
-        return 0
-    return _serve(registry, args.bind, args.serve)
+    else:
+        _serve(registry, args.bind, args.serve)
+        looks = [_look(name) for name in args.names]  # the verdict is the last scrape's
+    return 1 if any(dead for _, dead in looks) else 0
 
 
 def _serve(registry: Any, bind: str, port: int) -> int:
@@ -397,12 +403,29 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-EXIT_CODES = """exit codes:
-  0  fine
-  1  a problem was found: a dead participant owns slots, a published row fails its
-     checksum, or unlink was refused because participants live
-  2  the table is missing, not a valid table, or was unlinked while watched;
-     or the arguments are wrong"""
+_MISSING = "2  the table is missing, not a valid table, or the arguments are wrong"
+# What each command's exit code means: its own verdict, in its own --help.
+EXIT_CODES = {
+    "ls": "0  listed (orphaned tables are flagged, not failures)\n"
+    "1  a table has slots owned by a participant that is no longer alive\n"
+    "2  the arguments are wrong",
+    "inspect": "0  nothing wrong\n"
+    "1  a dead participant owns slots, or a queued row fails its checksum (both named);\n"
+    "   with --slot N: row N is published and fails its checksum\n" + _MISSING,
+    "watch": "0  stopped (Ctrl-C or --count) and the last refresh found nothing wrong\n"
+    "1  the last refresh found slots owned by a dead participant\n"
+    "2  the table is missing, not a valid table, or was unlinked while watched;\n"
+    "   or the arguments are wrong",
+    "metrics": "0  printed (or served until stopped) and no named table has dead-owned slots\n"
+    "1  a named table has slots owned by a dead participant (the metrics say which)\n" + _MISSING,
+    "reap": "0  nothing left owned by the dead\n"
+    "1  slots owned by a dead participant remain after the reap\n" + _MISSING,
+    "unlink": "0  unlinked\n1  refused: participants are alive (--force removes it anyway)\n"
+    + _MISSING,
+    "demo": "0  every request accounted for, no slot left owned, no corrupted row\n"
+    "1  rows were corrupted (the early-release policy shows how), or requests or\n"
+    "   slots went unaccounted for\n2  the arguments are wrong",
+}
 NAME_HELP = "the table's name: its file in /dev/shm (`shmslots ls` lists them)"
 
 
@@ -410,11 +433,12 @@ def _command(
     sub: Any, name: str, summary: str, description: str, run: Any
 ) -> argparse.ArgumentParser:
     """A subcommand whose --help says what it does and what its exit codes mean."""
+    codes = "\n".join(f"  {line}" for line in EXIT_CODES[name].splitlines())
     parser: argparse.ArgumentParser = sub.add_parser(
         name,
         help=summary,
         description=description,
-        epilog=EXIT_CODES,
+        epilog=f"exit codes:\n{codes}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(run=run)
@@ -425,7 +449,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shmslots",
         description="shmslots tables: look, watch, repair; and a demo of the flow they serve.",
-        epilog=EXIT_CODES + "\n\n`shmslots COMMAND --help` tells more about each command.",
+        epilog="exit codes: 0 fine, 1 a problem was found, 2 the table is missing or not valid, "
+        "or the arguments are wrong; `shmslots COMMAND --help` says what each means for it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -174,3 +174,16 @@ def test_demo_with_a_leak_prints_the_holder_and_unlinks_its_table() -> None:
     assert _names_the_taker(error.split("SlotsExhausted: ", 1)[1]), error
     assert "slots held per call site" in out and "leaked slots (never released)" in out
     assert "the table ran out of slots" in out
+
+
+@pytest.mark.timeout(240)
+def test_demo_exits_1_when_it_saw_corrupted_rows() -> None:
+    """`demo --policy early-release` exited 0 after thousands of corrupted rows (#28)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "shmslots", "demo", "--requests", "3000", "--slots", "16",
+         "--policy", "early-release", "--hidden", "256"],
+        capture_output=True, text=True, timeout=200,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )  # fmt: skip
+    [corrupted] = re.findall(r"corrupted\s+│\s+([\d,]+)", r.stdout)
+    assert r.returncode == (1 if int(corrupted.replace(",", "")) else 0), (r.stdout, r.stderr)
