@@ -661,6 +661,18 @@ hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(0);
 }
 
+/* writing(slot, generation) -> whether the slot is this participant's WRITING one at
+ * `generation`: the proof the one sealing order (_leases.c, seal_mine) asks for first. */
+static PyObject *
+hp_writing(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t gen;
+    if (!need(h, nargs, 2, "writing") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
+        return NULL;
+    return PyBool_FromLong(ld(h, entry_of(h, slot)) == owned_word(gen, h->me, S_WRITING));
+}
+
 /* take() -> (slot, generation, tag, deliveries before this one) | None (nothing ready). */
 static PyObject *
 hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
@@ -1073,6 +1085,7 @@ static PyMethodDef hp_methods[] = {
     FAST("open_reserved", hp_open_reserved, "open_reserved(slot, gen) -> tag | None"),
     FAST("publish", hp_publish, "publish(slot, gen) -> 0 | -1 not owner | -2 ring full"),
     FAST("keep", hp_keep, "keep(slot, gen) -> 0 | -1 not owner"),
+    FAST("writing", hp_writing, "writing(slot, gen) -> this participant's WRITING slot?"),
     FAST("take", hp_take, "take() -> (slot, gen, tag, deliveries) | None"),
     FAST("free", hp_free, "free(slot, gen, state, event) -> 0 | -1"),
     FAST("redeliver", hp_redeliver, "redeliver(slot, gen) -> 0 | -1"),

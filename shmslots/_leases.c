@@ -21,6 +21,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <signal.h>
 #include <structmember.h>
 #include <time.h>
 
@@ -404,7 +405,7 @@ typedef struct {
     long long idle_due_ns;     /* CLOCK_MONOTONIC ns of the next such run */
     Py_ssize_t nfields;
     /* HotPath methods */
-    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved, *keep;
+    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved, *keep, *writing;
     PyObject *write, *seal, *read, *gather, *scatter; /* RowCodec methods */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
@@ -423,9 +424,9 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
                          "states", "nfields", "plain_claim", "strict", "redeliver_dropped",
                          "idle_every_ns", NULL};
     static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
-                                      "open_reserved", "keep"};
+                                      "open_reserved", "keep", "writing"};
     static const char *codec_names[] = {"write", "seal", "read", "gather", "scatter"};
-    enum { NHOT = 7, NMETHODS = 12 };
+    enum { NHOT = 8, NMETHODS = 13 };
     PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
         *methods[NMETHODS] = {NULL};
     Py_ssize_t nfields;
@@ -461,8 +462,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     }
     c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
     c->redeliver = methods[4], c->open_reserved = methods[5], c->keep = methods[6];
-    c->write = methods[7], c->seal = methods[8], c->read = methods[9], c->gather = methods[10];
-    c->scatter = methods[11];
+    c->writing = methods[7], c->write = methods[8], c->seal = methods[9], c->read = methods[10];
+    c->gather = methods[11], c->scatter = methods[12];
     c->views = Py_NewRef(views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
@@ -487,7 +488,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
     {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
-     &(c)->open_reserved, &(c)->keep, &(c)->write, &(c)->seal, &(c)->read, &(c)->gather,      \
+     &(c)->open_reserved, &(c)->keep, &(c)->writing, &(c)->write, &(c)->seal, &(c)->read,     \
+     &(c)->gather,                                                                            \
      &(c)->scatter, &(c)->views,                                                              \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
      (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
@@ -827,6 +829,64 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
     return result;
 }
 
+/* Test-only: SIGKILL this process at one point of the sealing order (tests/test_sealing.py
+ * sets it through _kill_at in a child); 0, the default, is never a point. */
+enum { KILL_NONE, KILL_PUBLISH_SEALED, KILL_KEEP_SEALED, KILL_KEEP_HELD };
+static int kill_at = KILL_NONE;
+
+static inline void
+kill_point(int point)
+{
+    if (kill_at == point)
+        raise(SIGKILL);
+}
+
+/* The one sealing order, for publish and keep alike: prove the slot is still this handle's
+ * WRITING one, seal its row, and only then make the transition.  Killed between the seal and
+ * the transition, the slot is a dead writer's WRITING one, which a reaper frees: nothing
+ * committed is lost and nothing is delivered under a stale seal.  A slot that is not ours any
+ * more (reaped while this process was taken for dead) never gets our seal over its new
+ * owner's: only a reaper moves a live owner's slot, and only for the dead.  1 sealed, 0 not
+ * this handle's slot (nothing written), -1 error set. */
+static int
+seal_mine(Handle *h)
+{
+    Core *c = h->core;
+    PyObject *call[2] = {h->slot, h->generation};
+    PyObject *r = PyObject_Vectorcall(c->writing, call, 2, NULL);
+    if (!r)
+        return -1;
+    int mine = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (mine <= 0)
+        return mine;
+    if (!(r = PyObject_Vectorcall(c->seal, call, 2, NULL)))
+        return -1;
+    Py_DECREF(r);
+    return 1;
+}
+
+/* _seal_mine() -> bool: seal_mine for the Python path of publish (leases.py). */
+static PyObject *
+ws_seal_mine(Handle *h, PyObject *unused)
+{
+    if (!made(h))
+        return NULL;
+    int sealed = usable(h) ? seal_mine(h) : 0;
+    return sealed < 0 ? NULL : PyBool_FromLong(sealed);
+}
+
+/* _kill_at(point): see kill_point; for tests only. */
+static PyObject *
+leases_kill_at(PyObject *module, PyObject *point)
+{
+    long p = PyLong_AsLong(point);
+    if (p == -1 && PyErr_Occurred())
+        return NULL;
+    kill_at = (int)p;
+    Py_RETURN_NONE;
+}
+
 /* publish(timeout=1.0) */
 static PyObject *
 ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -847,12 +907,11 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
     Py_ssize_t written = h->written ? PySet_GET_SIZE(h->written) : 0;
     if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed)) &&
         (!h->opened || h->opened == Py_None)) {
-        PyObject *call[2] = {h->slot, h->generation};
-        PyObject *r = PyObject_Vectorcall(c->seal, call, 2, NULL);
-        if (!r)
+        int sealed = seal_mine(h);
+        if (sealed < 0)
             return NULL;
-        Py_DECREF(r);
-        int code = step(h, c->ev_publish, 0);
+        kill_point(KILL_PUBLISH_SEALED);
+        int code = sealed ? step(h, c->ev_publish, 0) : STEP_REFUSED;
         if (code == STEP_ERROR)
             return NULL;
         if (code == STEP_DONE)
@@ -877,10 +936,10 @@ ws_abort(Handle *h, PyObject *unused)
     return slow((PyObject *)h, s_abort_slow, NULL, NULL);
 }
 
-/* _keep() -> Lease | None: hold the row oneself (WRITING -> HELD), seal it, and hand the
- * ownership from this write slot to a new lease, in one call; None if the slot is not this
- * handle's any more (nothing changed, its seal included).  leases.WriteSlot.keep checks
- * everything first. */
+/* _keep() -> Lease | None: seal the row and hold it oneself (WRITING -> HELD), in the one
+ * sealing order (seal_mine), and hand the ownership from this write slot to a new lease, in
+ * one call; None if the slot is not this handle's any more (nothing changed, its seal
+ * included).  leases.WriteSlot.keep checks everything first. */
 static PyObject *
 ws_keep(Handle *h, PyObject *unused)
 {
@@ -890,6 +949,10 @@ ws_keep(Handle *h, PyObject *unused)
         Py_RETURN_NONE;
     Core *c = h->core;
     PyObject *call[4] = {h->slot, h->generation, c->st_held, c->ev_abort}, *r;
+    int sealed = seal_mine(h);
+    if (sealed <= 0)
+        return sealed < 0 ? NULL : Py_NewRef(Py_None);
+    kill_point(KILL_KEEP_SEALED);
     if (!(r = PyObject_Vectorcall(c->keep, call, 2, NULL)))
         return NULL;
     long code = PyLong_AsLong(r);
@@ -897,12 +960,9 @@ ws_keep(Handle *h, PyObject *unused)
     if (code != 0)
         Py_RETURN_NONE;
     h->open = 0;
-    /* HELD by us and never queued: sealing after the step, nobody can read it meanwhile */
-    Handle *lease = NULL;
-    PyObject *before = NULL, *sealed = PyObject_Vectorcall(c->seal, call, 2, NULL);
-    if (sealed && (lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag)))
-        before = PyLong_FromLong(0);
-    Py_XDECREF(sealed);
+    kill_point(KILL_KEEP_HELD);
+    Handle *lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag);
+    PyObject *before = lease ? PyLong_FromLong(0) : NULL;
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
@@ -1523,6 +1583,8 @@ static PyMethodDef ws_methods[] = {
     {"abort", (PyCFunction)ws_abort, METH_NOARGS, "abort(): hand the slot back unpublished"},
     {"_keep", (PyCFunction)ws_keep, METH_NOARGS,
      "_keep() -> Lease | None: seal, hold the row oneself, hand ownership to a lease"},
+    {"_seal_mine", (PyCFunction)ws_seal_mine, METH_NOARGS,
+     "_seal_mine() -> bool: seal the row if the slot is still this write slot's"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1589,9 +1651,14 @@ static PyTypeObject LeaseType = {
 
 /* -- module ------------------------------------------------------------------------------------ */
 
+static PyMethodDef module_methods[] = {
+    {"_kill_at", leases_kill_at, METH_O, "_kill_at(point): SIGKILL at a sealing step (tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "shmslots._leases", "Compiled fast paths of the type-state handles.",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC

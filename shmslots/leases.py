@@ -397,7 +397,8 @@ class WriteSlot(_Handle, WriteSlotCore):
             self._check_views("publish")
         self._opened = None  # loans: the reader's from now on
         table = self._table
-        table._rows.seal(self.slot, self.generation)
+        if not self._seal_mine():  # the one sealing order: proven ours, sealed, then the step
+            raise table._own.not_mine(self.slot, self.generation, _WRITING)
         deadline = time.monotonic() + timeout
         while (result := self._hand_back(_PUBLISH)) == _STEP_QUEUE_FULL:
             if time.monotonic() >= deadline:
