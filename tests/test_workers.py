@@ -187,3 +187,40 @@ def test_demo_exits_1_when_it_saw_corrupted_rows() -> None:
     )  # fmt: skip
     [corrupted] = re.findall(r"corrupted\s+│\s+([\d,]+)", r.stdout)
     assert r.returncode == (1 if int(corrupted.replace(",", "")) else 0), (r.stdout, r.stderr)
+
+
+@pytest.mark.timeout(240)
+def test_a_demo_whose_table_is_unlinked_from_outside_ends_with_its_summary() -> None:
+    """`shmslots unlink --force` during a demo: workers printed tracebacks and the demo exited
+    2 with no summary (#28)."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "shmslots", "demo", "--requests", "200000", "--slots", "16",
+         "--hidden", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )  # fmt: skip
+    try:
+        assert demo.stdout is not None
+        table = None
+        while table is None:
+            found = re.search(r"table (shmslots-flow-\d+-\d+) ", demo.stdout.readline())
+            table = found.group(1) if found else None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the workers are at work: decode has taken rows
+            ls = subprocess.run(
+                [sys.executable, "-m", "shmslots", "inspect", table, "--json"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if ls.returncode == 0 and '"takes": 0' not in ls.stdout:
+                break
+            time.sleep(0.2)
+        unlinked = subprocess.run([sys.executable, "-m", "shmslots", "unlink", "--force", table])
+        assert unlinked.returncode == 0
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+    assert demo.returncode == 1, (out, err)  # stopped early: not a complete run
+    assert "Traceback" not in out + err, err
+    assert "demo summary" in out and "unlinked from outside" in out

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from shmslots import LeakedViewWarning, Lease, SlotTable
+from shmslots import LeakedViewWarning, Lease, SlotTable, TableNotFound
 from workers import eagle
 
 Policy = Literal["hold", "clone", "early-release"]
@@ -235,7 +235,11 @@ def decode_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop
     warnings.simplefilter("ignore", LeakedViewWarning)  # counted in stats() instead
     report = DecodeReport(worker, final=False)
-    with SlotTable.attach(name, "decode", label=f"decode-{worker}") as table:
+    try:
+        table = SlotTable.attach(name, "decode", label=f"decode-{worker}")
+    except TableNotFound:  # unlinked from outside before this worker came up: the demo says so
+        return
+    with table:
         scheduler = DecodeScheduler(table, config, report)
         last = time.monotonic()
         while True:

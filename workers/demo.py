@@ -110,6 +110,11 @@ def outro(result: FlowResult) -> list[str]:
     p = result.progress
     policy = p.config.policy
     leaked = result.final.counters["leaked_views"]
+    if p.unlinked:
+        return [
+            "[yellow]the table was unlinked from outside while the demo ran (`shmslots unlink "
+            "--force`): the workers were stopped and the summary is of what was done[/]"
+        ]
     if not result.accounted or result.final.owned:
         return [
             "[red]something is wrong:[/] not every published row was consumed or aborted exactly "
@@ -197,5 +202,6 @@ def run(
     console.print(summary_table(result))
     for line in outro(result):
         console.print(line, soft_wrap=True)
-    good = result.accounted and result.final.owned == 0 and not result.progress.corrupted
+    p = result.progress
+    good = result.accounted and result.final.owned == 0 and not p.corrupted and not p.unlinked
     return 0 if good else 1  # early-release shows the bug: its corrupted rows fail the run

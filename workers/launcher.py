@@ -86,6 +86,7 @@ class FlowProgress:
     aborted_tags: list[int] = field(default_factory=list)
     leaked_tags: list[int] = field(default_factory=list)  # taken by decode, never released
     exhaustion: Exhaustion | None = None
+    unlinked: bool = False  # the table was unlinked from outside: the flow stopped early
 
     first_ns: int = 0  # CLOCK_MONOTONIC of the first and last row decode handled
     last_ns: int = 0
@@ -206,7 +207,7 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
             for proc in transfers:
                 proc.start()
             finals = 0
-            while finals < config.decode_workers:
+            while finals < config.decode_workers and not progress.unlinked:
                 if progress.seconds > config.timeout_s:
                     raise TimeoutError(f"flow did not finish in {config.timeout_s} s")
                 finals += _collect(decode_results, progress)
@@ -220,13 +221,17 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
                         stop_transfer.set()
                 if len(progress.transfers) == config.transfer_workers:
                     stop.set()
+                progress.unlinked = table.unlinked  # `shmslots unlink --force`: stop, summarise
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
+                if dead and not progress.unlinked:
                     raise RuntimeError(f"worker pid {dead[0].pid} died (exit {dead[0].exitcode})")
                 progress.stats = table.stats()
                 progress.peak_owned = max(progress.peak_owned, progress.stats.owned)
                 if on_progress is not None:
                     on_progress(progress)
+            if progress.unlinked:  # the workers go on over their mappings: stop them now
+                stop_transfer.set()
+                stop.set()
             for proc in procs:
                 proc.join(30)
         finally:
@@ -247,6 +252,8 @@ def _run_flow(config: FlowConfig, on_progress: Callable[[FlowProgress], None] | 
 def _await_decode(table: SlotTable, decoders: list[SpawnProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(p.role == "decode" and p.alive for p in table.participants()) < len(decoders):
+        if table.unlinked:
+            return  # the flow loop sees it and stops
         dead = [p for p in decoders if p.exitcode is not None]
         if dead:
             raise RuntimeError(f"worker pid {dead[0].pid} died (exit {dead[0].exitcode})")

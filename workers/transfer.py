@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
-from shmslots import SlotsExhausted, SlotTable
+from shmslots import SlotsExhausted, SlotTable, TableNotFound
 from workers import eagle
 
 
@@ -51,7 +51,11 @@ def transfer_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop
     rng = random.Random(config.seed * 7919 + worker)
     report = TransferReport(worker)
-    with SlotTable.attach(name, "transfer", label=f"transfer-{worker}") as table:
+    try:
+        table = SlotTable.attach(name, "transfer", label=f"transfer-{worker}")
+    except TableNotFound:  # unlinked from outside before this worker came up: the demo says so
+        return
+    with table:
         for n, tag in enumerate(tags, 1):
             if stop.is_set():
                 break
