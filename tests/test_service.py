@@ -53,9 +53,13 @@ time.sleep(60)
 
 
 def _creator(name: str, generation: int) -> subprocess.Popen[str]:
+    # conftest through PYTHONPATH, not the cwd: a relative sys.executable (PATH=.venv/bin)
+    # must still be found
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
         [sys.executable, "-c", CREATOR, name, str(generation)],
-        cwd=os.path.dirname(__file__),
+        env={**os.environ, "PYTHONPATH": path},
         stdout=subprocess.PIPE,
         text=True,
     )
