@@ -349,9 +349,9 @@ def _unlink(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from workers import demo  # the library itself never imports workers
+    from shmslots.workers import demo  # the library itself never imports workers
 
-    return demo.run(
+    code: int = demo.run(
         requests=args.requests,
         transfer=args.transfer,
         decode=args.decode,
@@ -361,6 +361,7 @@ def _demo(args: argparse.Namespace) -> int:
         burst=args.burst,
         leak_every=args.leak_every or 0,
     )
+    return code
 
 
 # -- arguments -------------------------------------------------------------------------

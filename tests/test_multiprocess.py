@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import SPAWN, Children
+from shmslots.workers.stress import SCHEMA, ConsumerReport, ProducerReport, consume, produce
 
 from shmslots import SlotTable
-from workers.stress import SCHEMA, ConsumerReport, ProducerReport, consume, produce
 
 ROWS = 20_000
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL, SPAWN, Children, small_row
+from shmslots.workers.chaos import run_chaos
 
 from shmslots import RegistryFull, SlotTable, State
 from shmslots import layout as L
 from shmslots.states import Event as Transition
 from shmslots.states import next_word
-from workers.chaos import run_chaos
 
 
 def _die() -> None:

@@ -15,6 +15,13 @@ import msgpack
 import pytest
 import torch
 from conftest import SMALL, row_bytes, small_row
+from shmslots.workers.netns import Namespace, NamespaceUnavailable, veth_namespace
+from shmslots.workers.remote_flow import (
+    RemoteFlowConfig,
+    RemoteFlowResult,
+    native_stderr_to,
+    run_remote_flow,
+)
 
 from shmslots import Field, SchemaError, SlotsExhausted, SlotTable, TableClosed, row_hash
 from shmslots.remote import (
@@ -32,13 +39,6 @@ from shmslots.remote import (
 from shmslots.remote.engine import _mooncake
 from shmslots.remote.grant import COMMIT
 from shmslots.schema import RowSchema
-from workers.netns import Namespace, NamespaceUnavailable, veth_namespace
-from workers.remote_flow import (
-    RemoteFlowConfig,
-    RemoteFlowResult,
-    native_stderr_to,
-    run_remote_flow,
-)
 
 try:
     _mooncake()

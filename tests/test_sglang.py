@@ -18,6 +18,16 @@ from typing import Any
 import pytest
 import torch
 from conftest import SPAWN, Children
+from shmslots.workers import sglang_flow
+from shmslots.workers.sglang_flow import (
+    HIDDEN,
+    ROOM,
+    TOPK,
+    TOPK_INDEX,
+    TOPK_P,
+    prefill_request,
+    row_of,
+)
 
 from shmslots import (
     Field,
@@ -36,8 +46,6 @@ from shmslots.sglang import (
     ReqToMetadataIdxAllocator,
     metadata_fields,
 )
-from workers import sglang_flow
-from workers.sglang_flow import HIDDEN, ROOM, TOPK, TOPK_INDEX, TOPK_P, prefill_request, row_of
 
 HIDDEN_SIZE = 256
 # SGLang's buffers, in get_buf_infos() order, with one row's bytes each

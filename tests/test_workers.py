@@ -10,12 +10,12 @@ import sys
 import time
 
 import pytest
+import shmslots.workers.decode
 from conftest import SPAWN, Children
+from shmslots.workers.decode import Policy
+from shmslots.workers.launcher import FlowConfig, FlowResult, run_flow
 
-import workers.decode
 from shmslots import State
-from workers.decode import Policy
-from workers.launcher import FlowConfig, FlowResult, run_flow
 
 REQUESTS = 20_000
 
@@ -107,7 +107,7 @@ def test_sigterm_to_the_launcher_reaps_workers_and_unlinks_the_table(
     assert [w for w in workers if os.path.exists(f"/proc/{w}")] == []
 
 
-DECODE = os.path.abspath(workers.decode.__file__)
+DECODE = os.path.abspath(shmslots.workers.decode.__file__)
 TAKER = "DecodeScheduler.pop_transferred"
 
 

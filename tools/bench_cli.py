@@ -20,8 +20,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from shmslots.workers import eagle
+
 from shmslots import SlotTable
-from workers import eagle
 
 TARGET_S = 0.3
 

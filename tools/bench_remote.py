@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from checkouts import run_probe
+from shmslots.workers import eagle
+from shmslots.workers.launcher import SPAWN
+from shmslots.workers.remote_flow import grant_batch, remote_writer
+from shmslots.workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 from shmslots import SlotTable
 from shmslots.remote import Engine, RemoteServer
-from workers import eagle
-from workers.launcher import SPAWN
-from workers.remote_flow import grant_batch, remote_writer
-from workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 HERE = Path(__file__).resolve().parent.parent
 SLOTS = 128

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-
-from workers.chaos import run_chaos
+from shmslots.workers.chaos import run_chaos
 
 
 def main() -> int:

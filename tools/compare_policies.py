@@ -19,10 +19,9 @@ import sys
 
 from rich.console import Console
 from rich.table import Table
-
-from workers import eagle, sglang_flow
-from workers.decode import POLICIES
-from workers.launcher import FlowConfig, run_flow
+from shmslots.workers import eagle, sglang_flow
+from shmslots.workers.decode import POLICIES
+from shmslots.workers.launcher import FlowConfig, run_flow
 
 
 def main() -> int:

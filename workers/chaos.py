@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from shmslots import SlotTable
-from workers.stress import SCHEMA, expected_payload
+
+from .stress import SCHEMA, expected_payload
 
 CHUNK = 2000  # tags per producer process
 ABORT_P = 0.05
@@ -142,7 +143,7 @@ def run_chaos(
 ) -> ChaosReport:
     """Run 2 producers and 2 consumers until `rows` are handled and `kills` were made."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["workers.chaos"])
+    ctx.set_forkserver_preload(["shmslots.workers.chaos"])
     rng = random.Random(seed)
     stop = ctx.RawValue(ctypes.c_byte, 0)
     report = ChaosReport()

@@ -40,7 +40,8 @@ from typing import Literal
 import torch
 
 from shmslots import LeakedViewWarning, Lease, SlotTable, TableNotFound
-from workers import eagle
+
+from . import eagle
 
 Policy = Literal["hold", "clone", "early-release"]
 POLICIES: tuple[Policy, ...] = ("hold", "clone", "early-release")

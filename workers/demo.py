@@ -14,9 +14,10 @@ from rich.table import Table
 from rich.text import Text
 
 from shmslots.cli_render import holdings_table
-from workers import eagle
-from workers.decode import Policy
-from workers.launcher import FlowConfig, FlowProgress, FlowResult, run_flow
+
+from . import eagle
+from .decode import Policy
+from .launcher import FlowConfig, FlowProgress, FlowResult, run_flow
 
 POLICY_MEANING: dict[Policy, str] = {
     "hold": "decode keeps each request's slot until process_prebuilt has consumed its row, "

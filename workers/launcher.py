@@ -23,9 +23,10 @@ from multiprocessing.context import SpawnProcess
 
 from shmslots import SlotTable, Stats
 from shmslots.snapshot import TableSnapshot, TableView
-from workers import eagle
-from workers.decode import DecodeConfig, DecodeReport, Policy, decode_worker
-from workers.transfer import TransferConfig, TransferReport, transfer_worker
+
+from . import eagle
+from .decode import DecodeConfig, DecodeReport, Policy, decode_worker
+from .transfer import TransferConfig, TransferReport, transfer_worker
 
 SPAWN = mp.get_context("spawn")
 DECODE_START_S = 10.0  # how long decode workers may take to start on a loaded machine

@@ -32,11 +32,12 @@ from shmslots.remote import (
     RemoteStats,
     Settled,
 )
-from workers import eagle
-from workers.decode import DecodeConfig, DecodeReport, decode_worker
-from workers.launcher import SPAWN, drain
-from workers.netns import veth_namespace
-from workers.remote_writer import TOKEN_ENV
+
+from . import eagle
+from .decode import DecodeConfig, DecodeReport, decode_worker
+from .launcher import SPAWN, drain
+from .netns import veth_namespace
+from .remote_writer import TOKEN_ENV
 
 START_S = 60.0  # a writer process imports torch and starts an engine
 
@@ -96,8 +97,8 @@ def remote_writer(
     """
     listener = GrantListener(owner_host)
     writer = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "workers.remote_writer", "--connect", listener.address,
-         "--host", writer_host, *options],
+        [*prefix, sys.executable, "-m", "shmslots.workers.remote_writer",
+         "--connect", listener.address, "--host", writer_host, *options],
         env={**os.environ, TOKEN_ENV: listener.token},
     )  # fmt: skip
     link: GrantLink | None = None
@@ -260,10 +261,12 @@ def native_stderr_to(path: str) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.remote_flow [--requests N] [--netns] [--engine-log PATH]`: run the
-    flow, print its fates."""
+    """`python -m shmslots.workers.remote_flow [--requests N] [--netns] [--engine-log PATH]`:
+    run the flow, print its fates."""
     default_log = os.path.join(tempfile.gettempdir(), "shmslots-remote-flow-engine.log")
-    parser = argparse.ArgumentParser(prog="python -m workers.remote_flow", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m shmslots.workers.remote_flow", description=__doc__
+    )
     parser.add_argument("--requests", type=int, default=RemoteFlowConfig.requests)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--netns", action="store_true", help="writer in its own network namespace")

@@ -1,6 +1,6 @@
 """The remote (prefill-side) writer: fills granted rows from another host.
 
-Run as `python -m workers.remote_writer --connect HOST:PORT --host MY_IP`
+Run as `python -m shmslots.workers.remote_writer --connect HOST:PORT --host MY_IP`
 with the link token in SHMSLOTS_LINK_TOKEN; the owner's `remote_flow`
 starts it (inside a network namespace when asked).  It learns the row
 schema from the link, then writes every grant it receives — the row's values
@@ -18,7 +18,8 @@ import time
 from shmslots.remote import Engine, Grant, GrantLink, LinkError, RemoteWriter, connect
 from shmslots.remote.writer import GrantedRow
 from shmslots.schema import RowSchema
-from workers import eagle
+
+from . import eagle
 
 TOKEN_ENV = "SHMSLOTS_LINK_TOKEN"
 IDLE_LIMIT_S = 120.0  # an owner silent this long is gone
@@ -47,7 +48,7 @@ def serve(link: GrantLink, host: str, batch: int, never_commit_every: int) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.remote_writer")
+    parser = argparse.ArgumentParser(prog="python -m shmslots.workers.remote_writer")
     parser.add_argument("--connect", required=True, help="the owner's grant link, HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="this host's address for the engine")
     parser.add_argument("--batch", type=int, default=16, help="rows per engine call")

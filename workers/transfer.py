@@ -18,7 +18,8 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
 from shmslots import SlotsExhausted, SlotTable, TableNotFound
-from workers import eagle
+
+from . import eagle
 
 
 @dataclass(frozen=True)
