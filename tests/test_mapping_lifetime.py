@@ -66,11 +66,7 @@ def _close_under_a_copy(name: str, path: str, results: Queue[str]) -> None:
 def test_closing_a_table_under_a_big_copy_does_not_crash(
     name: str, children: Children, path: str
 ) -> None:
-    results: Queue[str] = SPAWN.Queue()
-    proc = children.start(_close_under_a_copy, name, path, results)
-    proc.join(90)
-    assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
-    outcome = results.get(timeout=5)
+    outcome = _in_a_child(children, _close_under_a_copy, name, path)
     assert outcome.startswith(("ShmSlotsError", "ValueError")), outcome
 
 
@@ -113,12 +109,8 @@ def test_a_tensor_kept_past_close_keeps_its_mapping(
     name: str, children: Children, kind: str
 ) -> None:
     """close() unmapped under live tensors and touching them was SIGSEGV (#24, defect 1)."""
-    results: Queue[str] = SPAWN.Queue()
-    proc = children.start(_keep_past_close, name, kind, results)
-    proc.join(60)
-    assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
     want = {"view reported at release": 16.0}.get(kind, 48.0)
-    assert results.get(timeout=5) == f"{kind}: {want}"
+    assert _in_a_child(children, _keep_past_close, name, kind) == f"{kind}: {want}"
 
 
 def _sglang_views_past_close(name: str, results: Queue[str]) -> None:
@@ -140,8 +132,15 @@ def _sglang_views_past_close(name: str, results: Queue[str]) -> None:
 
 
 def test_sglang_get_buf_views_outlive_the_buffers_close(name: str, children: Children) -> None:
+    got = _in_a_child(children, _sglang_views_past_close, name)
+    assert got == "output_ids[0] after close: 7"
+
+
+def _in_a_child(children: Children, target: Any, *args: object) -> str:
+    """Run `target(*args, results)` in a spawned child; what it put, once it exited cleanly
+    (a crash shows as its exit code: -11 is SIGSEGV)."""
     results: Queue[str] = SPAWN.Queue()
-    proc = children.start(_sglang_views_past_close, name, results)
-    proc.join(60)
+    proc = children.start(target, *args, results)
+    proc.join(90)
     assert proc.exitcode == 0, f"child exited with {proc.exitcode} (-11: SIGSEGV)"
-    assert results.get(timeout=5) == "output_ids[0] after close: 7"
+    return results.get(timeout=5)

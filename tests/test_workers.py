@@ -157,14 +157,20 @@ def test_an_injected_leak_runs_the_table_out_and_names_the_call_site() -> None:
     assert result.published < 20_000  # it stopped at the full table
 
 
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    """`shmslots demo ARGS` as a user runs it, at the terminal width a pipe gets."""
+    return subprocess.run(
+        [sys.executable, "-m", "shmslots", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
+
+
 @pytest.mark.timeout(240)
 def test_demo_with_a_leak_prints_the_holder_and_unlinks_its_table() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "shmslots", "demo", "--requests", "20000", "--slots", "16",
-         "--leak-every", "5", "--hidden", "256"],
-        capture_output=True, text=True, timeout=200,
-        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
-    )  # fmt: skip
+    r = _demo("--requests", "20000", "--slots", "16", "--leak-every", "5", "--hidden", "256")
     assert r.returncode == 0, (r.stdout, r.stderr)
     out = r.stdout
     [table] = re.findall(r"table (shmslots-flow-\d+-\d+) \(16 slots\)", out)
@@ -179,12 +185,7 @@ def test_demo_with_a_leak_prints_the_holder_and_unlinks_its_table() -> None:
 @pytest.mark.timeout(240)
 def test_demo_exits_1_when_it_saw_corrupted_rows() -> None:
     """`demo --policy early-release` exited 0 after thousands of corrupted rows (#28)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "shmslots", "demo", "--requests", "3000", "--slots", "16",
-         "--policy", "early-release", "--hidden", "256"],
-        capture_output=True, text=True, timeout=200,
-        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
-    )  # fmt: skip
+    r = _demo("--requests", "3000", "--slots", "16", "--policy", "early-release", "--hidden", "256")
     [corrupted] = re.findall(r"corrupted\s+│\s+([\d,]+)", r.stdout)
     assert r.returncode == (1 if int(corrupted.replace(",", "")) else 0), (r.stdout, r.stderr)
 
