@@ -213,7 +213,9 @@ class Lane:
             output_streamer=SimpleNamespace(stream_output=_nothing),
             metrics_reporter=SimpleNamespace(enable_metrics=False),
             disagg_decode_prealloc_queue=None,
-            tree_cache=SimpleNamespace(finish=_nothing, checkpoint=_nothing, unlock=_nothing),
+            tree_cache=SimpleNamespace(  # KV pages are the stand-in transport's: nothing held
+                finish=_nothing, checkpoint=_nothing, unlock=_nothing, supports_mamba=lambda: True
+            ),
         )
         self.queue = decode.DecodeTransferQueue(
             self.allocator, self.buffers, self.scheduler, self.scheduler.tree_cache
@@ -272,6 +274,13 @@ class Lane:
         )
         ScheduleBatchDisaggregationDecodeMixin.process_prebuilt(batch, future_map=None)
         return batch
+
+    def drop_on_kv_checksum_mismatch(self, req: Any) -> None:
+        """`_verify_kv_checksums`' path for a request it drops from its prebuilt batch."""
+        from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
+
+        handle = SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch
+        handle(self.scheduler, req, "KV checksum mismatch (test)")
 
     def abort_waiting(self, req: Any) -> None:
         """`Scheduler.abort_request`'s waiting-queue path: `_release_aborted_request(req)`."""

@@ -205,6 +205,20 @@ def test_an_abort_in_the_waiting_queue_releases_once_and_a_stale_one_spares_the_
     assert lane.allocator.available_size() == 1
 
 
+def test_a_request_dropped_for_a_kv_checksum_mismatch_hands_its_slot_back(
+    lanes: list[env.Lane], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_verify_kv_checksums` drops such a request from its batch before `process_prebuilt`:
+    its slot goes back then, not when the request is collected."""
+    monkeypatch.setenv("SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB", "0.5")  # not a CI error
+    lane = _lane(lanes, slots=2)
+    lane.land(lane.send(1))
+    [req] = lane.pop()
+    lane.drop_on_kv_checksum_mismatch(req)
+    assert lane.allocator.available_size() == 2 and _owned(lane) == 0
+    assert lane.allocator.stats.aborted_after_commit == 1 and req.hidden_states_tensor is None
+
+
 def test_a_request_dropped_while_holding_its_slot_hands_it_back(lanes: list[env.Lane]) -> None:
     lane = _lane(lanes, slots=2)
     lane.land(lane.send(1))

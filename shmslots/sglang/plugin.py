@@ -17,7 +17,8 @@ registers hooks with SGLang's `HookRegistry`:
   holds the slot for the late-write window;
 - after `process_prebuilt` has stacked each request's draft state into the batch, that state
   is dropped from the `Req` and its slot is released;
-- after `Scheduler._release_aborted_request` (an abort in the waiting queue), the slot is
+- after `Scheduler._release_aborted_request` (an abort in the waiting queue) and
+  `_handle_kv_checksum_mismatch` (a request dropped from its prebuilt batch), the slot is
   aborted; a request garbage-collected holding a slot hands it back; at exit, or when a role
   switch tears the decode side down, every slot is handed back and the table unlinked;
 - a request retracted after its slot went back is resumed with a zero draft state, which the
@@ -89,6 +90,11 @@ def register() -> None:
             HookType.AFTER,
         ),
         (f"{SCHEDULER}.Scheduler._release_aborted_request", _aborted, HookType.AFTER),
+        (
+            f"{DECODE}.SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch",
+            _aborted,  # dropped from its prebuilt batch before process_prebuilt
+            HookType.AFTER,
+        ),
         (f"{ROLE_SWITCH}.teardown_disaggregation", _tearing_down, HookType.BEFORE),
     ]
     for target, hook, kind in hooks:
@@ -231,7 +237,7 @@ def _prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         allocator.release_consumed(held)
 
 
-def _aborted(result: Any, scheduler: Any, req: Any) -> None:
+def _aborted(result: Any, scheduler: Any, req: Any, *args: Any) -> None:
     """An aborted request's draft state is never read: drop it, then abort its slot."""
     for allocator in list(_allocators):
         if allocator.slot_of(req) is not None:
