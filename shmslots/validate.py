@@ -10,7 +10,7 @@ import os
 import time
 
 from . import layout as L
-from .errors import CorruptTable, SchemaError, TablePermissionError
+from .errors import CorruptTable, SchemaError, TableNotReady, TablePermissionError
 from .schema import RowSchema
 from .segment import Segment
 
@@ -28,6 +28,11 @@ def read_valid_header(segment: Segment, wait_s: float | None = None) -> L.Header
     # the copy then holds what the creator wrote before its magic.
     while not L.magic_published(segment.mm) and time.monotonic() < deadline:
         time.sleep(0.01)
+    if segment.size >= L.HEADER_SIZE and not L.magic_published(segment.mm):
+        raise TableNotReady(  # sized, never finished: a creator at work, or one that died
+            f"{segment.name!r} is not a shmslots table (yet): no header; its creator has not "
+            "finished making it, or died doing so (`shmslots unlink --force` removes it)"
+        )
     header = L.read_header(bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)]), segment.size)
     if header.creator_uid != os.getuid():
         raise TablePermissionError(

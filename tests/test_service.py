@@ -250,3 +250,15 @@ def test_attach_refuses_an_expect_that_is_not_fields(name: str) -> None:
         fields = (f for f in SMALL)
         with SlotTable.attach(name, expect=fields) as t:  # type: ignore[arg-type]
             assert t.schema.fields == tuple(SMALL)
+
+
+@pytest.mark.timeout(30)
+def test_a_table_sized_but_never_finished_is_not_ready_not_corrupt(name: str) -> None:
+    """A creator that died after sizing its table, before its header: TableNotReady."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=1 << 16)
+    os.close(shm.fd)
+    try:
+        with pytest.raises(TableNotReady, match="not finished making it"):
+            SlotTable.attach(name)
+    finally:
+        unlink(name)
