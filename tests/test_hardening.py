@@ -58,6 +58,7 @@ from shmslots import (
     State,
     TableExists,
     TableNotFound,
+    TableNotReady,
     TablePermissionError,
     validate,
 )
@@ -175,8 +176,10 @@ def _expected_for(original: bytes, mutated: bytes) -> tuple[type[Exception] | No
     before = dict(zip(_FIELDS, L.HEADER.unpack_from(original), strict=True))
     after = dict(zip(_FIELDS, L.HEADER.unpack_from(mutated), strict=True))
     changed = {f for f in _FIELDS if before[f] != after[f]}
-    if "magic" in changed:
-        return IncompatibleTable, "not a shmslots table"
+    if "magic" in changed:  # none at all: a table its creator has not finished making
+        return (TableNotReady if after["magic"] == b"\0" * 8 else IncompatibleTable), (
+            "not a shmslots table"
+        )
     if "version" in changed:
         return IncompatibleTable, "format version"
     structural = changed - _HARMLESS - {"creator_uid"}
