@@ -48,10 +48,8 @@ def consumer(name: str, seen: "mp.Queue[int]") -> None:
     while True:
         try:
             with SlotTable.attach(name, "consumer", timeout=30, expect=FIELDS) as table:
-                if table.identity == dropped:  # still the dead producer's: not yet replaced
-                    time.sleep(0.1)
-                    continue
-                while True:
+                stale = table.identity == dropped  # still the dead producer's table
+                while not stale:
                     lease = table.take(timeout=0.1)
                     if lease is not None:
                         seen.put(int(lease.item("request")))
@@ -59,6 +57,8 @@ def consumer(name: str, seen: "mp.Queue[int]") -> None:
                     elif table.unlinked or not table.creator_attached():
                         dropped = table.identity  # drained, and its producer has gone
                         break
+            if stale:
+                time.sleep(0.1)  # detached: the producer's restart can replace it now
         except TableNotFound:
             pass  # between a producer's death and its restart
 
@@ -77,6 +77,7 @@ def main() -> int:
             produce = ctx.Process(target=producer, args=(name, first, up), daemon=True)
             produce.start()
             if not up.wait(30):
+                print(f"producer run {run} did not start within 30 s", file=sys.stderr)
                 return 1
             while seen.get(timeout=10) < first:  # rows the last run left: drained first
                 pass
@@ -86,8 +87,11 @@ def main() -> int:
         os.kill(consume.pid, signal.SIGTERM)  # type: ignore[arg-type]
         consume.join(10)
         return 0 if consume.exitcode == 0 else 1
-    finally:  # whatever happened, no child outlives the demo
+    finally:  # whatever happened, no child outlives the demo, nor its table
         for proc in (produce, consume):
+            if proc is not None and proc.is_alive():
+                proc.terminate()  # SIGTERM: the producer drains and unlinks
+                proc.join(10)
             if proc is not None and proc.is_alive():
                 proc.kill()
                 proc.join(10)
