@@ -39,7 +39,7 @@ class Quarantine:
             )
         self.window_s = float(window_s)
         self._held: deque[tuple[float, WriteSlot]] = deque()  # in deadline order
-        self._holding: set[tuple[int, int]] = set()  # (slot, generation) of each held
+        self._holding: set[tuple[str, int, int]] = set()  # (table, slot, generation) held
         self.released = 0  # slots freed after their window
 
     def __len__(self) -> int:
@@ -52,9 +52,9 @@ class Quarantine:
         or that its producer opened, is not held; one held already is refused."""
         if not isinstance(handle, (Reservation, WriteSlot)):
             raise InvalidArgument(f"a quarantine holds Reservations, not {handle!r}")
-        key = (handle.slot, handle.generation)
+        key = _key(handle)
         if key in self._holding:
-            raise InvalidArgument(f"slot {key[0]} (generation {key[1]}) is held already")
+            raise InvalidArgument(f"slot {key[1]} (generation {key[2]}) is held already")
         if not handle._open:
             return
         if isinstance(handle, Reservation):
@@ -88,5 +88,10 @@ class Quarantine:
         was_open = ws._open
         ws.end()
         self._held.popleft()
-        self._holding.discard((ws.slot, ws.generation))
+        self._holding.discard(_key(ws))
         return was_open
+
+
+def _key(handle: Reservation | WriteSlot) -> tuple[str, int, int]:
+    """What a held slot is known by: one quarantine may serve several tables."""
+    return handle._table.name, handle.slot, handle.generation

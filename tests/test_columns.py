@@ -280,7 +280,10 @@ def test_a_quarantine_holds_only_reservations(name: str) -> None:
         with pytest.raises(InvalidArgument, match="held already"):
             quarantine.hold(reservation)  # once is the rule (#24, defect 8)
         assert len(quarantine) == 1
-        quarantine.close()
+        with SlotTable.create(f"{name}-2", FIELDS, slots=1) as other:
+            quarantine.hold(other.reserve())  # the same (slot, generation), another table
+            assert len(quarantine) == 2
+            quarantine.close()
         assert len(quarantine) == 0 and t.stats().states["FREE"] == 1
 
 

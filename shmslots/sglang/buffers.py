@@ -183,6 +183,12 @@ def _exact(f: Field, value: Any) -> torch.Tensor:
 _unjoined = threading.local()
 
 
+def unjoined_allocator() -> ReqToMetadataIdxAllocator | None:
+    """The allocator built last in this thread that no buffers have joined yet."""
+    allocator: ReqToMetadataIdxAllocator | None = getattr(_unjoined, "allocator", None)
+    return allocator
+
+
 class MetadataBuffers:
     """SGLang's `MetadataBuffers`, one slot per index, in a shmslots table.
 
@@ -208,7 +214,7 @@ class MetadataBuffers:
         kv_checksum_enabled: bool = False,
         table_name: str | None = None,
     ) -> None:
-        allocator: ReqToMetadataIdxAllocator | None = getattr(_unjoined, "allocator", None)
+        allocator = unjoined_allocator()
         if allocator is None or allocator.size != size:
             raise OwnershipError(
                 f"MetadataBuffers({size}, ...) needs the ReqToMetadataIdxAllocator({size}) "
@@ -490,11 +496,15 @@ class ReqToMetadataIdxAllocator:
             raise OwnershipError(
                 f"this allocator already hands out the slots of table {self.buffers.table.name!r}"
             )
-        if getattr(_unjoined, "allocator", None) is self:
-            _unjoined.allocator = None
+        self.withdraw_from_pairing()
         self.buffers = buffers
         self.table = buffers.table
         buffers._allocator = self
+
+    def withdraw_from_pairing(self) -> None:
+        """No buffers built from now on join this allocator."""
+        if unjoined_allocator() is self:
+            _unjoined.allocator = None
 
     def _decode_buffers(self) -> MetadataBuffers:
         if self.buffers is None:

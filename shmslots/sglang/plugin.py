@@ -44,9 +44,9 @@ from ..segment import SHM_DIR
 from .buffers import (
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
-    _unjoined,
     metadata_fields,
     sampling_mask_enabled,
+    unjoined_allocator,
 )
 
 ENV = "SHMSLOTS_SGLANG"
@@ -169,10 +169,10 @@ class DecodeMetadataBuffers(MetadataBuffers):
         if not _on_decode_side():
             return _sglang_classes["buffers"](*args, **kwargs)
         why = _unsupported(args, kwargs)
-        allocator = getattr(_unjoined, "allocator", None)
+        allocator = unjoined_allocator()
         if why is not None and isinstance(allocator, DecodeAllocator):
             log.warning("shmslots: SGLang keeps its own metadata buffers here: %s", why)
-            _unjoined.allocator = None
+            allocator.withdraw_from_pairing()
             allocator.sglang_allocator = _sglang_classes["allocator"](allocator.size)
             return _sglang_classes["buffers"](*args, **kwargs)
         return super().__new__(cls)
