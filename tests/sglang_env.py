@@ -184,7 +184,16 @@ class Lane:
     scheduler builds them (by the names its modules hold: shmslots' once the plugin is on), its
     `DecodeTransferQueue`, `process_prebuilt` and `_release_aborted_request`."""
 
-    def __init__(self, slots: int, hidden_size: int, topk: int, dsa_dim: int = 0) -> None:
+    def __init__(
+        self,
+        slots: int,
+        hidden_size: int,
+        topk: int,
+        dsa_dim: int = 0,
+        classes: tuple[Any, Any] | None = None,
+    ) -> None:
+        """`classes`: the decode side's (allocator, buffers) classes, if not the ones
+        SGLang's scheduler module names."""
         from sglang.srt.disaggregation import decode
         from sglang.srt.managers import scheduler
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -200,10 +209,12 @@ class Lane:
         self.prefill_allocator = SGLANG_CLASSES["allocator"](slots)
         self.prefill = SGLANG_CLASSES["buffers"](slots, **args)
         # the decode side, exactly as Scheduler.init_disaggregation builds it
-        self.allocator = scheduler.ReqToMetadataIdxAllocator(slots)
-        self.buffers = scheduler.MetadataBuffers(
-            slots, custom_mem_pool=None, kv_checksum_enabled=False, **args
+        allocator, buffers = classes or (
+            scheduler.ReqToMetadataIdxAllocator,
+            scheduler.MetadataBuffers,
         )
+        self.allocator = allocator(slots)
+        self.buffers = buffers(slots, custom_mem_pool=None, kv_checksum_enabled=False, **args)
         self.scheduler = SimpleNamespace(
             spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"),
             kv_checksum_computer=None,
@@ -287,7 +298,8 @@ class Lane:
         self._scheduler_module.Scheduler._release_aborted_request(self.scheduler, req)
 
     def close(self) -> None:
-        self.buffers.close()
+        if hasattr(self.buffers, "close"):  # SGLang's own buffers are plain tensors
+            self.buffers.close()
 
 
 def _nothing(*args: object, **kwargs: object) -> None:

@@ -356,3 +356,17 @@ def test_load_plugins_puts_shmslots_in_sglangs_scheduler_only_when_switched_on(
         assert got["decode"] == ["ReqToMetadataIdxAllocator", "MetadataBuffers"]
         assert got["decode_module"] == "sglang.srt.disaggregation.utils"
         assert "flow" not in got
+
+
+def test_on_sglangs_own_code_only_views_freed_at_commit_corrupt_drafts(sglang_decode: None) -> None:
+    """tools/sglang_policies.py's three policies, small: the plugin and SGLang's clone never
+    hand a request another's draft; views kept past a free at commit do."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import sglang_policies
+    finally:
+        sys.path.pop(0)
+    got = {p: sglang_policies.run(p, 300, 4, HIDDEN, seed=1) for p in sglang_policies.POLICIES}
+    assert got["hold"]["corrupted"] == got["clone"]["corrupted"] == 0
+    assert got["early-release"]["corrupted"] > 0
+    assert all(r["requests"] == 300 for r in got.values())
