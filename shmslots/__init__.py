@@ -1,7 +1,7 @@
 """shmslots: per-request records handed between processes through POSIX shared memory.
 
 A request owns its slot from claim until its row is consumed or aborted;
-then the slot is free at once.  See README.md for the contract.
+then the slot is free at once.  See README.md and docs/ for the contract.
 
 The names that need torch (`SlotTable` and its handles) are imported on first
 use (PEP 562 module `__getattr__`), the rest at once.  Importing any submodule

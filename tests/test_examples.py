@@ -1,4 +1,4 @@
-"""The examples under examples/ run as written, and the README shows exactly them."""
+"""The examples under examples/ run as written, and README and docs/ show them as they are."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-# A README code block that is an example starts with the line that runs it.
+# A docs code block that is an example starts with the line that runs it.
 _BLOCK = re.compile(r"```python\n(# python (examples/\w+\.py) \[TABLE\]\n.*?)```", re.DOTALL)
 
 
@@ -66,10 +66,11 @@ def test_sglang_decode(name: str) -> None:
 def test_every_example_is_tested_and_shown_in_the_readme_as_it_is() -> None:
     tested = set(re.findall(r'ROOT / "(examples/\w+\.py)"', Path(__file__).read_text()))
     assert tested == {f"examples/{p.name}" for p in EXAMPLES}
-    shown = {path: text for text, path in _BLOCK.findall((ROOT / "README.md").read_text())}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    shown = {path: text for page in pages for text, path in _BLOCK.findall(page.read_text())}
     assert set(shown) == {f"examples/{p.name}" for p in EXAMPLES}
     for path, text in shown.items():
-        assert text == (ROOT / path).read_text(), f"the README's {path} differs from the file"
+        assert text == (ROOT / path).read_text(), f"the docs' {path} differs from the file"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

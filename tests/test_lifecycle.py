@@ -1,4 +1,4 @@
-"""The slot lifecycle (README: Use) on real segments, one transition at a time."""
+"""The slot lifecycle (docs/guide.md) on real segments, one transition at a time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Crash recovery (README: When a process dies): participants SIGKILLed at chosen and random
+"""Crash recovery (docs/guide.md: When a process dies): participants SIGKILLed at chosen and random
 points."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ EXTRAS = ("iceoryx2", "matplotlib")  # the `bench` extras of pyproject.toml
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
-        epilog="The targets are those of the README's Performance section.",
+        epilog="The targets are those of docs/performance.md.",
     )
     parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
     parser.add_argument("--out", default="bench-out", help="folder for bench.json/.md and plots")

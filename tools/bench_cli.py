@@ -1,4 +1,4 @@
-"""Wall time of one `shmslots` CLI call, against the target of 0.3 s (README, Performance).
+"""Wall time of one `shmslots` CLI call, against the target of 0.3 s (docs/performance.md).
 
     python tools/bench_cli.py [--runs 10]
 

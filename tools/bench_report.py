@@ -1,5 +1,5 @@
 """The report of tools/bench.py: figures from the raw sessions, the Markdown tables (ratios
-against the targets of the README's Performance section, then absolute figures), and the
+against the targets of docs/performance.md, then absolute figures), and the
 PNG plots.
 
 Not run on its own; see tools/bench.py.
@@ -170,7 +170,7 @@ def limit_row(measure: str, value: Spread, unit: str, target: str, ok: bool) -> 
 
 
 def target_rows(r: dict[str, Any], figs: list[Figures]) -> list[Row]:
-    """The README's targets, one row per promise, for the small record and the EAGLE row."""
+    """The targets of docs/performance.md: one row per promise, small record and EAGLE row."""
 
     def f(t: str, k: str) -> Figures | None:
         return find(figs, t, k)
@@ -357,7 +357,7 @@ def markdown(r: dict[str, Any], figs: list[Figures]) -> str:
         "better, 1.0 = the floor). "
         "Figures are medians of the repeats with (lowest-highest, n=repeats).",
         "",
-        "## Targets (README, Performance)",
+        "## Targets (docs/performance.md)",
         "",
         ratio_table(target_rows(r, figs)),
         "",
