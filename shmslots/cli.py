@@ -85,6 +85,7 @@ from .errors import (
     IncompatibleTable,
     ShmSlotsError,
     TableNotFound,
+    TableNotReady,
     TablePermissionError,
 )
 from .layout import MAGIC, MAX_SLOTS
@@ -268,11 +269,9 @@ def _metrics(args: argparse.Namespace) -> int:
     # a missing table is an error here, not a silent scrape error
     looks = [_look(name) for name in args.names]
     registry = registry_for(*args.names)
-    if args.serve is None:
-        sys.stdout.write(generate_latest(registry).decode())
-    else:
-        _serve(registry, args.bind, args.serve)
-        looks = [_look(name) for name in args.names]  # the verdict is the last scrape's
+    if args.serve is not None:  # a service: its exit says it stopped cleanly
+        return _serve(registry, args.bind, args.serve)
+    sys.stdout.write(generate_latest(registry).decode())
     return 1 if any(dead for _, dead in looks) else 0
 
 
@@ -329,9 +328,11 @@ def _unlink(args: argparse.Namespace) -> int:
             alive = [p for p in view.snapshot().participants if p.alive]
     except TablePermissionError:
         raise
-    except IncompatibleTable:
-        if not (args.force and _has_magic(args.name)):
-            raise  # a segment without our magic is never ours to remove
+    except IncompatibleTable as exc:
+        # ours with --force: a table of our magic, or one its creator never finished (no magic
+        # yet, nobody registered); a segment with another magic is never ours to remove
+        if not (args.force and (_has_magic(args.name) or isinstance(exc, TableNotReady))):
+            raise
         alive = []
     if alive and not args.force:
         who = ", ".join(f"pid {p.pid} {p.role}" for p in alive[:3])
@@ -417,7 +418,8 @@ EXIT_CODES = {
     "1  the last refresh found slots owned by a dead participant\n"
     "2  the table is missing, not a valid table, or was unlinked while watched;\n"
     "   or the arguments are wrong",
-    "metrics": "0  printed (or served until stopped) and no named table has dead-owned slots\n"
+    "metrics": "0  printed, and no named table has dead-owned slots; or, with --serve,\n"
+    "   served until stopped\n"
     "1  a named table has slots owned by a dead participant (the metrics say which)\n" + _MISSING,
     "reap": "0  nothing left owned by the dead\n"
     "1  slots owned by a dead participant remain after the reap\n" + _MISSING,

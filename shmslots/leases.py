@@ -395,10 +395,10 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_written()
         if self._viewed or self._opened:
             self._check_views("publish")
-        self._opened = None  # loans: the reader's from now on
         table = self._table
         if not self._seal_mine():  # the one sealing order: proven ours, sealed, then the step
             raise table._own.not_mine(self.slot, self.generation, _WRITING)
+        self._opened = None  # loans: the reader's from now on
         deadline = time.monotonic() + timeout
         while (result := self._hand_back(_PUBLISH)) == _STEP_QUEUE_FULL:
             if time.monotonic() >= deadline:

@@ -39,7 +39,7 @@ class Quarantine:
             )
         self.window_s = float(window_s)
         self._held: deque[tuple[float, WriteSlot]] = deque()  # in deadline order
-        self._holding: set[tuple[str, int, int]] = set()  # (table, slot, generation) held
+        self._holding: set[tuple[int, int, int]] = set()  # (table, slot, generation) held
         self.released = 0  # slots freed after their window
 
     def __len__(self) -> int:
@@ -92,6 +92,8 @@ class Quarantine:
         return was_open
 
 
-def _key(handle: Reservation | WriteSlot) -> tuple[str, int, int]:
-    """What a held slot is known by: one quarantine may serve several tables."""
-    return handle._table.name, handle.slot, handle.generation
+def _key(handle: Reservation | WriteSlot) -> tuple[int, int, int]:
+    """What a held slot is known by: one quarantine may serve several tables, and a table
+    made anew under a name keeps none of the old one's slots (the held handle keeps its
+    table object, so its id is not reused meanwhile)."""
+    return id(handle._table), handle.slot, handle.generation

@@ -490,3 +490,17 @@ def test_ls_flags_a_table_nobody_is_attached_to(name: str) -> None:
 )
 def test_demo_refuses_bad_options_in_one_line(args: list[str], message: str) -> None:
     assert message in assert_one_line_error(cli("demo", *args))
+
+
+def test_unlink_force_removes_a_table_its_creator_never_finished(name: str) -> None:
+    """The error for a half-made table says `unlink --force` removes it: it must (review)."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=1 << 16)
+    os.close(shm.fd)
+    try:
+        line = assert_one_line_error(cli("unlink", name))
+        assert "not finished" in line and "--force" in line
+        assert cli("unlink", name, "--force").returncode == 0
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            posix_ipc.unlink_shared_memory("/" + name)

@@ -2,15 +2,17 @@
 
 The wheel used to install a top-level `workers` package beside `shmslots`, where another
 project's `workers` clashed with it: from a folder with a `workers/` of its own, `shmslots
-demo` failed with ImportError.  Here the wheel is built from the checkout, installed into a
-fresh virtualenv outside it, and run from a folder that holds a `workers/` of its own.  Its
-dependencies (torch and the rest) come from this environment's site-packages, added by a
-path file, so nothing is downloaded.
+demo` failed with ImportError.  Here the wheel is built from a copy of the checkout (its
+build requirements come from the package index, as any build's do), installed into a fresh
+virtualenv outside it, and run from a folder that holds a `workers/` of its own.  Its
+runtime dependencies (torch and the rest) come from this environment's site-packages, added
+by a path file, not downloaded.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,9 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtualenv with only the wheel installed; returns its bin folder."""
     tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"  # a copy: the build writes build/ and egg-info where it runs
+    skip = shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "*.so", "bench-out"
+    )
+    shutil.copytree(ROOT, source, ignore=skip)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-         "-w", str(tmp / "dist"), str(ROOT)],
+         "-w", str(tmp / "dist"), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     [wheel] = (tmp / "dist").glob("shmslots-*.whl")
