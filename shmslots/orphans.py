@@ -74,8 +74,7 @@ def _unlink_if_orphaned(segment: Segment) -> bool:
         st = os.stat(f"{SHM_DIR}/{segment.name}")
     except FileNotFoundError:
         return False
-    mine = os.fstat(segment.fd)
-    if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+    if (st.st_dev, st.st_ino) != segment.identity:
         return False
     try:
         unlink(segment.name)

@@ -122,6 +122,18 @@ class Segment:
             raise
         return cls(name, fd, mm, created=False)
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the object mapped: one made later under the same name (a
+        restart's) has another."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    @property
+    def unlinked(self) -> bool:
+        """Whether the object's name was removed; the mapping stays usable meanwhile."""
+        return os.fstat(self.fd).st_nlink == 0
+
     def close(self) -> bool:
         """Unmap and close; False (and the mapping kept) while it is exported.
 

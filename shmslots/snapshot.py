@@ -9,7 +9,6 @@ states.  Rows are decoded with struct, not torch, so the CLI starts at once.
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -121,15 +120,9 @@ class TableView:
         """Participants still alive (their kernel-held lock says so), without a full snapshot."""
         return [p for p in self._registry.participants() if p.alive]
 
-    def identity(self) -> tuple[int, int]:
-        """(device, inode) of the object mapped: another object made under the same name later
-        has another."""
-        st = os.fstat(self._segment.fd)
-        return st.st_dev, st.st_ino
-
     def unlinked(self) -> bool:
         """Whether the table's name was removed (this mapping stays readable meanwhile)."""
-        return os.fstat(self._segment.fd).st_nlink == 0
+        return self._segment.unlinked
 
     def _u64(self, offset: int) -> int:
         value: int = struct.unpack_from("<Q", self._segment.mm, offset)[0]

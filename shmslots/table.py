@@ -116,7 +116,7 @@ def _open_gated(name: str, timeout: float) -> Segment:
     while True:
         segment = _open_segment(name, max(0.0, deadline - time.monotonic()))
         hold_gate(segment.fd)
-        if os.fstat(segment.fd).st_nlink:
+        if not segment.unlinked:
             return segment
         segment.close()
 
@@ -767,15 +767,14 @@ class SlotTable:
         """(device, inode) of the object mapped: a table made later under the same name (a
         restart's) has another."""
         self._check_open()
-        st = os.fstat(self._segment.fd)
-        return st.st_dev, st.st_ino
+        return self._segment.identity
 
     @property
     def unlinked(self) -> bool:
         """Whether the table's name was removed (a new table may have it now); this mapping
         keeps working until closed."""
         self._check_open()
-        return os.fstat(self._segment.fd).st_nlink == 0
+        return self._segment.unlinked
 
     def stats(self) -> Stats:
         self._check_open()
