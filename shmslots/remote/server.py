@@ -111,6 +111,13 @@ class RemoteServer:
         self._settled = Settled()  # kept here until a poll returns it, even if one raised
         self._closed = False
 
+    def contact(self) -> bytes:
+        """What a writer must `connect()` before it writes this server's grants (its engine's
+        contact, taken now that the table's columns are registered)."""
+        if self._closed:
+            raise TableClosed("this RemoteServer is closed")
+        return self.engine.contact()
+
     @property
     def commit_timeout_s(self) -> float:
         return self._timeout_s
@@ -241,12 +248,20 @@ class RemoteServer:
 
     def close(self) -> None:
         """Stop the engine writing into the table, then free every slot still owned: pending
-        grants are aborted, held-back slots freed (no write can land in them any more)."""
+        grants are aborted, held-back slots freed (no write can land in them any more).
+
+        An engine that does not refuse writes outside its registrations (NIXL over UCX's
+        TCP) is closed here too: only that ends its peers' writes.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            self.engine.unregister(self._base)
+            try:
+                self.engine.unregister(self._base)
+            finally:
+                if not self.engine.refuses_unregistered:
+                    self.engine.close()
         finally:
             self.engine.served_by = None
             try:

@@ -53,6 +53,10 @@ class RemoteWriter:
             self._release()
             raise
 
+    def connect(self, contact: bytes) -> str:
+        """Load an owner's `RemoteServer.contact()` (once per server, before its grants)."""
+        return self.engine.connect(contact)
+
     def write(self, rows: Sequence[GrantedRow], *, commit: bool = True) -> None:
         """Write each granted row; with `commit`, the owner publishes those that verify.
 
