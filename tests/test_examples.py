@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from shmslots.remote import ENGINES, RemoteUnavailable, mooncake, nixl
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # A docs code block that is an example starts with the line that runs it.
@@ -60,6 +62,26 @@ def test_sglang_decode(name: str) -> None:
     assert out == [
         "after free: 3 of 4 free, row still held",
         "token 1234 draft ([0.5, 0.25], [17, 42], 0.25); after release: 4 of 4 free",
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_remote(name: str, engine: str) -> None:
+    missing = {"mooncake": mooncake.load, "nixl": nixl.load}[engine]
+    try:
+        missing()
+    except RemoteUnavailable as exc:
+        pytest.skip(str(exc))
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples/remote.py"), name, engine],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [
+        "tag 42: output_id 7, verified True",
+        "published [42], slots owned 0",
     ]
 
 

@@ -1,10 +1,15 @@
-"""Remote writers through the real Mooncake Transfer Engine (TCP), on loopback and across
-network namespaces.  Skipped, with the reason, only where the engine cannot be imported."""
+"""Remote writers through the real transfer engines (Mooncake over TCP, NIXL over UCX), on
+loopback and across network namespaces: every test that moves rows runs on both.  An
+engine's tests are skipped, with the reason, only where it cannot be imported."""
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
+import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,16 +20,29 @@ import msgpack
 import pytest
 import torch
 from conftest import SMALL, row_bytes, small_row
+from shmslots.workers import eagle
+from shmslots.workers.launcher import SPAWN
 from shmslots.workers.netns import Namespace, NamespaceUnavailable, veth_namespace
 from shmslots.workers.remote_flow import (
     RemoteFlowConfig,
     RemoteFlowResult,
+    grant_batch,
     native_stderr_to,
+    remote_writer,
     run_remote_flow,
 )
 
-from shmslots import Field, SchemaError, SlotsExhausted, SlotTable, TableClosed, row_hash
+from shmslots import (
+    Field,
+    InvalidArgument,
+    SchemaError,
+    SlotsExhausted,
+    SlotTable,
+    TableClosed,
+    row_hash,
+)
 from shmslots.remote import (
+    ENGINES,
     Engine,
     EngineError,
     Grant,
@@ -35,24 +53,51 @@ from shmslots.remote import (
     RemoteWriter,
     Settled,
     connect,
+    mooncake,
+    nixl,
+    open_engine,
 )
-from shmslots.remote.engine import _mooncake
 from shmslots.remote.grant import COMMIT
 from shmslots.schema import RowSchema
 
-try:
-    _mooncake()
-    SKIP = ""
-except RemoteUnavailable as exc:
-    SKIP = str(exc)
 
-needs_engine = pytest.mark.skipif(bool(SKIP), reason=SKIP)
+def _missing(load: Callable[[], object]) -> str:
+    """Why an engine cannot be used here, or "" where it can."""
+    try:
+        load()
+    except RemoteUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+MISSING = {"mooncake": _missing(mooncake.load), "nixl": _missing(nixl.load)}
+
+
+@pytest.fixture(params=ENGINES)
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each engine in turn; skipped, saying why, where it cannot be imported."""
+    kind: str = request.param
+    if MISSING[kind]:
+        pytest.skip(MISSING[kind])
+    return kind
 
 
 @pytest.fixture(scope="module")
-def engines() -> tuple[Engine, Engine]:
-    """An owner's and a writer's engine (one pair per module: engines have no close)."""
-    return Engine(), Engine()
+def mooncake_pair() -> tuple[Engine, Engine]:
+    """One Mooncake pair per module: Mooncake engines have no close."""
+    return open_engine("mooncake"), open_engine("mooncake")
+
+
+@pytest.fixture
+def engines(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine]]:
+    """An owner's and a writer's engine of `kind`."""
+    if kind == "mooncake":
+        yield request.getfixturevalue("mooncake_pair")
+        return
+    pair = (open_engine(kind), open_engine(kind))
+    yield pair
+    for engine in pair:
+        engine.close()
 
 
 @contextmanager
@@ -77,6 +122,7 @@ def served(
         ) as server,
         RemoteWriter(remote, table.schema, batch=batch) as writer,
     ):
+        writer.connect(server.contact())
         yield table, server, writer
 
 
@@ -171,7 +217,6 @@ def test_a_slow_peer_cannot_hold_accept_past_its_deadline() -> None:
 # -- one process, two real engines -------------------------------------------------------
 
 
-@needs_engine
 def test_handle_fields_cannot_be_written_remotely(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -183,7 +228,6 @@ def test_handle_fields_cannot_be_written_remotely(
             RemoteWriter(engines[1], table.schema)
 
 
-@needs_engine
 def test_a_remote_row_lands_in_place_exactly_as_packed(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -209,7 +253,6 @@ def test_a_remote_row_lands_in_place_exactly_as_packed(
         assert server.stats.committed == 3 and server.held == 0
 
 
-@needs_engine
 def test_rows_in_adjacent_slots_each_land_in_their_own_row(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -235,7 +278,6 @@ def test_rows_in_adjacent_slots_each_land_in_their_own_row(
         assert server.abort(skipped)
 
 
-@needs_engine
 def test_a_writer_checks_every_row_before_sending(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -269,7 +311,6 @@ def _end(server: RemoteServer, grant: Grant, fate: str) -> None:
         assert _poll_until(server, lambda s, got: s.pending == 0).expired == [grant.tag]
 
 
-@needs_engine
 @pytest.mark.parametrize("fate", ["aborted", "expired"])
 @pytest.mark.parametrize("window_s", [0.0, 1.0])
 def test_a_late_write_never_reaches_a_later_owner(
@@ -332,7 +373,6 @@ def _poll_grant(server: RemoteServer, tag: int, timeout: float) -> Grant:
             server.poll()
 
 
-@needs_engine
 def test_a_commit_whose_row_does_not_hash_to_it_is_rejected_and_held(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -340,17 +380,17 @@ def test_a_commit_whose_row_does_not_hash_to_it_is_rejected_and_held(
         torn = server.grant(3)
         writer.write([(torn, small_row(3))], commit=False)
         wrong = torn.commit(row_hash([b"not", b"this", b"row"]))
-        writer.engine.write(torn.session, [0], [0], [0], (COMMIT, wrong))
+        writer.engine.write(torn.session, [], [], [], (COMMIT, wrong))
         assert _poll_until(server, lambda s, got: got.rejected).rejected == [3]
         assert server.held == 1 and table.take() is None  # refused, and its slot kept back
-        writer.engine.write(torn.session, [0], [0], [0], (COMMIT, wrong))  # again: late now
+        writer.engine.write(torn.session, [], [], [], (COMMIT, wrong))  # again: late now
         foreign = (COMMIT, "garbage;4:x;²:0:0000000000000000:00000000;3:0:" + "9" * 5000)
-        writer.engine.write(torn.session, [0], [0], [0], foreign)
+        writer.engine.write(torn.session, [], [], [], foreign)
         _poll_until(server, lambda s, got: s.stats.malformed == 4 and s.stats.late == 1)
         # a commit without its checksum names no grant: malformed too
         fresh = server.grant(4)
         writer.write([(fresh, small_row(4))], commit=False)
-        writer.engine.write(fresh.session, [0], [0], [0], (COMMIT, fresh.commit_key))
+        writer.engine.write(fresh.session, [], [], [], (COMMIT, fresh.commit_key))
         _poll_until(server, lambda s, got: s.stats.malformed == 5)
         assert server.pending == 1  # still the real writer's
         writer.write([(fresh, small_row(4))])
@@ -364,7 +404,6 @@ def test_a_commit_whose_row_does_not_hash_to_it_is_rejected_and_held(
         assert table.stats().owned == 0
 
 
-@needs_engine
 def test_a_row_the_table_refuses_after_the_servers_check_is_held_back_not_freed(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -387,13 +426,12 @@ def test_a_row_the_table_refuses_after_the_servers_check_is_held_back_not_freed(
         assert table.stats().owned == 0  # freed once the window passed
 
 
-@needs_engine
 def test_a_stray_commit_cannot_use_up_a_grant(name: str, engines: tuple[Engine, Engine]) -> None:
     with served(name, engines, slots=2) as (table, server, writer):
         grant = server.grant(5)
         stray = Grant(**{**grant.__dict__, "nonce": grant.nonce ^ 1})  # right slot and gen
         guessed = stray.commit(row_hash([b"\0" * f.nbytes for f in SMALL]))
-        writer.engine.write(grant.session, [0], [0], [0], (COMMIT, guessed))
+        writer.engine.write(grant.session, [], [], [], (COMMIT, guessed))
         _poll_until(server, lambda s, got: s.stats.late == 1)
         assert server.pending == 1  # still the real writer's
         writer.write([(grant, small_row(5))])
@@ -403,7 +441,6 @@ def test_a_stray_commit_cannot_use_up_a_grant(name: str, engines: tuple[Engine, 
         lease.release()
 
 
-@needs_engine
 def test_every_row_is_checked_before_the_first_batch_leaves(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -418,7 +455,6 @@ def test_every_row_is_checked_before_the_first_batch_leaves(
         assert table.take() is None and table.stats().owned == server.held == 4
 
 
-@needs_engine
 def test_a_server_owns_its_engine_and_refuses_work_once_closed(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -428,6 +464,7 @@ def test_a_server_owns_its_engine_and_refuses_work_once_closed(
         RemoteWriter(remote, table.schema) as writer,
     ):
         server = RemoteServer(table, owner)
+        writer.connect(server.contact())
         with pytest.raises(ValueError, match="one RemoteServer per Engine"):
             RemoteServer(table, owner)
         server.grant(1)
@@ -437,16 +474,22 @@ def test_a_server_owns_its_engine_and_refuses_work_once_closed(
         server.close()
         # the pending grant was aborted and the held-back slot freed, since the engine no
         # longer writes into the table: a late write now is refused by the owner's engine
+        # (Mooncake) or finds it closed (NIXL, whose owner side cannot refuse one)
         assert table.stats().owned == 0 and server.stats.aborted == 2
+        before = row_bytes(table, aborted.slot)
         with pytest.raises(EngineError):
             writer.write([(aborted, small_row(2))])
-        for call in (lambda: server.grant(2), server.poll):
+        assert row_bytes(table, aborted.slot) == before
+        for call in (lambda: server.grant(2), server.poll, server.contact):
             with pytest.raises(ValueError, match="closed"):
                 call()
-        RemoteServer(table, owner).close()  # the engine is free again
+        if owner.refuses_unregistered:
+            RemoteServer(table, owner).close()  # the engine is free again
+        else:
+            with pytest.raises(EngineError, match="closed"):
+                RemoteServer(table, owner)
 
 
-@needs_engine
 def test_a_table_closed_before_its_server_stays_mapped_for_the_engine(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
@@ -457,6 +500,7 @@ def test_a_table_closed_before_its_server_stays_mapped_for_the_engine(
     with RemoteWriter(remote, RowSchema(SMALL)) as writer:
         table = SlotTable.create(name, SMALL, slots=2)
         server = RemoteServer(table, owner)
+        writer.connect(server.contact())
         grant = server.grant(7)
         table.close()  # the table leaves; its server is still serving
         table.unlink()
@@ -466,6 +510,109 @@ def test_a_table_closed_before_its_server_stays_mapped_for_the_engine(
             server.poll()
         server.close()
         assert server.stats.aborted == 1
+
+
+def test_a_writer_killed_mid_transfer_costs_only_its_own_grants(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """A writer process SIGKILLed while rows are on the wire: its grants expire and are
+    held back, nothing torn is published, every slot comes back, and the owner's engine
+    goes on serving another writer."""
+    owner, survivor = engines
+    shape = eagle.RowShape()
+    with (
+        SlotTable.create(name, shape.fields(), slots=32) as table,
+        RemoteServer(table, owner, commit_timeout_s=0.5, late_write_window_s=0.3) as server,
+    ):
+        with remote_writer(server, options=("--batch", "8")) as writer:
+            tag = 1
+            deadline = time.monotonic() + 30
+            while server.stats.committed < 16:  # rows are landing: kill it mid-stream
+                assert time.monotonic() < deadline, f"the writer never committed: {server.stats}"
+                grants = grant_batch(server, tag, 10_000, 24, 8)
+                tag += len(grants)
+                if grants:
+                    writer.link.send({"grants": [g.encode() for g in grants]})
+                server.poll()
+                while (lease := table.take()) is not None:
+                    with lease:
+                        assert lease.verify() and lease.item("output_id") == eagle.output_id(
+                            lease.tag
+                        )
+            grants = grant_batch(server, tag, 10_000, 32, 8)  # in flight as it dies
+            writer.link.send({"grants": [g.encode() for g in grants]})
+            writer.process.send_signal(signal.SIGKILL)
+            assert writer.process.wait(10) == -signal.SIGKILL
+        _poll_until(server, lambda s, got: s.pending == 0 and s.held == 0)
+        while (lease := table.take()) is not None:  # what it committed before it died
+            with lease:
+                assert lease.verify() and lease.item("output_id") == eagle.output_id(lease.tag)
+        stats = server.stats
+        assert stats.granted == stats.committed + stats.expired + stats.rejected
+        assert stats.expired > 0 and table.stats().owned == 0
+        assert table.check_consistency() == []
+        with RemoteWriter(survivor, table.schema) as writer2:  # the owner's engine still serves
+            writer2.connect(server.contact())
+            grant = server.grant(99_999)
+            writer2.write([(grant, eagle.row_values(grant.tag, shape, time.monotonic_ns()))])
+            assert _poll_until(server, lambda s, got: got.published).published == [99_999]
+            lease = table.take()
+            assert lease is not None
+            with lease:
+                assert lease.verify() and lease.item("output_id") == eagle.output_id(99_999)
+
+
+def test_a_nixl_writer_must_load_the_owners_contact_first(name: str) -> None:
+    """NIXL peers find each other only by the contact: a write to a peer never connected is
+    refused before anything is sent, and the grant is not used up."""
+    if MISSING["nixl"]:
+        pytest.skip(MISSING["nixl"])
+    owner, remote = open_engine("nixl"), open_engine("nixl")
+    try:
+        with (
+            SlotTable.create(name, SMALL, slots=2) as table,
+            RemoteServer(table, owner) as server,
+            RemoteWriter(remote, table.schema) as writer,
+        ):
+            grant = server.grant(1)
+            with pytest.raises(EngineError, match="connect"):
+                writer.write([(grant, small_row(1))])
+            writer.connect(server.contact())
+            writer.write([(grant, small_row(1))])
+            assert _poll_until(server, lambda s, got: got.published).published == [1]
+            table.take().release()  # type: ignore[union-attr]
+    finally:
+        remote.close()
+        owner.close()
+
+
+def test_an_unknown_engine_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="mooncake, nixl"):
+        open_engine("carrier-pigeon")
+
+
+def test_a_process_that_used_an_engine_exits_cleanly(kind: str, tmp_path: Path) -> None:
+    """Both engines' libraries start threads and load transports; the process that used one
+    must still exit with its own status (NIXL's wheel crashed every such exit until its
+    InfiniBand modules were kept out on machines without a device)."""
+    script = tmp_path / "use_engine.py"
+    script.write_text(
+        "import mmap, sys\n"
+        "from shmslots.remote import open_engine\n"
+        "from shmslots.remote.engine import address_of\n"
+        f"a, b = open_engine({kind!r}), open_engine({kind!r})\n"
+        "src, dst = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)\n"
+        "src[:5] = b'hello'\n"
+        "a.register(address_of(dst), 4096); b.register(address_of(src), 4096)\n"
+        "b.write(b.connect(a.contact()), [address_of(src)], [address_of(dst)], [5])\n"
+        "assert dst[:5] == b'hello'\n"
+        "sys.exit(7)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}  # as a user starts it
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 7, done.stderr[-2000:]
 
 
 # -- the flow: spawned remote writer, decode worker, owner --------------------------------
@@ -497,10 +644,11 @@ def _check_flow(result: RemoteFlowResult, requests: int) -> None:
     assert result.consistency == []
 
 
-@needs_engine
 @pytest.mark.timeout(180)
-def test_remote_flow_on_loopback(name: str) -> None:
-    config = RemoteFlowConfig(requests=REQUESTS, never_commit_every=97, commit_timeout_s=1.0)
+def test_remote_flow_on_loopback(name: str, kind: str) -> None:
+    config = RemoteFlowConfig(
+        requests=REQUESTS, never_commit_every=97, commit_timeout_s=1.0, engine=kind
+    )
     _check_flow(run_remote_flow(config, name), REQUESTS)
 
 
@@ -513,10 +661,32 @@ def namespace() -> Iterator[Namespace]:
         pytest.skip(str(exc))
 
 
-@needs_engine
+def _flow_in_a_fresh_process(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
+    """`run_remote_flow` in a process of its own: UCX takes the machine's interfaces once
+    per process, so an owner that made a NIXL engine before the namespace existed cannot
+    reach into it."""
+    results: mp.Queue[RemoteFlowResult] = SPAWN.Queue()
+    owner = SPAWN.Process(target=_run_flow_into, args=(config, name, results))
+    owner.start()
+    try:
+        return results.get(timeout=170)
+    finally:
+        owner.join(10)
+        if owner.is_alive():
+            owner.kill()
+            owner.join(5)
+
+
+def _run_flow_into(
+    config: RemoteFlowConfig, name: str, results: mp.Queue[RemoteFlowResult]
+) -> None:
+    results.put(run_remote_flow(config, name))
+
+
 @pytest.mark.timeout(180)
-def test_remote_flow_across_network_namespaces(name: str, namespace: Namespace) -> None:
+def test_remote_flow_across_network_namespaces(name: str, kind: str, namespace: Namespace) -> None:
     config = RemoteFlowConfig(
+        engine=kind,
         requests=REQUESTS,
         never_commit_every=97,
         commit_timeout_s=1.0,
@@ -524,10 +694,10 @@ def test_remote_flow_across_network_namespaces(name: str, namespace: Namespace) 
         writer_host=namespace.inside_ip,
         writer_prefix=namespace.prefix,
     )
-    _check_flow(run_remote_flow(config, name), REQUESTS)
+    _check_flow(_flow_in_a_fresh_process(config, name), REQUESTS)
 
 
-@needs_engine
+@pytest.mark.skipif(bool(MISSING["mooncake"]), reason=MISSING["mooncake"])
 @pytest.mark.timeout(180)
 def test_the_engines_log_goes_to_the_file_chosen(
     name: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]

@@ -3,7 +3,7 @@
 The owner process holds the table and a `RemoteServer`; a decode worker
 (the same one the local flow uses) consumes from the table; a remote writer
 process — on loopback, or in another network namespace — fills the rows
-through the Mooncake Transfer Engine.  Grants leave the owner through one
+through a transfer engine (Mooncake or NIXL).  Grants leave the owner through one
 function, `deliver`; here it sends them on the small framed link of
 `shmslots.remote.bootstrap`, and a server plugs in its own channel there.
 """
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field, replace
 
 from shmslots import SlotsExhausted, SlotTable, Stats
 from shmslots.remote import (
-    Engine,
+    ENGINES,
     Grant,
     GrantLink,
     GrantListener,
     RemoteServer,
     RemoteStats,
     Settled,
+    open_engine,
 )
 
 from . import eagle
@@ -56,6 +57,7 @@ class RemoteFlowConfig:
     late_write_window_s: float = 1.0
     decode_abort: float = 0.02
     shape: eagle.RowShape = field(default_factory=eagle.RowShape)
+    engine: str = "mooncake"  # one of shmslots.remote.ENGINES, on both sides
     owner_host: str = "127.0.0.1"
     writer_host: str = "127.0.0.1"
     writer_prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "ns")
@@ -81,18 +83,25 @@ def run_remote_flow(config: RemoteFlowConfig, name: str | None = None) -> Remote
     return _run(config, name)
 
 
+@dataclass
+class WriterProcess:
+    link: GrantLink  # grants go out on it
+    process: subprocess.Popen[bytes]
+
+
 @contextmanager
 def remote_writer(
-    table: SlotTable,
+    server: RemoteServer,
     *,
     owner_host: str = "127.0.0.1",
     writer_host: str = "127.0.0.1",
     prefix: tuple[str, ...] = (),
     options: tuple[str, ...] = (),
-) -> Iterator[GrantLink]:
-    """Start a remote writer process and bootstrap it: link, token, schema, engine up.
+) -> Iterator[WriterProcess]:
+    """Start a remote writer process and bootstrap it: link, token, schema, the server's
+    engine and its contact; the writer's engine up and connected.
 
-    Yields the link grants travel on; on exit the link is closed and the
+    Yields the link grants travel on and the process; on exit the link is closed and the
     process reaped (killed if it has not exited).
     """
     listener = GrantListener(owner_host)
@@ -104,9 +113,15 @@ def remote_writer(
     link: GrantLink | None = None
     try:
         link = listener.accept(timeout=START_S)
-        link.send({"schema": table.schema.encode()})
+        link.send(
+            {
+                "schema": server.table.schema.encode(),
+                "engine": server.engine.kind,
+                "contact": server.contact(),
+            }
+        )
         link.recv(START_S)  # ready: its engine is up
-        yield link
+        yield WriterProcess(link, writer)
     finally:
         listener.close()
         if link is not None:
@@ -128,7 +143,7 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
         consumer = SPAWN.Process(target=decode_worker, args=(name, 0, dconf, results, stop))
         try:
             consumer.start()
-            engine = Engine(config.owner_host)
+            engine = open_engine(config.engine, config.owner_host)
             with (
                 RemoteServer(
                     table,
@@ -137,13 +152,14 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
                     late_write_window_s=config.late_write_window_s,
                 ) as server,
                 remote_writer(
-                    table,
+                    server,
                     owner_host=config.owner_host,
                     writer_host=config.writer_host,
                     prefix=config.writer_prefix,
                     options=options,
-                ) as link,
+                ) as writer,
             ):
+                link = writer.link
 
                 def deliver(grants: Sequence[Grant]) -> None:
                     """The bootstrap: the one place grants leave the owner."""
@@ -269,16 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--requests", type=int, default=RemoteFlowConfig.requests)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--engine", choices=ENGINES, default=RemoteFlowConfig.engine)
     parser.add_argument("--netns", action="store_true", help="writer in its own network namespace")
     parser.add_argument(
         "--engine-log",
         default=default_log,
         metavar="PATH",
-        help="file for the Mooncake engines' own log, theirs and the writer's; '-' leaves it "
+        help="file for the engines' own log, theirs and the writer's; '-' leaves it "
         "on stderr (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    config = RemoteFlowConfig(requests=args.requests, batch=args.batch, never_commit_every=97)
+    config = RemoteFlowConfig(
+        requests=args.requests, batch=args.batch, never_commit_every=97, engine=args.engine
+    )
     with ExitStack() as stack:
         if args.engine_log != "-":
             stack.enter_context(native_stderr_to(args.engine_log))

@@ -3,7 +3,8 @@
 Run as `python -m shmslots.workers.remote_writer --connect HOST:PORT --host MY_IP`
 with the link token in SHMSLOTS_LINK_TOKEN; the owner's `remote_flow`
 starts it (inside a network namespace when asked).  It learns the row
-schema from the link, then writes every grant it receives — the row's values
+schema, the owner's engine and how to reach it from the link, then writes every grant it
+receives — the row's values
 derived from its tag — and commits it.  `--never-commit-every N` plays a
 writer that dies between writing a row and committing it.
 """
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 
-from shmslots.remote import Engine, Grant, GrantLink, LinkError, RemoteWriter, connect
+from shmslots.remote import Grant, GrantLink, LinkError, RemoteWriter, connect, open_engine
 from shmslots.remote.writer import GrantedRow
 from shmslots.schema import RowSchema
 
@@ -27,10 +28,12 @@ IDLE_LIMIT_S = 120.0  # an owner silent this long is gone
 
 def serve(link: GrantLink, host: str, batch: int, never_commit_every: int) -> None:
     """Write every grant the owner sends until it says stop; then report what was done."""
-    schema = RowSchema.decode(link.recv(IDLE_LIMIT_S)["schema"])
+    hello = link.recv(IDLE_LIMIT_S)
+    schema = RowSchema.decode(hello["schema"])
     shape = eagle.RowShape.of(schema)
     written, uncommitted = 0, []
-    with RemoteWriter(Engine(host), schema, batch=batch) as writer:
+    with RemoteWriter(open_engine(hello["engine"], host), schema, batch=batch) as writer:
+        writer.connect(hello["contact"])
         link.send({"ready": True})
         while "stop" not in (message := link.recv(IDLE_LIMIT_S)):
             commit: list[GrantedRow] = []
