@@ -1,16 +1,19 @@
-"""Remote writes through the Mooncake Transfer Engine (TCP, loopback) beside the local path.
+"""Remote writes through both engines (Mooncake over TCP, NIXL over UCX; loopback) beside
+the local path, the floor.
 
     python tools/bench_remote.py [--rows 5000] [--repeat 3] [--out bench-out] [--base PATH]
 
 Every path moves the same EAGLE rows (bf16[4096] hidden state) into one table
 whose owner takes each row as soon as it is READY.  Reported: rows/s, and the
 latency from the writer starting to pack a row to the owner taking it.
-  local             a spawned transfer worker: claim -> write -> publish
+  local             a spawned transfer worker: claim -> write -> publish (a local copy)
   remote, 1/call    a remote writer process: one engine call and commit per row
   remote, 32/call   32 rows per engine call, one commit message behind them
-Needs `pip install -e '.[remote]'` and Debian's libibverbs1.
+each remote path once per engine.  Needs `pip install -e '.[remote,nixl]'` and Debian's
+libibverbs1.
 
---base PATH compares this checkout with another in one run (before/after): PATH is a
+--base PATH compares this checkout with another in one run (before/after), Mooncake
+paths only (older checkouts have no NIXL engine): PATH is a
 checkout with its extensions built in place, as for tools/bench_ab.py (`git worktree add
 PATH 9e220a3 && cd PATH && python setup.py build_ext --inplace` gives the landing-cell
 design).  Each round runs every path in a fresh interpreter that imports this checkout,
@@ -37,7 +40,7 @@ from shmslots.workers.remote_flow import grant_batch, remote_writer
 from shmslots.workers.transfer import TransferConfig, TransferReport, transfer_worker
 
 from shmslots import SlotTable
-from shmslots.remote import Engine, RemoteServer
+from shmslots.remote import RemoteServer, open_engine
 
 HERE = Path(__file__).resolve().parent.parent
 SLOTS = 128
@@ -102,12 +105,13 @@ def local(rows: int, name: str) -> Run:
     return _summary(rows - 1, seconds, latencies)
 
 
-def remote(rows: int, name: str, per_call: int) -> Run:
+def remote(rows: int, name: str, per_call: int, engine: str = "mooncake") -> Run:
     with (
         SlotTable.create(name, eagle.RowShape().fields(), slots=SLOTS) as table,
-        RemoteServer(table, Engine()) as server,
-        remote_writer(table, options=("--batch", str(per_call))) as link,
+        RemoteServer(table, open_engine(engine)) as server,
+        remote_writer(server, options=("--batch", str(per_call))) as writer,
     ):
+        link = writer.link
         latencies: list[float] = []
         granted = 0
         started = time.monotonic()
@@ -130,11 +134,16 @@ def remote(rows: int, name: str, per_call: int) -> Run:
 
 # label -> (function of this file, its arguments after rows and name): the same names in
 # every checkout compared, so that a probe can run either
-PATHS: dict[str, tuple[str, tuple[int, ...]]] = {
+PATHS: dict[str, tuple[str, tuple[int | str, ...]]] = {
     "local (claim, write, publish)": ("local", ()),
-    "remote, 1 row per engine call": ("remote", (1,)),
-    "remote, 32 rows per engine call": ("remote", (32,)),
+    "remote, Mooncake, 1 row per engine call": ("remote", (1,)),
+    "remote, Mooncake, 32 rows per engine call": ("remote", (32,)),
+    "remote, NIXL, 1 row per engine call": ("remote", (1, "nixl")),
+    "remote, NIXL, 32 rows per engine call": ("remote", (32, "nixl")),
 }
+
+# what an older checkout can run too
+AB_PATHS = {label: path for label, path in PATHS.items() if "nixl" not in path[1]}
 
 # Runs in the checkout under test (its path first on sys.path); prints one JSON line.
 PROBE = """
@@ -165,7 +174,7 @@ def in_process(rows: int, prefix: str) -> dict[str, Run]:
 
 def probe(root: Path, rows: int, prefix: str) -> dict[str, Run]:
     """Every path once, in a fresh interpreter that imports the checkout at `root`."""
-    code = PROBE.format(root=str(root), paths=PATHS, rows=rows, prefix=prefix)
+    code = PROBE.format(root=str(root), paths=AB_PATHS, rows=rows, prefix=prefix)
     got = run_probe(root, code, 1200)
     return {label: Run(**run) for label, run in got.items()}
 
@@ -192,7 +201,7 @@ def _rate(got: list[Run]) -> str:
 def single_table(args: argparse.Namespace, runs: dict[str, list[Run]]) -> list[str]:
     lines = [
         f"EAGLE rows, {args.rows} per run, median of {args.repeat} runs (min-max), "
-        f"{os.cpu_count()} CPUs, TCP on 127.0.0.1",
+        f"{os.cpu_count()} CPUs, TCP on 127.0.0.1 (both engines)",
         "",
         "| path | rows/s | p50 write->taken µs | p99 write->taken µs |",
         "|---|---:|---:|---:|",
@@ -215,7 +224,7 @@ def ab_table(args: argparse.Namespace, runs: dict[str, dict[str, list[Run]]]) ->
         "| p99 µs base | p99 µs this |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label in PATHS:
+    for label in AB_PATHS:
         base, this = runs["base"][label], runs["this"][label]
         ratio = _cell(this, "rows_per_s") / _cell(base, "rows_per_s")
         lines.append(
@@ -240,7 +249,7 @@ def measure_here(args: argparse.Namespace, prefix: str) -> tuple[list[str], obje
 def measure_ab(args: argparse.Namespace, prefix: str) -> tuple[list[str], object]:
     """`repeat` rounds of every path in this checkout and the base, alternated."""
     sides = {"this": HERE, "base": args.base}
-    runs: dict[str, dict[str, list[Run]]] = {side: {p: [] for p in PATHS} for side in sides}
+    runs: dict[str, dict[str, list[Run]]] = {side: {p: [] for p in AB_PATHS} for side in sides}
     for r in range(args.repeat):
         order = list(sides.items())
         for side, root in order if r % 2 == 0 else order[::-1]:
