@@ -32,7 +32,8 @@ def main() -> int:
     ours, theirs = mp.Pipe()
     with (
         SlotTable.create(name, FIELDS, slots=4) as table,
-        RemoteServer(table, open_engine(kind)) as server,
+        open_engine(kind) as engine,
+        RemoteServer(table, engine) as server,
     ):
         prefill = mp.get_context("spawn").Process(target=writer, args=(kind, theirs))
         prefill.start()

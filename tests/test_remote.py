@@ -5,6 +5,8 @@ engine's tests are skipped, with the reason, only where it cannot be imported.""
 from __future__ import annotations
 
 import ctypes
+import gc
+import mmap
 import multiprocessing as mp
 import os
 import signal
@@ -12,8 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgpack
@@ -57,6 +61,7 @@ from shmslots.remote import (
     nixl,
     open_engine,
 )
+from shmslots.remote.engine import address_of
 from shmslots.remote.grant import COMMIT
 from shmslots.schema import RowSchema
 
@@ -584,6 +589,90 @@ def test_a_nixl_writer_must_load_the_owners_contact_first(name: str) -> None:
     finally:
         remote.close()
         owner.close()
+
+
+def test_a_bad_contact_is_refused(engines: tuple[Engine, Engine]) -> None:
+    for contact in (b"\xff\xfe", b"", b"no-port", b"host:99999", b"\x00" * 64):
+        with pytest.raises(EngineError):
+            engines[1].connect(contact)
+
+
+def test_notifies_under_other_names_are_dropped_and_counted(
+    name: str, engines: tuple[Engine, Engine]
+) -> None:
+    """Any peer can send the owner notifies: those under names the server does not listen
+    for (NIXL's without a name among them) are counted and dropped, not kept forever."""
+    with served(name, engines, slots=2) as (table, server, writer):
+        grant = server.grant(1)
+        for i in range(200):
+            writer.engine.write(grant.session, [], [], [], (f"junk-{i}", "x" * 100))
+        _poll_until(server, lambda s, got: s.stats.foreign == 200)
+        assert list(server.engine._inbox) == [COMMIT]  # nothing else is kept
+        writer.write([(grant, small_row(1))])
+        assert _poll_until(server, lambda s, got: got.published).published == [1]
+        table.take().release()  # type: ignore[union-attr]
+
+
+def test_a_nixl_write_that_fails_to_post_leaves_no_transfer_behind(name: str) -> None:
+    """A write to an owner that has gone fails; its transfer request is released all the
+    same, so the writer's agent goes when its engine closes (a request left behind holds
+    it, and its UCX worker, for as long as the error is kept)."""
+    if MISSING["nixl"]:
+        pytest.skip(MISSING["nixl"])
+    owner, remote = open_engine("nixl"), open_engine("nixl")
+    with SlotTable.create(name, SMALL, slots=2) as table:
+        server = RemoteServer(table, owner)
+        with RemoteWriter(remote, table.schema) as writer:
+            writer.connect(server.contact())
+            grant = server.grant(1)
+            server.close()  # closes the owner's NIXL engine
+            errors = []
+            for _ in range(3):
+                with pytest.raises(EngineError) as caught:
+                    writer.write([(grant, small_row(1))])
+                errors.append(caught.value)  # kept, with their tracebacks
+        agent = weakref.ref(remote._agent.agent)  # type: ignore[attr-defined]
+        remote.close()
+        gc.collect()
+        assert agent() is None and len(errors) == 3
+
+
+def _stalled_owner(contact_out: Connection, size: int) -> None:
+    """An owner whose memory a writer may target, stopped by the test (SIGSTOP)."""
+    buffer = mmap.mmap(-1, size)
+    with open_engine("nixl") as engine:
+        engine.register(address_of(buffer), size)
+        contact_out.send((engine.contact(), address_of(buffer)))
+        time.sleep(120)  # killed long before
+
+
+def test_a_nixl_write_to_a_stalled_owner_times_out_saying_it_may_still_land() -> None:
+    if MISSING["nixl"]:
+        pytest.skip(MISSING["nixl"])
+    with pytest.raises(InvalidArgument):
+        nixl.NixlEngine(transfer_timeout_s=0)
+    size = 128 << 20
+    ours, theirs = SPAWN.Pipe()
+    owner = SPAWN.Process(target=_stalled_owner, args=(theirs, size))
+    owner.start()
+    try:
+        assert ours.poll(60)
+        contact, target = ours.recv()
+        source = mmap.mmap(-1, size)
+        with nixl.NixlEngine(transfer_timeout_s=1.0) as writer:
+            writer.register(address_of(source), size)
+            session = writer.connect(contact)
+            assert owner.pid is not None
+            os.kill(owner.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(EngineError, match=r"timed out after 1\.0 s.*may still land"):
+                writer.write(session, [address_of(source)], [target], [size])
+            assert time.monotonic() - started < 10
+    finally:
+        if owner.pid is not None:
+            os.kill(owner.pid, signal.SIGCONT)
+        owner.kill()
+        owner.join(10)
 
 
 def test_an_unknown_engine_is_refused() -> None:

@@ -143,8 +143,8 @@ def _run(config: RemoteFlowConfig, name: str) -> RemoteFlowResult:
         consumer = SPAWN.Process(target=decode_worker, args=(name, 0, dconf, results, stop))
         try:
             consumer.start()
-            engine = open_engine(config.engine, config.owner_host)
             with (
+                open_engine(config.engine, config.owner_host) as engine,
                 RemoteServer(
                     table,
                     engine,

@@ -10,7 +10,6 @@ which rows, which slots and when a slot may be reused are never its business.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from ..errors import InvalidArgument, ShmSlotsError
@@ -45,7 +44,8 @@ class Engine(ABC):
     def __init__(self) -> None:
         self.session = ""  # set by the engine once it is up
         self.served_by: object | None = None  # the RemoteServer using it, if any
-        self._inbox: defaultdict[str, list[str]] = defaultdict(list)
+        self.dropped = 0  # notifies under a name nobody listens for: any peer can send them
+        self._inbox: dict[str, list[str]] = {}  # name listened for -> messages not yet read
 
     @abstractmethod
     def contact(self) -> bytes:
@@ -76,7 +76,8 @@ class Engine(ABC):
 
         Blocks until the transfer is done.  No buffers and a notify sends the message
         alone.  The engine does not confirm the notify's delivery: the peer's own
-        accounting is the truth.
+        accounting is the truth.  A write that fails (EngineError), timed out included,
+        may still land whole later: an engine cannot recall bytes it handed to the network.
         """
         if not len(sources) == len(targets) == len(lengths):
             raise InvalidArgument("sources, targets and lengths must be as many")
@@ -86,14 +87,33 @@ class Engine(ABC):
             raise InvalidArgument("a notify's name cannot hold a NUL")
         self._transfer(session, list(sources), list(targets), list(lengths), notify)
 
+    def listen(self, name: str) -> None:
+        """Keep the messages that arrive under `name` from now on, for `notifies(name)`;
+        those under names nobody listens for are dropped and counted (`dropped`)."""
+        self._inbox.setdefault(name, [])
+
     def notifies(self, name: str) -> list[str]:
-        """Messages received under `name` since the last call; others wait for their reader."""
+        """Messages received under `name` (listened for) since the last call."""
         for got, message in self._received():
-            self._inbox[got].append(message)
-        return self._inbox.pop(name, [])
+            kept = self._inbox.get(got)
+            if kept is None:
+                self.dropped += 1
+            else:
+                kept.append(message)
+        messages = self._inbox.get(name, [])
+        if name in self._inbox:
+            self._inbox[name] = []
+        return messages
 
     def close(self) -> None:  # noqa: B027 - an engine with nothing to stop keeps this one
-        """Stop the engine; a peer's later write fails at the peer.  Idempotent."""
+        """Stop the engine where it can be stopped (then a peer's later write fails at the
+        peer; Mooncake's cannot: it stops when collected).  Idempotent."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @abstractmethod
     def _transfer(

@@ -35,7 +35,7 @@ class Grant:
     must name it, so a stray or guessed commit cannot use up a grant it did not write.
     """
 
-    session: str  # the owner's engine, "host:port"
+    session: str  # the owner's engine (Mooncake: "host:port"; NIXL: its agent's name)
     ptrs: tuple[int, ...]
     item_lens: tuple[int, ...]
     lengths: tuple[int, ...]

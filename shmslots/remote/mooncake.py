@@ -49,7 +49,16 @@ class MooncakeEngine(Engine):
         return self.session.encode()
 
     def connect(self, contact: bytes) -> str:
-        return contact.decode()  # the handshake happens on the first write
+        """The handshake happens on the first write; here the contact is only checked."""
+        try:
+            session = contact.decode("ascii")
+            host, _, port = session.rpartition(":")
+            valid = bool(host) and port.isdigit() and 0 < int(port) < 65536
+        except (UnicodeDecodeError, AttributeError):
+            valid = False
+        if not valid:
+            raise EngineError(f"not a Mooncake contact (host:port): {contact[:64]!r}")
+        return session
 
     def register(self, address: int, length: int) -> None:
         if self._engine.register_memory(address, length) != 0:

@@ -8,6 +8,7 @@ travels as `name NUL message`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -16,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from .engine import Engine, EngineError, RemoteUnavailable
 
-TRANSFER_TIMEOUT_S = 60.0  # as Mooncake's: a peer silent this long has failed the write
 SPIN_POLLS = 2000  # about a millisecond of polls before a write waits in naps
 
 
@@ -70,8 +71,14 @@ class NixlEngine(Engine):
     kind = "nixl"
     refuses_unregistered = False
 
-    def __init__(self) -> None:
+    def __init__(self, transfer_timeout_s: float = 5.0) -> None:
+        """`transfer_timeout_s`: how long a write waits for its transfer before it fails.
+        The bytes may still land after that, so a RemoteServer's late-write window must
+        exceed it on every writer's engine (the default window is 10 s)."""
         super().__init__()
+        if not 0 < transfer_timeout_s < float("inf"):
+            raise InvalidArgument(f"transfer timeout must be > 0 s, got {transfer_timeout_s!r}")
+        self.transfer_timeout_s = float(transfer_timeout_s)
         api, self._errors = load()
         self.session = f"shmslots-{os.getpid()}-{secrets.token_hex(4)}"  # the agent's name
         try:
@@ -113,7 +120,9 @@ class NixlEngine(Engine):
         agent, self._agent = self._agent, None
         if agent is not None:
             for descs in self._registered.values():
-                agent.deregister_memory(descs)
+                # a refusal changes nothing: the agent goes now, its registrations with it
+                with contextlib.suppress(*self._errors):
+                    agent.deregister_memory(descs)
             self._registered.clear()
             del agent  # the last reference: the agent and its UCX worker go now
 
@@ -137,29 +146,34 @@ class NixlEngine(Engine):
         remote = np.array([(t, n, 0) for _, t, n in entries], dtype=np.uint64)
         failed = f"transfer of {len(entries)} buffer(s) to {session} failed"
 
-        def post(agent: Any) -> tuple[Any, str]:
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "DRAM"),
-                session,
-                message,
+        # The transfer request holds the agent: it lives in `request` only, emptied when
+        # released, so that no frame an error keeps holds the agent past close().
+        request = [
+            self._call(
+                lambda agent: agent.initialize_xfer(
+                    "WRITE",
+                    agent.get_xfer_descs(local, "DRAM"),
+                    agent.get_xfer_descs(remote, "DRAM"),
+                    session,
+                    message,
+                ),
+                failed,
             )
-            return handle, agent.transfer(handle)
-
-        handle, state = self._call(post, failed)
-        try:
-            deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        ]
+        try:  # released on every way out, a failed post included
+            state = self._call(lambda agent: agent.transfer(request[0]), failed)
+            deadline = time.monotonic() + self.transfer_timeout_s
             polls = 0
             while state == "PROC" and time.monotonic() < deadline:
                 # the agent's progress thread moves it: yield at first, then nap
                 time.sleep(0 if polls < SPIN_POLLS else 1e-4)
                 polls += 1
-                state = self._call(lambda agent: agent.check_xfer_state(handle), failed)
+                state = self._call(lambda agent: agent.check_xfer_state(request[0]), failed)
         finally:
-            self._call(lambda agent: agent.release_xfer_handle(handle), failed)
+            self._call(lambda agent: agent.release_xfer_handle(request.pop()), failed)
         if state != "DONE":
-            raise EngineError(f"{failed} ({'timed out' if state == 'PROC' else state})")
+            why = f"timed out after {self.transfer_timeout_s} s" if state == "PROC" else state
+            raise EngineError(f"{failed} ({why}; its bytes may still land)")
 
     def _received(self) -> Iterable[tuple[str, str]]:
         notes: dict[str, list[bytes]] = self._call(lambda agent: agent.get_new_notifs())
@@ -175,4 +189,7 @@ class NixlEngine(Engine):
         try:
             return step(self._agent)
         except self._errors as exc:
-            raise EngineError(f"{failed}: {type(exc).__name__} {exc}") from None
+            error = EngineError(f"{failed}: {type(exc).__name__} {exc}")
+        # raised out here, with no context: NIXL's error's frames hold the agent, and an
+        # error the caller keeps must not keep the agent alive past close()
+        raise error

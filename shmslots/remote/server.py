@@ -15,8 +15,11 @@ in the next request's row, perhaps while a reader holds it: nothing could tell t
 (the engine writes bytes, not generations).  So the slot stays RESERVED in a `Quarantine`
 for `late_write_window_s` before it is freed, and a commit naming no pending grant is
 discarded.  The window is the promise the guarantee rests on: no write for a grant arrives
-more than `late_write_window_s` after the grant ended.  (The landing cells this replaces
-caught late writes by generation, at the price of a copy per row and a second area.)
+more than `late_write_window_s` after the grant ended.  A writer's engine gives up on a
+stalled write after its transfer timeout, but the bytes may still land after that, so the
+window must exceed it (NIXL's `transfer_timeout_s`, 5 s by default; Mooncake's, about a
+minute, is not settable here).  (The landing cells this replaces caught late writes by
+generation, at the price of a copy per row and a second area.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class RemoteStats:
     late: int = 0  # well-formed commits naming no pending grant: discarded
     rejected: int = 0  # commits whose row did not hash to the writer's checksum: not delivered
     malformed: int = 0  # commit entries that are not "slot:generation:nonce:checksum"
+    foreign: int = 0  # notifies under another name than the commits': dropped
     quarantined: int = 0  # slots of aborted, expired or rejected grants held back for late writes
 
 
@@ -103,6 +107,8 @@ class RemoteServer:
         self._base = ptrs[0]
         engine.register(self._base, ptrs[-1] + data_lens[-1] - self._base)
         engine.served_by = self
+        engine.listen(COMMIT)
+        self._dropped_before = engine.dropped
         # An export of the table's mapping while the engine may write into it: a table
         # closed first keeps its mapping until this is released (segment.close() says so).
         self._mapping = memoryview(table._segment.mm)
@@ -176,6 +182,7 @@ class RemoteServer:
         try:
             for message in self.engine.notifies(COMMIT):
                 self._inbox.extend(message.split(";"))
+            self.stats.foreign = self.engine.dropped - self._dropped_before
             while self._inbox:
                 self._settle(self._inbox.popleft())
         finally:
