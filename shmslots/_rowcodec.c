@@ -47,7 +47,7 @@ enum scalar {
  * own methods: a method set on the instance (a tensor has a __dict__) must not vouch for it.
  */
 
-/* Reason codes, mirrored in rows.py.  0: plain.  Positive: acceptable once torch has made a
+/* Reason codes, exported as REASONS (add_enums).  0: plain.  Positive: acceptable once torch has made a
  * plain copy; the bits say why not plain.  Negative: refused. */
 enum {
     T_PLAIN = 0,
@@ -1191,6 +1191,34 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The two enums, exported so that rows.py names them from here instead of copying them:
+ * REASONS (reason codes of Rules.check), SCALARS (how a field of one element is written or
+ * read, by dtype name; "handle" for a handle field) and NUMBER_WRITES (the dtypes a field of
+ * shape () is written from a Python number in; the rest are read only). */
+static int
+add_enums(PyObject *m)
+{
+    PyObject *reasons = Py_BuildValue(
+        "{si,si,si,si,si,si,si,si,si,si,si,si,si}", "PLAIN", T_PLAIN, "STRIDED", T_STRIDED,
+        "NEGATED", T_NEGATED, "ON_GPU", T_ON_GPU, "SUBCLASS", T_SUBCLASS, "NOT_TENSOR",
+        T_NOT_TENSOR, "DTYPE", T_DTYPE, "SHAPE", T_SHAPE, "DEVICE", T_DEVICE, "NO_STORAGE",
+        T_NO_STORAGE, "SHORT_STORAGE", T_SHORT_STORAGE, "TOO_BIG", T_TOO_BIG, "ERROR", T_ERROR);
+    PyObject *scalars = Py_BuildValue(
+        "{si,si,si,si,si,si,si,si,si,si,si}", "int64", S_INT64, "int32", S_INT32, "uint8",
+        S_UINT8, "float32", S_FLOAT32, "handle", HANDLE, "float16", S_FLOAT16, "bfloat16",
+        S_BFLOAT16, "uint64", S_UINT64, "int16", S_INT16, "int8", S_INT8, "bool", S_BOOL);
+    PyObject *writes = Py_BuildValue("(ssss)", "int64", "int32", "uint8", "float32");
+    int rc = -1;
+    if (reasons && scalars && writes && PyModule_AddObjectRef(m, "REASONS", reasons) == 0 &&
+        PyModule_AddObjectRef(m, "SCALARS", scalars) == 0 &&
+        PyModule_AddObjectRef(m, "NUMBER_WRITES", writes) == 0)
+        rc = 0;
+    Py_XDECREF(reasons);
+    Py_XDECREF(scalars);
+    Py_XDECREF(writes);
+    return rc;
+}
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "shmslots._rowcodec", "Compiled plain-case row writes and checksums.",
     -1, module_methods,
@@ -1214,7 +1242,7 @@ PyInit__rowcodec(void)
     if (!m)
         return NULL;
     if (PyModule_AddObjectRef(m, "RowCodec", (PyObject *)&RowCodecType) < 0 ||
-        PyModule_AddObjectRef(m, "Rules", (PyObject *)&RulesType) < 0) {
+        PyModule_AddObjectRef(m, "Rules", (PyObject *)&RulesType) < 0 || add_enums(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

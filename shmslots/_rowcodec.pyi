@@ -4,6 +4,10 @@ from typing import Any
 import torch
 from typing_extensions import Buffer
 
+REASONS: dict[str, int]
+SCALARS: dict[str, int]
+NUMBER_WRITES: tuple[str, ...]
+
 def row_hash(items: Sequence[Buffer], /) -> int: ...
 
 class Rules:

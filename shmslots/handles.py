@@ -159,7 +159,7 @@ class HandleStore:
             return 0
         keep = []
         for pin in self._pins:
-            if self._own.word(pin.slot) >> 32 == pin.generation:
+            if self._own.generation(pin.slot) == pin.generation:
                 keep.append(pin)
             else:
                 self._let_go(pin)
@@ -171,13 +171,8 @@ class HandleStore:
         """collect_own, plus arena pages orphaned by any process (a dead producer's)."""
         dropped = self.collect_own()
         if self._arena is not None:
-            dropped += self._arena.collect(self._generation_of)
+            dropped += self._arena.collect(self._own.generation)
         return dropped
-
-    def _generation_of(self, slot: int) -> int:
-        if not 0 <= slot < self._own.layout.slots:
-            return -1  # a tag naming no slot: garbage, free it
-        return self._own.word(slot) >> 32
 
     def pinned(self) -> tuple[int, int]:
         """(handles, bytes) this process keeps alive."""

@@ -37,14 +37,16 @@ from ._atomic import AtomicView
 from ._hotpath import HotPath
 from .errors import CorruptTable, OwnershipError
 from .states import (
-    GEN_MASK,
-    KNOWN_STATES,
     OWNER_CHECKED,
     TRANSITIONS,
     Event,
     State,
     generation_of,
+    known,
     owner_of,
+    pack,
+    state_name,
+    state_of,
 )
 
 _M64 = (1 << 64) - 1
@@ -146,6 +148,13 @@ class Ownership:
     def word(self, slot: int) -> int:
         return self.a.load(self._entries + slot * L.SLOT_ENTRY)
 
+    def generation(self, slot: int) -> int:
+        """Slot `slot`'s generation now, or -1 for a number that names no slot (an arena
+        page's tag read from the segment, say)."""
+        if not 0 <= slot < self._nslots:
+            return -1
+        return generation_of(self.word(slot))
+
     def count(self, name: str, n: int = 1) -> None:
         self.a.add(self._counters + L.COUNTER_OFFSET[name], n)
 
@@ -176,20 +185,18 @@ class Ownership:
         """Slots per state; words of no known state (corruption) count as INVALID."""
         counts = {s.name: 0 for s in State}
         for slot in range(self._nslots):
-            state = self.word(slot) & 0xFFFF
-            name = State(state).name if state in KNOWN_STATES else "INVALID"
+            word = self.word(slot)
+            name = state_of(word).name if known(word) else "INVALID"
             counts[name] = counts.get(name, 0) + 1
         return counts
 
     def owns(self, slot: int, generation: int, state: int) -> bool:
         """Whether this participant holds the slot in `state` at `generation`."""
-        return self.word(slot) == (generation & GEN_MASK) << 32 | self.me << 16 | state
+        return self.word(slot) == pack(generation, self.me, state)
 
 
 def describe_word(word: int) -> str:
     """A state word for an error message; words are untrusted, so no ValueError here."""
     owner = owner_of(word)
     who = f" owned by participant {owner - 1}" if owner else ""
-    state = word & 0xFFFF
-    name = State(state).name if state in KNOWN_STATES else f"INVALID({state:#x})"
-    return f"{name} generation {generation_of(word)}{who}"
+    return f"{state_name(word)} generation {generation_of(word)}{who}"

@@ -59,16 +59,11 @@ class Reaper:
         self._registry.touch(self.participant)
         done = reap(self._own, self._registry, self.participant, self._drop_held)
         if done and self._arena is not None:
-            done["arena_pages_freed"] = self._arena.collect(self._generation_of)
+            done["arena_pages_freed"] = self._arena.collect(self._own.generation)
         return done
 
     def counters(self) -> dict[str, int]:
         return {name: self._own.counter(name) for name in L.COUNTERS}
-
-    def _generation_of(self, slot: int) -> int:
-        if not 0 <= slot < self._layout.slots:
-            return -1  # a page tag naming no slot: garbage, free it
-        return self._own.word(slot) >> 32
 
     def close(self) -> None:
         """Detach once (a second call does nothing), as SlotTable.close does."""

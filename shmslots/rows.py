@@ -20,7 +20,7 @@ import torch
 
 from ._atomic import AtomicView
 from ._leases import WatchedTensors
-from ._rowcodec import RowCodec, Rules, row_hash
+from ._rowcodec import NUMBER_WRITES, REASONS, SCALARS, RowCodec, Rules, row_hash
 from .errors import SchemaError
 from .layout import SEAL, SEAL_ENTRY
 from .schema import DTYPE_CODES, Field, RowSchema
@@ -36,11 +36,14 @@ RULES = Rules(
     torch.empty,
     torch.device("cpu"),
 )
-# Reason codes of RULES.check (the enum in _rowcodec.c).  0: the bytes may be copied as they
-# are.  Positive, bits: acceptable once torch has made a plain copy.  Negative: refused.
-PLAIN = 0
-_STRIDED, _ON_GPU = 1, 4  # 2: lazily negated, 8: a subclass of torch.Tensor
-_NOT_TENSOR, _DTYPE, _SHAPE, _DEVICE, _NO_STORAGE, _SHORT_STORAGE, _TOO_BIG = range(-1, -8, -1)
+# Reason codes of RULES.check, as _rowcodec.c exports them.  0: the bytes may be copied as
+# they are.  Positive, bits: acceptable once torch has made a plain copy (also NEGATED,
+# SUBCLASS).  Negative: refused.
+PLAIN = REASONS["PLAIN"]
+_STRIDED, _ON_GPU = REASONS["STRIDED"], REASONS["ON_GPU"]
+_NOT_TENSOR, _DTYPE, _SHAPE = REASONS["NOT_TENSOR"], REASONS["DTYPE"], REASONS["SHAPE"]
+_DEVICE, _NO_STORAGE = REASONS["DEVICE"], REASONS["NO_STORAGE"]
+_SHORT_STORAGE, _TOO_BIG = REASONS["SHORT_STORAGE"], REASONS["TOO_BIG"]
 # struct codes for scalar fast paths; bfloat16's code is raw bits, so it goes through torch.
 _SCALAR_CODES = {name: "<" + c for name, c in DTYPE_CODES.items() if name != "bfloat16"}
 _INT_DTYPES = frozenset(name for name in DTYPE_CODES if name.startswith(("int", "uint")))
@@ -251,11 +254,11 @@ class Rows:
         return leaked
 
 
-_CODEC_SCALARS = {"int64": 1, "int32": 2, "uint8": 3, "float32": 4}  # enum scalar in the C file
-_CODEC_HANDLE = 5
-# read as a number only
-_CODEC_ITEMS = {**_CODEC_SCALARS, "float16": 6, "bfloat16": 7, "uint64": 8, "int16": 9,
-                "int8": 10, "bool": 11}  # fmt: skip
+# how RowCodec reads a field of one element as a number, and writes one of shape () from
+# one (the rest it reads only), as _rowcodec.c exports them
+_CODEC_ITEMS = {name: kind for name, kind in SCALARS.items() if name != "handle"}
+_CODEC_SCALARS = {name: _CODEC_ITEMS[name] for name in NUMBER_WRITES}
+_CODEC_HANDLE = SCALARS["handle"]
 
 
 def _codec_specs(

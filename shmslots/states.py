@@ -84,12 +84,22 @@ _GEN_SHIFT = 32
 GEN_MASK = 0xFFFF_FFFF
 
 
-def pack(generation: int, owner: int, state: State) -> int:
+def pack(generation: int, owner: int, state: int) -> int:
     return ((generation & GEN_MASK) << _GEN_SHIFT) | (owner << _OWNER_SHIFT) | state
 
 
 def state_of(word: int) -> State:
     return State(word & _STATE_MASK)
+
+
+def known(word: int) -> bool:
+    """Whether `word`'s state bits name a state (a corrupt word's may not)."""
+    return word & _STATE_MASK in KNOWN_STATES
+
+
+def state_name(word: int) -> str:
+    """The name of `word`'s state, or INVALID(bits) for a corrupt word; never raises."""
+    return State(word & _STATE_MASK).name if known(word) else f"INVALID({word & _STATE_MASK:#x})"
 
 
 def in_state(word: int, state: State) -> bool:

@@ -46,11 +46,11 @@ from .schema import Field, RowSchema
 from .segment import Segment
 from .states import (
     GEN_MASK,
-    KNOWN_STATES,
     Event,
     State,
     generation_of,
     in_state,
+    known,
     owner_of,
     state_of,
 )
@@ -741,7 +741,7 @@ class SlotTable:
         self._registry.touch(self.participant)
         done = reap(self._own, self._registry, self.participant, self.drop_on_consumer_death)
         if done and self._arena is not None:
-            done["arena_pages_freed"] = self._arena.collect(self._handles._generation_of)
+            done["arena_pages_freed"] = self._arena.collect(self._own.generation)
         return dict(done)
 
     def collect(self) -> int:
@@ -802,7 +802,7 @@ class SlotTable:
             entry = self._own.entry(slot)
             word = self._atomics.load(entry)
             age = now - self._atomics.load(entry + L.SLOT_STAMP)
-            if word & 0xFFFF in KNOWN_STATES and state_of(word) != State.FREE and age > limit:
+            if known(word) and state_of(word) != State.FREE and age > limit:
                 tag = self._atomics.load(entry + L.SLOT_TAG)
                 late.append(SlotAge(slot, state_of(word), owner_of(word) - 1, tag, age / 1e9))
         return late
@@ -816,7 +816,7 @@ class SlotTable:
             entry = self._own.entry(slot)
             word = self._atomics.load(entry)
             site = site_of(self._mv, self.layout, slot, word)
-            if site is not None and word & 0xFFFF in KNOWN_STATES:
+            if site is not None and known(word):
                 age = max(0, now - self._atomics.load(entry + L.SLOT_STAMP)) / 1e9
                 owned.append((slot, state_of(word).name, owner_of(word) - 1, site, age))
         return holdings(owned)
@@ -831,7 +831,7 @@ class SlotTable:
         problems = []
         for slot in range(self.slots):
             word = self._own.word(slot)
-            if word & 0xFFFF not in KNOWN_STATES:
+            if not known(word):
                 problems.append(f"slot {slot}: state word {word:#x} holds no known state")
                 continue
             owned = state_of(word) != State.FREE
@@ -849,7 +849,7 @@ class SlotTable:
         self.layout.check_slot(slot)
         word = self._own.word(slot)
         tag = self._atomics.load(self._own.entry(slot) + L.SLOT_TAG)
-        if word & 0xFFFF not in KNOWN_STATES:
+        if not known(word):
             raise CorruptTable(f"slot {slot} has state word {word:#x}: no state this version knows")
         return state_of(word), generation_of(word), owner_of(word) - 1, tag
 

@@ -26,7 +26,7 @@ from types import CodeType
 
 from . import layout as L
 from ._atomic import AtomicView
-from .states import GEN_MASK
+from .states import owner_of, pack
 
 TRACE_ENV = "SHMSLOTS_TRACE"
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -107,13 +107,12 @@ class SiteWriter:
         if site is None:
             site = self._intern(code, line)
         now = time.monotonic_ns()
-        owner = self._owner << 16 | state
         for slot, generation in handles:
             at = self._records + slot * L.SLOT_ENTRY
             # The old record's word names an ownership that has ended, so no reader pairs
             # it with the current word; the new word goes in last.
             _SITE_NS.pack_into(self._mv, at, site, now)
-            self._a.store(at - 8, (generation & GEN_MASK) << 32 | owner)
+            self._a.store(at - 8, pack(generation, self._owner, state))
 
 
 def read_site(
@@ -136,11 +135,11 @@ def site_of(
 ) -> CallSite | None:
     """The call site of `slot`'s owner, if the slot's record is for state word `word`
     (read just before) and was read whole; None if untraced, ownerless or unrecorded."""
-    if not lay.trace_sites or not word & 0xFFFF_0000:
+    if not lay.trace_sites or not owner_of(word):
         return None
     at = lay.slot_entry(slot) + L.SLOT_SITE_WORD
     recorded, site, _ = record = _RECORD.unpack_from(mm, at)
-    owner = (word >> 16 & 0xFFFF) - 1
+    owner = owner_of(word) - 1
     if recorded != word or _RECORD.unpack_from(mm, at) != record or owner >= lay.registry_capacity:
         return None
     return read_site(mm, lay, owner, site)
