@@ -21,7 +21,7 @@ recovery finishes:
 * A delivery is counted in the step that makes it, so a row delivered again
   after its reader died always reports `deliveries > 0`.
 * Reapers act for a dead owner only under its registry entry's lock
-  (recovery.py), so they are serialized; one killed halfway leaves a slot
+  (membership.py), so they are serialized; one killed halfway leaves a slot
   RECLAIMING under its own id, finished by whoever reaps it in turn.
 """
 

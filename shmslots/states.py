@@ -74,7 +74,7 @@ KNOWN_STATES = frozenset(int(s) for s in State)
 _ACQUIRING = frozenset({Event.CLAIM, Event.TAKE, Event.CANCEL})
 # Events by which one participant acts on a slot another one owns: a producer opening a
 # reservation, or a reaper acting for a dead owner (reapers of one owner are serialized by
-# its registry lock, recovery.py).  A table closing applies them to its own slots too.
+# its registry lock, membership.py).  A table closing applies them to its own slots too.
 _TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER})
 
 _STATE_MASK = 0xFFFF

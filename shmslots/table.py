@@ -22,7 +22,6 @@ from . import layout as L
 from . import orphans
 from ._atomic import AtomicView
 from ._leases import HandleBase
-from .arena import Arena
 from .errors import (
     CorruptTable,
     InvalidArgument,
@@ -38,9 +37,9 @@ from .errors import (
 )
 from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core
-from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, Ownership, describe_word, hot_path
-from .participants import Participant, Registry, hold_gate, release_gate
-from .recovery import reap
+from .membership import Membership
+from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, describe_word, hot_path
+from .participants import Participant, hold_gate, release_gate
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
@@ -188,16 +187,22 @@ class SlotTable:
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
         self._forked = False
-        # Liveness locks live on an open file description of their own, not the one
-        # the mapping holds: a forked child can then drop its copy (see _disown).
-        self._lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
         self._closed = False
         self._waiters = 0  # this object's threads inside _wait (close wakes them first)
+        member = None
         try:
-            self._registry = Registry(self._atomics, self._mv, self.layout, self._lock_fd)
-            index, died_here = self._registry.register(role, name)
-            self.participant = index
-            self._own = Ownership(self._atomics, segment.mm, self.layout, index + 1)
+            member = self._member = Membership(
+                segment,
+                self._atomics,
+                self._mv,
+                self.layout,
+                role,
+                name,
+                self.drop_on_consumer_death,
+            )
+            self.participant = index = member.participant
+            self._own = member.own
+            self._arena = member.arena
             self._sites = (
                 SiteWriter(self._atomics, self._mv, self.layout, index)
                 if self.layout.trace_sites
@@ -217,16 +222,12 @@ class SlotTable:
                 not self.drop_on_consumer_death,
                 STRANDED_CHECK_S,
             )
-            arena = Arena(self._atomics, self.layout) if self.layout.arena_pages else None
-            self._arena = arena
-            self._handles = HandleStore(self._own, arena, segment.mm, segment.name)
-            if died_here:  # the entry we took was a dead participant's: settle its slots first
-                self._own.reclaim_own(self.drop_on_consumer_death)
-                self._own.count("participants_reaped")
+            self._handles = HandleStore(self._own, member.arena, segment.mm, segment.name)
             self.reap()
         except BaseException:
             self._closed = True
-            os.close(self._lock_fd)  # drops our lock: a half-made entry reads as dead
+            if member is not None:
+                member.drop_lock()  # a half-made entry reads as dead
             raise
         _LIVE_TABLES.add(self)
 
@@ -738,11 +739,7 @@ class SlotTable:
     def reap(self) -> dict[str, int]:
         """Reclaim slots of dead participants now; returns what was done, by reason."""
         self._check_open()
-        self._registry.touch(self.participant)
-        done = reap(self._own, self._registry, self.participant, self.drop_on_consumer_death)
-        if done and self._arena is not None:
-            done["arena_pages_freed"] = self._arena.collect(self._own.generation)
-        return dict(done)
+        return dict(self._member.reap())
 
     def collect(self) -> int:
         """Let go of handle tensors and arena pages whose slot has moved on; returns how many."""
@@ -753,7 +750,7 @@ class SlotTable:
         """The other participants attached now and alive (by their kernel-held locks)."""
         self._check_open()
         me = self.participant
-        return [p for p in self._registry.participants(me) if p.alive and p.index != me]
+        return [p for p in self._member.registry.participants(me) if p.alive and p.index != me]
 
     def creator_attached(self) -> bool:
         """Whether the process that created the table is still attached and alive: a
@@ -783,7 +780,7 @@ class SlotTable:
             states=self._own.occupancy(),
             counters={name: self._own.counter(name) for name in L.COUNTERS},
             queued=self._own.queued(),
-            participants=len(self._registry.participants(self.participant)),
+            participants=len(self._member.registry.participants(self.participant)),
             overdue=len(self.overdue()),
             arena_bytes_used=pages * self.layout.arena_page_size,
             arena_blocks=blocks,
@@ -823,7 +820,7 @@ class SlotTable:
 
     def participants(self) -> list[Participant]:
         self._check_open()
-        return self._registry.participants(self.participant)
+        return self._member.registry.participants(self.participant)
 
     def check_consistency(self) -> list[str]:
         """Problems between bitmap and state words (meaningful when the table is quiet)."""
@@ -858,13 +855,10 @@ class SlotTable:
         """Detach.  Slots still owned here are handed back as if this process had died."""
         if self._closed:
             return
-        # Slots handed back, entry freed, lock dropped: one compiled step that a retried
-        # close() (after an interrupt) does not repeat, so it never frees a reused entry;
-        # after it, the compiled steps refuse to act in this participant's name.
-        self._own.hot.leave(self._lock_fd, self.drop_on_consumer_death)
+        self._member.leave()  # one compiled step, not repeated by a retried close()
         self._closed = self._core.closed = True
         self._wake_waiters()
-        os.close(self._lock_fd)
+        self._member.drop_lock()
         leaked = self._rows.close()
         self._handles.drop_mapping()
         self._mv.release()
@@ -974,7 +968,7 @@ class SlotTable:
         closed keeps the child from acting, or closing, in the parent's name.
         """
         if not self._closed:
-            os.close(self._lock_fd)
+            self._member.drop_lock()
             self._closed = self._forked = self._core.closed = True
 
     def __repr__(self) -> str:

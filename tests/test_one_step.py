@@ -218,7 +218,7 @@ def test_a_close_retried_after_an_interrupt_leaves_a_newcomer_alone(name: str) -
     entry may have been taken by a new participant meanwhile, whose slots must stay its own."""
     with SlotTable.create(name, SMALL, slots=2) as owner:
         first = SlotTable.attach(name, "first")
-        first._own.hot.leave(first._lock_fd, False)  # what close() did before the interrupt
+        first._member.leave()  # what close() did before the interrupt
         with pytest.raises(ValueError, match="left the table"):
             first._own.hot.acquire(0, 1)  # nothing is taken in the old owner id's name
         newcomer = SlotTable.attach(name, "newcomer")  # takes the freed entry, same owner id

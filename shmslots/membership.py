@@ -1,0 +1,87 @@
+"""Joining a table, reaping the dead and leaving: the one way a process takes part in a
+table, for SlotTable and for `shmslots reap` alike (no torch here, so a repair from the
+command line starts at once).
+
+A participant is dead when its registry entry is ACTIVE but nobody holds the entry's byte
+lock (participants.py).  Reaping one is a single compiled step (`HotPath.reap_entry`): take
+that lock, so only one process reaps a given entry and no newcomer can reuse it meanwhile;
+reclaim the entry's slots; mark it free; drop the lock.  No interrupt can leave the lock
+held by a live reaper (which would make the dead participant look alive), and a reaper that
+is killed drops it with its death, for the next one to redo the idempotent work.
+Afterwards any READY slot that no queue entry names (its publisher, or a reaper, died
+between turning it READY and queueing it) is queued.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from . import layout as L
+from ._atomic import AtomicView
+from .arena import Arena
+from .ownership import RECLAIMED, Ownership
+from .participants import Registry
+from .segment import Segment
+
+
+class Membership:
+    """This process's participant in one table: its liveness lock, its registry entry, the
+    slots it owns, and the arena's pages, which follow the slots."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        atomics: AtomicView,
+        mv: memoryview,
+        layout: L.Layout,
+        role: str,
+        name: str,
+        drop_held: bool,
+    ) -> None:
+        self.drop_held = drop_held  # a dead consumer's leases: dropped, or redelivered
+        # The liveness lock lives on an open file description of its own, not the one the
+        # mapping holds: a forked child can then drop its copy (SlotTable._disown).
+        self.lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.registry = Registry(atomics, mv, layout, self.lock_fd)
+            self.participant, died_here = self.registry.register(role, name)
+            self.own = Ownership(atomics, segment.mm, layout, self.participant + 1)
+            self.arena = Arena(atomics, layout) if layout.arena_pages else None
+            if died_here:  # the entry we took was a dead participant's: settle its slots first
+                self.own.reclaim_own(drop_held)
+                self.own.count("participants_reaped")
+        except BaseException:
+            self.drop_lock()  # a half-made entry reads as dead
+            raise
+
+    def reap(self) -> Counter[str]:
+        """Reclaim the slots of every dead participant and free its entry; what was done,
+        by reason."""
+        self.registry.touch(self.participant)
+        done: Counter[str] = Counter()
+        for index in self.registry.dead_entries(self.participant):
+            counts = self.own.hot.reap_entry(self.registry.fd, index, self.drop_held)
+            if counts is not None:  # None: alive after all, or another reaper is on it
+                done.update(dict(zip(RECLAIMED, counts, strict=True)))
+                done["participants_reaped"] += 1
+        if done:
+            requeued = self.own.hot.requeue_stranded(0)
+            if requeued:
+                done["requeued"] = requeued
+        done = +done
+        if done and self.arena is not None:
+            done["arena_pages_freed"] = self.arena.collect(self.own.generation)
+        return done
+
+    def leave(self) -> bool:
+        """Hand back the slots still owned here, free the entry, drop the lock: one compiled
+        step, which a retry (after an interrupt) does not repeat, so it never frees an entry
+        a newcomer has taken meanwhile; after it, the compiled steps refuse to act in this
+        participant's name.  Whether it left now."""
+        return self.own.hot.leave(self.lock_fd, self.drop_held) is not None
+
+    def drop_lock(self) -> None:
+        """Close the lock's descriptor: after `leave`, or in a forked child (whose copy it is),
+        or when joining failed."""
+        os.close(self.lock_fd)
