@@ -3,7 +3,7 @@
  * A call here runs with the GIL held and calls no Python code, so a signal,
  * KeyboardInterrupt or exception can land only before or after it, never
  * between its steps; only SIGKILL can, and every such window leaves a state
- * the protocol recovers from (ownership.py says which).  The steps:
+ * the protocol recovers from (docs/protocol.md says which).  The steps:
  *
  *   acquire        FREE -> WRITING (claim), or -> WRITING -> RESERVED (reserve) once
  *                  the slot is set up, so nobody can open a half-made reservation
@@ -29,17 +29,8 @@
  * its own).  tests/test_hotpath.py holds the compiled transitions against
  * states.next_word for every state, event and actor.
  *
- * Ready ring (a bounded queue of published slots, crash-safe): cells are
- * 64-bit, tagged with the position they hold,
- *     bits 63..21 position (mod 2**43) | bit 20 full | bits 19..0 slot,
- * `empty(p)` may receive position p, `full(p, s)` holds slot s queued at p.
- * Each step is one CAS on a cell or on head/tail, and whoever finds head or
- * tail lagging behind a cell moves it on, so a process killed between two
- * steps blocks no one.  The slot's own state word decides delivery: an entry
- * whose slot is not READY with that queue position is stale, dropped.
- *
- * Memory ordering: CAS and read-modify-write are SEQ_CST, loads SEQ_CST,
- * stores RELEASE (as in _atomic.c).
+ * The ready ring's cell format (POS_BITS, FULL, SLOT_MASK below), its steps and the
+ * memory ordering are stated in docs/protocol.md (The ready ring, Memory ordering).
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN

@@ -2,14 +2,9 @@
 table, for SlotTable and for `shmslots reap` alike (no torch here, so a repair from the
 command line starts at once).
 
-A participant is dead when its registry entry is ACTIVE but nobody holds the entry's byte
-lock (participants.py).  Reaping one is a single compiled step (`HotPath.reap_entry`): take
-that lock, so only one process reaps a given entry and no newcomer can reuse it meanwhile;
-reclaim the entry's slots; mark it free; drop the lock.  No interrupt can leave the lock
-held by a live reaper (which would make the dead participant look alive), and a reaper that
-is killed drops it with its death, for the next one to redo the idempotent work.
-Afterwards any READY slot that no queue entry names (its publisher, or a reaper, died
-between turning it READY and queueing it) is queued.
+Liveness, reaping and leaving, step by step: docs/protocol.md (Participants).  Each is one
+compiled step (`HotPath.reap_entry`, `HotPath.leave`), so no interrupt leaves a lock held by
+a live reaper or frees an entry a newcomer has taken.
 """
 
 from __future__ import annotations

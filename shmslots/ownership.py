@@ -1,28 +1,9 @@
-"""The slot protocol: which words change, in which order, for every transition.
+"""The slot protocol's Python side: builds the compiled steps (_hotpath.c) from states.py
+and layout.py, checks their numbering, and reads what they leave for observation.
 
-Every transition is one call into _hotpath.c, which runs no Python code, so
-an exception or a signal's handler can land only before or after it.  Only
-SIGKILL can cut one short, and each place it can leaves a state that
-recovery finishes:
-
-* Ownership is decided by one CAS on the slot's state word (states.py).
-* The bitmap bit of a slot is set by its owner right *after* taking it from
-  FREE, and cleared right *before* FREE, while the slot is RECLAIMING: a
-  state that no other live process can take over.  So the bit only changes
-  under ownership, follows the word, and a FREE slot never has its bit set.
-  A claimer that sees a clear bit still has to win the CAS.
-* A reservation is made as a claim (WRITING, which nobody else may touch)
-  and turns RESERVED, open to a producer, only once fully set up.
-* A published slot turns READY *first* and is queued after, so the ready
-  ring holds nothing but READY slots (or stale entries, which readers drop)
-  and no reader ever waits on a publisher's progress.  A publisher or
-  reaper killed or stopped in between leaves a READY slot that no entry
-  names: `requeue_stranded` queues it (after any reap, and from idle readers).
-* A delivery is counted in the step that makes it, so a row delivered again
-  after its reader died always reports `deliveries > 0`.
-* Reapers act for a dead owner only under its registry entry's lock
-  (membership.py), so they are serialized; one killed halfway leaves a slot
-  RECLAIMING under its own id, finished by whoever reaps it in turn.
+Every transition is one call into _hotpath.c, which runs no Python code, so an exception or
+a signal's handler can land only before or after it.  The rules those calls keep (the
+bitmap, reservations, ready first, the ring, deliveries, reaping) are in docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -6,12 +6,7 @@ A slot's state lives in one 64-bit word, changed only by compare-and-swap::
     bits 31..16  owner       (participant index + 1; 0 = nobody)
     bits 15..0   state
 
-The owner of a word is the only process allowed to move it on, except a
-producer opening a reservation and a reaper acting for a dead owner.
-Ownership-bitmap rule (see ownership.py): a slot's bit is set by its owner
-*after* leaving FREE and cleared by its owner *before* returning to FREE, and
-never while another process could take the slot over, so the bit follows the
-word and a FREE slot never has its bit set.
+Who may move a word on, the bitmap rule and every ordering: docs/protocol.md.
 """
 
 from __future__ import annotations
