@@ -25,8 +25,8 @@
  *
  * Nothing here defines the protocol's data: the transition table comes from
  * states.py and every offset from layout.py, both passed in by ownership.py at
- * construction (which also checks that STATES, EVENTS and COUNTERS below match
- * its own).  tests/test_hotpath.py holds the compiled transitions against
+ * construction (which checks at import that STATES and EVENTS below match states.py,
+ * and passes each of COUNTERS its offset by name).  tests/test_hotpath.py holds the compiled transitions against
  * states.next_word for every state, event and actor.
  *
  * The ready ring's cell format (POS_BITS, FULL, SLOT_MASK below), its steps and the

@@ -1191,7 +1191,7 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* The two enums, exported so that rows.py names them from here instead of copying them:
+/* The enums, exported so that rows.py names them from here instead of copying them:
  * REASONS (reason codes of Rules.check), SCALARS (how a field of one element is written or
  * read, by dtype name; "handle" for a handle field) and NUMBER_WRITES (the dtypes a field of
  * shape () is written from a Python number in; the rest are read only). */

@@ -9,7 +9,7 @@ a live reaper or frees an entry a newcomer has taken.
 
 from __future__ import annotations
 
-import os
+import io
 from collections import Counter
 
 from . import layout as L
@@ -36,8 +36,12 @@ class Membership:
     ) -> None:
         self.drop_held = drop_held  # a dead consumer's leases: dropped, or redelivered
         # The liveness lock lives on an open file description of its own, not the one the
-        # mapping holds: a forked child can then drop its copy (SlotTable._disown).
-        self.lock_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
+        # mapping holds: a forked child can then drop its copy (SlotTable._disown).  A file
+        # object owns the descriptor from the moment it exists, so it is closed with the
+        # object however that goes: a Membership dropped by an interrupt before its caller
+        # held it leaves no entry that looks alive, and no descriptor.
+        self._lock_file = io.FileIO(f"/proc/self/fd/{segment.fd}", "r+")  # close-on-exec
+        self.lock_fd = self._lock_file.fileno()
         try:
             self.registry = Registry(atomics, mv, layout, self.lock_fd)
             self.participant, died_here = self.registry.register(role, name)
@@ -77,6 +81,6 @@ class Membership:
         return self.own.hot.leave(self.lock_fd, self.drop_held) is not None
 
     def drop_lock(self) -> None:
-        """Close the lock's descriptor: after `leave`, or in a forked child (whose copy it is),
-        or when joining failed."""
-        os.close(self.lock_fd)
+        """Close the lock's descriptor (once; again does nothing): after `leave`, or in a
+        forked child (whose copy it is), or when joining failed."""
+        self._lock_file.close()

@@ -36,7 +36,11 @@ class Reaper:
             f"{role}-{os.getpid()}",
             drop_held,
         )
-        self.participant = self._member.participant
+        try:
+            self.participant = self._member.participant
+        except BaseException:  # an interrupt: leave nothing behind that looks alive
+            self._member.drop_lock()
+            raise
 
     @classmethod
     def open(cls, name: str, role: str = "cli-reap") -> Reaper:

@@ -23,7 +23,7 @@ from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader
 from .schema import DTYPE_CODES, Field, RowSchema
 from .segment import Segment
-from .states import State, generation_of, owner_of, state_of
+from .states import State, generation_of, known, owner_of, state_of
 from .tracing import CallSite, Holding, holdings, site_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
@@ -142,10 +142,8 @@ class TableView:
             age = max(0, time.monotonic_ns() - stamp) / 1e9
         else:  # never moved: in its first state since the table was made
             age = max(0, time.time_ns() - self._header.created_ns) / 1e9
-        try:
-            state: State | None = state_of(word) if steady else None
-        except ValueError:
-            state = None  # not a state this version knows: show as changing, not garbage
+        # a word of no state this version knows shows as changing, not as garbage
+        state = state_of(word) if steady and known(word) else None
         site = site_of(mm, self.layout, slot, word) if state is not None else None
         return SlotSnapshot(
             slot, state, generation_of(word), owner_of(word) - 1, tag, age, deliveries, site

@@ -40,10 +40,8 @@ class Event(IntEnum):
     KEEP = 11  # a writer holds its own row, unqueued (a transfer committed where it is read)
 
 
-# (state, event) -> next state.  Absent pairs are illegal.  Every way back to FREE passes
-# through RECLAIMING, which no other live process can take: the owner leaves the slot's
-# previous state by one CAS, clears the bitmap bit, then FINISHes with a second CAS, so the
-# bit is never touched while anyone else could own the slot.
+# (state, event) -> next state.  Absent pairs are illegal.  Why every way back to FREE
+# passes through RECLAIMING: docs/protocol.md (Transitions).
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.FREE, Event.CLAIM): State.WRITING,
     (State.WRITING, Event.RESERVE): State.RESERVED,

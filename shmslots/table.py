@@ -1,7 +1,8 @@
 """SlotTable: create or attach a table, and the calls that move slots.
 
-This is the public face; the protocol lives in ownership.py, the bytes in
-layout.py, the legal transitions in states.py.
+This is the public face; the protocol is docs/protocol.md (compiled in _hotpath.c, built by
+ownership.py), the bytes in layout.py, the legal transitions in states.py, joining and
+leaving in membership.py.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class SlotTable:
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
         self._forked = False
-        self._closed = False
+        self._closed = True  # until it has joined: nothing to close before
         self._waiters = 0  # this object's threads inside _wait (close wakes them first)
         member = None
         try:
@@ -223,6 +224,7 @@ class SlotTable:
                 STRANDED_CHECK_S,
             )
             self._handles = HandleStore(self._own, member.arena, segment.mm, segment.name)
+            self._closed = False
             self.reap()
         except BaseException:
             self._closed = True

@@ -247,3 +247,65 @@ def test_a_table_collected_unclosed_closes_even_if_its_warning_raises(name: str)
             sys.unraisablehook = hook
         assert len(raised) == 1  # the warning, raised as an error, was reported...
         assert [p.role for p in owner.participants()] == ["owner"]  # ...after it closed
+
+
+class _InterruptAt:
+    """A tracer that raises KeyboardInterrupt once, at one bytecode offset of one code
+    object: where CPython runs a pending SIGINT handler."""
+
+    def __init__(self, code: object, offset: int) -> None:
+        self.code, self.offset, self.fired = code, offset, False
+
+    def __call__(self, frame: object, event: str, arg: object) -> object:
+        if getattr(frame, "f_code", None) is not self.code:
+            return None
+        frame.f_trace_opcodes = True  # type: ignore[attr-defined]
+        return self.local
+
+    def local(self, frame: object, event: str, arg: object) -> object:
+        if event == "opcode" and getattr(frame, "f_lasti", -1) == self.offset and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self.local
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("joiner", ["SlotTable", "Membership", "Reaper"])
+def test_an_interrupt_anywhere_in_joining_leaves_no_live_looking_participant(
+    name: str, joiner: str
+) -> None:
+    """KeyboardInterrupt at every bytecode of joining (SlotTable.__init__, Membership's,
+    Reaper's): afterwards no entry looks alive but the creator's, and no descriptor is
+    left open (a Membership dropped before its caller held it closes its own lock)."""
+    import dis
+
+    from shmslots.membership import Membership
+    from shmslots.reaper import Reaper
+
+    code = {
+        "SlotTable": SlotTable.__init__.__code__,
+        "Membership": Membership.__init__.__code__,
+        "Reaper": Reaper.__init__.__code__,
+    }[joiner]
+    found = []
+    with SlotTable.create(name, SMALL, slots=2) as creator:
+        for instruction in dis.get_instructions(code):
+            before = len(os.listdir("/proc/self/fd"))
+            tracer = _InterruptAt(code, instruction.offset)
+            joined: SlotTable | Reaper | None = None
+            sys.settrace(tracer)  # type: ignore[arg-type]
+            try:
+                joined = Reaper.open(name) if joiner == "Reaper" else SlotTable.attach(name, "j")
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            if joined is not None:
+                joined.close()
+            gc.collect()
+            alive = [p.index for p in creator.participants() if p.alive]
+            left = len(os.listdir("/proc/self/fd")) - before
+            if alive != [creator.participant] or left:
+                found.append((instruction.offset, instruction.positions, alive, left))
+            creator.reap()  # whatever an interrupted join left, before the next one
+    assert found == []
