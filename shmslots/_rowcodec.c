@@ -30,6 +30,18 @@ enum scalar {
     NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16,
     S_UINT64, S_INT16, S_INT8, S_BOOL
 };
+/* The kinds a field of shape () is written in from a Python number (write_scalar's cases):
+ * the first four; the rest are read only. */
+#define WRITTEN_FROM_NUMBERS(kind) ((kind) >= S_INT64 && (kind) <= S_FLOAT32)
+/* Each kind by the dtype name rows.py knows it by (exported as SCALARS). */
+static const struct {
+    const char *dtype;
+    int kind;
+} scalar_kinds[] = {
+    {"int64", S_INT64}, {"int32", S_INT32}, {"uint8", S_UINT8}, {"float32", S_FLOAT32},
+    {"handle", HANDLE}, {"float16", S_FLOAT16}, {"bfloat16", S_BFLOAT16}, {"uint64", S_UINT64},
+    {"int16", S_INT16}, {"int8", S_INT8}, {"bool", S_BOOL},
+};
 
 /* -- the rules ------------------------------------------------------------------------------
  *
@@ -1193,8 +1205,8 @@ static PyMethodDef module_methods[] = {
 
 /* The enums, exported so that rows.py names them from here instead of copying them:
  * REASONS (reason codes of Rules.check), SCALARS (how a field of one element is written or
- * read, by dtype name; "handle" for a handle field) and NUMBER_WRITES (the dtypes a field of
- * shape () is written from a Python number in; the rest are read only). */
+ * read, by dtype name; "handle" for a handle field) and NUMBER_WRITES (the dtypes whose
+ * kind is WRITTEN_FROM_NUMBERS). */
 static int
 add_enums(PyObject *m)
 {
@@ -1203,19 +1215,27 @@ add_enums(PyObject *m)
         "NEGATED", T_NEGATED, "ON_GPU", T_ON_GPU, "SUBCLASS", T_SUBCLASS, "NOT_TENSOR",
         T_NOT_TENSOR, "DTYPE", T_DTYPE, "SHAPE", T_SHAPE, "DEVICE", T_DEVICE, "NO_STORAGE",
         T_NO_STORAGE, "SHORT_STORAGE", T_SHORT_STORAGE, "TOO_BIG", T_TOO_BIG, "ERROR", T_ERROR);
-    PyObject *scalars = Py_BuildValue(
-        "{si,si,si,si,si,si,si,si,si,si,si}", "int64", S_INT64, "int32", S_INT32, "uint8",
-        S_UINT8, "float32", S_FLOAT32, "handle", HANDLE, "float16", S_FLOAT16, "bfloat16",
-        S_BFLOAT16, "uint64", S_UINT64, "int16", S_INT16, "int8", S_INT8, "bool", S_BOOL);
-    PyObject *writes = Py_BuildValue("(ssss)", "int64", "int32", "uint8", "float32");
-    int rc = -1;
-    if (reasons && scalars && writes && PyModule_AddObjectRef(m, "REASONS", reasons) == 0 &&
-        PyModule_AddObjectRef(m, "SCALARS", scalars) == 0 &&
-        PyModule_AddObjectRef(m, "NUMBER_WRITES", writes) == 0)
-        rc = 0;
+    PyObject *scalars = PyDict_New();
+    PyObject *writes = PyList_New(0);
+    int rc = reasons && scalars && writes ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < sizeof scalar_kinds / sizeof scalar_kinds[0]; i++) {
+        PyObject *kind = PyLong_FromLong(scalar_kinds[i].kind);
+        PyObject *dtype = PyUnicode_FromString(scalar_kinds[i].dtype);
+        if (!kind || !dtype || PyDict_SetItem(scalars, dtype, kind) < 0 ||
+            (WRITTEN_FROM_NUMBERS(scalar_kinds[i].kind) && PyList_Append(writes, dtype) < 0))
+            rc = -1;
+        Py_XDECREF(kind);
+        Py_XDECREF(dtype);
+    }
+    PyObject *written = rc == 0 ? PyList_AsTuple(writes) : NULL;
+    if (!written || PyModule_AddObjectRef(m, "REASONS", reasons) < 0 ||
+        PyModule_AddObjectRef(m, "SCALARS", scalars) < 0 ||
+        PyModule_AddObjectRef(m, "NUMBER_WRITES", written) < 0)
+        rc = -1;
     Py_XDECREF(reasons);
     Py_XDECREF(scalars);
     Py_XDECREF(writes);
+    Py_XDECREF(written);
     return rc;
 }
 
