@@ -23,10 +23,11 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import os
+import random
 import socket
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -234,6 +235,38 @@ class Lane:
         self.queue._release_request = _nothing  # KV pages are the stand-in transport's
         self._scheduler_module = scheduler
         self.prefill_index: dict[str, int] = {}  # rid -> its row on the prefill side
+
+    def drive(
+        self,
+        requests: int,
+        rng: random.Random,
+        *,
+        send_chance: float,
+        max_batch: int,
+        popped: Callable[[Any], object] | None = None,
+    ) -> Iterator[tuple[list[Any], Any]]:
+        """SGLang's decode flow for requests 0..requests-1: each is sent and landed while a
+        slot is free (with `send_chance` a turn), committed by `pop_transferred` (each
+        committed request goes to `popped` first), waits, and is built into a batch of
+        1..max_batch in random order by `process_prebuilt`.  Yields (batch, its spec_info)."""
+        waiting: list[Any] = []
+        sent = consumed = 0
+        while consumed < requests:
+            while sent < requests and self.allocator.available_size() > 0:
+                if rng.random() >= send_chance:
+                    break
+                self.land(self.send(sent))
+                sent += 1
+            for req in self.pop():
+                if popped is not None:
+                    popped(req)
+                waiting.append(req)
+            rng.shuffle(waiting)
+            take = rng.randint(1, max_batch)
+            batch, waiting = waiting[:take], waiting[take:]
+            if batch:
+                yield batch, self.prebuild(batch).spec_info
+                consumed += len(batch)
 
     def send(self, rid: int) -> Any:
         """A request through pre-allocation (`_send_kv_metadata`'s `alloc()`) into the

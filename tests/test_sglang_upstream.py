@@ -118,22 +118,13 @@ def test_pop_transferred_commits_every_transfer_in_place_and_each_draft_survives
     ptrs, data_lens, _ = lane.buffers.get_buf_infos()
     hidden_column = lane.buffers._names.index("output_hidden_states")
     ptr, data_len = ptrs[hidden_column], data_lens[hidden_column]
-    waiting: list[Any] = []
-    sent = checked = 0
-    while checked < 60:
-        while sent < 60 and lane.allocator.available_size() > 0 and rng.random() < 0.7:
-            lane.land(lane.send(sent))
-            sent += 1
-        for req in lane.pop():
-            # zero copy: the request's draft state is a view of its slot's row
-            assert ptr <= req.hidden_states_tensor.data_ptr() < ptr + data_len
-            waiting.append(req)
-        rng.shuffle(waiting)
-        take = rng.randint(1, 3)
-        batch, waiting = waiting[:take], waiting[take:]
-        if not batch:
-            continue
-        spec = lane.prebuild(batch).spec_info
+
+    def in_place(req: Any) -> None:
+        """Zero copy: the request's draft state is a view of its slot's row."""
+        assert ptr <= req.hidden_states_tensor.data_ptr() < ptr + data_len
+
+    checked = 0
+    for batch, spec in lane.drive(60, rng, send_chance=0.7, max_batch=3, popped=in_place):
         for i, req in enumerate(batch):
             topk_p, topk_index, hidden = env.expected_draft(_rid(req), HIDDEN, TOPK)
             assert torch.equal(spec.topk_p[i], topk_p)
@@ -142,6 +133,7 @@ def test_pop_transferred_commits_every_transfer_in_place_and_each_draft_survives
             assert req.output_ids == [_rid(req) % 50_000]
             assert req.hidden_states_tensor is None  # consumed, and its slot handed back
         checked += len(batch)
+    assert checked == 60
     stats = lane.allocator.stats
     assert stats.committed == stats.deferred_frees == stats.released == 60
     assert lane.allocator.available_size() == 4 and _owned(lane) == 0

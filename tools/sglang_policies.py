@@ -58,21 +58,10 @@ def run(policy: str, requests: int, slots: int, hidden: int, seed: int) -> dict[
         classes = (allocator, buffers)
     lane = env.Lane(slots, hidden, TOPK, classes=classes)
     rng = random.Random(seed)
-    waiting: list[Any] = []
-    sent = consumed = corrupted = 0
+    consumed = corrupted = 0
     started = time.perf_counter()
     try:
-        while consumed < requests:
-            while sent < requests and lane.allocator.available_size() > 0 and rng.random() < 0.8:
-                lane.land(lane.send(sent))
-                sent += 1
-            waiting += lane.pop()
-            rng.shuffle(waiting)
-            take = rng.randint(1, 4)
-            batch, waiting = waiting[:take], waiting[take:]
-            if not batch:
-                continue
-            spec = lane.prebuild(batch).spec_info
+        for batch, spec in lane.drive(requests, rng, send_chance=0.8, max_batch=4):
             for i, req in enumerate(batch):
                 p, index, state = env.expected_draft(int(req.rid.split("-")[1]), hidden, TOPK)
                 k = spec.topk_p.shape[-1]  # the runtime's speculative_eagle_topk
