@@ -43,7 +43,7 @@ from .segment import OutOfSharedMemory
 from .states import State
 
 if TYPE_CHECKING:
-    from .leases import Lease, Reservation, WriteSlot
+    from .leases import Lease, Quarantined, Reservation, WriteSlot
     from .quarantine import Quarantine
     from .table import SlotAge, SlotTable, Stats
 
@@ -53,6 +53,7 @@ _LAZY = {
     "Reservation": "leases",
     "WriteSlot": "leases",
     "Quarantine": "quarantine",
+    "Quarantined": "leases",
     "SlotAge": "table",
     "SlotTable": "table",
     "Stats": "table",
@@ -85,6 +86,7 @@ __all__ = [
     "OwnershipError",
     "Participant",
     "Quarantine",
+    "Quarantined",
     "RegistryFull",
     "Reservation",
     "RowRejected",

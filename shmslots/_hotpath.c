@@ -12,6 +12,10 @@
  *                  waits on a publisher's progress; see requeue_stranded)
  *   keep           WRITING -> HELD by the writer itself, never queued: a row landed
  *                  for this process's own later use (committed where it is consumed)
+ *   quarantine     RESERVED or WRITING -> QUARANTINED until a deadline: an aborted
+ *                  transfer's slot, which a late write by address may still reach
+ *   expire         QUARANTINED -> RECLAIMING -> FREE once the deadline passed, by anyone
+ *                  (acquire does it when it finds no FREE slot)
  *   take           READY -> HELD of the oldest queued slot; counts the delivery and
  *                  how long the row waited READY
  *   free           owned -> RECLAIMING -> FREE (release, abort); a HELD slot's hold time
@@ -57,25 +61,27 @@
 #define HIST_MAX_BOUNDS 31
 
 /* The numbering of states.py, checked by ownership.py against STATES and EVENTS. */
-enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_COUNT };
+enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_QUARANTINED, S_COUNT };
 enum {
     E_CLAIM, E_RESERVE, E_OPEN_RESERVED, E_PUBLISH, E_TAKE, E_RELEASE, E_ABORT, E_RECLAIM,
-    E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_COUNT
+    E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_QUARANTINE, E_EXPIRE, E_COUNT
 };
-static const char *state_names[] = {"FREE", "RESERVED", "WRITING", "READY", "HELD", "RECLAIMING"};
-static const char *event_names[] = {"CLAIM", "RESERVE", "OPEN_RESERVED", "PUBLISH", "TAKE",
-                                    "RELEASE", "ABORT", "RECLAIM", "REDELIVER", "FINISH",
-                                    "CANCEL", "KEEP"};
+static const char *state_names[] = {"FREE", "RESERVED",   "WRITING",    "READY",
+                                    "HELD", "RECLAIMING", "QUARANTINED"};
+static const char *event_names[] = {"CLAIM",     "RESERVE", "OPEN_RESERVED", "PUBLISH", "TAKE",
+                                    "RELEASE",   "ABORT",   "RECLAIM",       "REDELIVER",
+                                    "FINISH",    "CANCEL",  "KEEP",          "QUARANTINE",
+                                    "EXPIRE"};
 /* Counters this file bumps, in the order of the `counters` offsets passed in. */
 enum {
     C_CLAIMS, C_RESERVES, C_PUBLISHES, C_TAKES, C_RELEASES, C_ABORTS, C_CANCELS,
     C_RECLAIMED_WRITING, C_RECLAIMED_RESERVED, C_RECLAIMED_HELD_DROPPED, C_REDELIVERED,
-    C_PARTICIPANTS_REAPED, C_COUNT
+    C_PARTICIPANTS_REAPED, C_QUARANTINED, C_QUARANTINES_ENDED, C_COUNT
 };
 static const char *counter_names[] = {
     "claims", "reserves", "publishes", "takes", "releases", "aborts", "cancels",
     "reclaimed_writing", "reclaimed_reserved", "reclaimed_held_dropped", "redelivered",
-    "participants_reaped"};
+    "participants_reaped", "quarantined", "quarantines_ended"};
 
 typedef struct {
     PyObject_HEAD
@@ -84,7 +90,7 @@ typedef struct {
     char *base;
     /* layout (absolute offsets) */
     Py_ssize_t bitmap, nwords, entries, entry_size, nslots;
-    Py_ssize_t tag_off, stamp_off, qpos_off, deliveries_off;
+    Py_ssize_t tag_off, stamp_off, qpos_off, deliveries_off, deadline_off;
     Py_ssize_t ring, ring_cap, head, tail;
     Py_ssize_t publish_seq, readers_waiting, readers_until;
     Py_ssize_t release_seq, claimers_waiting, claimers_until;
@@ -367,6 +373,8 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
     cas(h, entry, closing, freed);
     if (state_of(word) == S_HELD) /* its stamp was the take's */
         observe(h, h->hist_held, taken, now);
+    if (state_of(word) == S_QUARANTINED)
+        count(h, C_QUARANTINES_ENDED);
     wake_claimers(h, now);
     return 1;
 }
@@ -417,6 +425,9 @@ reclaim_owner(HotPath *h, uint64_t owner, int drop_held, Reclaimed *done)
         case S_RESERVED: /* a producer may open it first: then it is the producer's */
             done->reserved += to_free(h, slot, word, E_RECLAIM);
             break;
+        case S_QUARANTINED: /* its owner's engine died with it (counted by to_free) */
+            to_free(h, slot, word, E_RECLAIM);
+            break;
         case S_RECLAIMING: /* its owner, or a reaper, died half way: finish */
             to_free(h, slot, word, E_RECLAIM);
             break;
@@ -450,6 +461,25 @@ reclaimed_tuple(Reclaimed *done)
 {
     return Py_BuildValue("(llll)", done->writing, done->reserved, done->held_dropped,
                          done->redelivered);
+}
+
+/* Free every QUARANTINED slot, anyone's, whose window ended by `now`: how many.  The scan
+ * runs only while some slot is quarantined (the two counters differ).  The word is read
+ * before its deadline, so a deadline read belongs to that word's quarantine or to a later
+ * one, whose CAS against the word read then fails. */
+static long
+expire_quarantined(HotPath *h, uint64_t now)
+{
+    if (ld(h, h->counter[C_QUARANTINED]) == ld(h, h->counter[C_QUARANTINES_ENDED]))
+        return 0;
+    long freed = 0;
+    for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
+        Py_ssize_t entry = entry_of(h, slot);
+        uint64_t word = ld(h, entry);
+        if (state_of(word) == S_QUARANTINED && ld(h, entry + h->deadline_off) <= now)
+            freed += to_free(h, slot, word, E_EXPIRE);
+    }
+    return freed;
 }
 
 /* -- argument checks -------------------------------------------------------------------- */
@@ -571,6 +601,8 @@ hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
         if (dropped)
             slot = acquire_scan(h, event, tag, &gen, &skipped);
     }
+    if (slot < 0 && expire_quarantined(h, now_ns()))
+        slot = acquire_scan(h, event, tag, &gen, &skipped);
     if (slot < 0)
         Py_RETURN_NONE;
     PyObject *got = Py_BuildValue("(nK)", slot, (unsigned long long)gen);
@@ -650,6 +682,45 @@ hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     count(h, C_PUBLISHES);
     count(h, C_TAKES);
     return PyLong_FromLong(0);
+}
+
+/* quarantine(slot, generation, state, deadline_ns) -> 0, or -1 if the slot is not this
+ * participant's RESERVED or WRITING one (`state`) at `generation` (nothing changed): the
+ * slot of an aborted transfer is closed to every writer and reader until CLOCK_MONOTONIC
+ * `deadline_ns`, stored before the CAS while the slot is still ours alone. */
+static PyObject *
+hp_quarantine(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t gen, closed;
+    if (!need(h, nargs, 4, "quarantine") || !slot_arg(h, args[0], &slot) ||
+        !gen_arg(args[1], &gen))
+        return NULL;
+    long state = PyLong_AsLong(args[2]);
+    unsigned long long deadline = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (state != S_RESERVED && state != S_WRITING) {
+        PyErr_SetString(PyExc_ValueError, "quarantine takes a RESERVED or WRITING slot");
+        return NULL;
+    }
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t mine = owned_word(gen, h->me, (unsigned)state);
+    if (ld(h, entry) != mine || transition(h, mine, E_QUARANTINE, h->me, &closed) != 0)
+        return PyLong_FromLong(-1);
+    st(h, entry + h->deadline_off, deadline);
+    st(h, entry + h->stamp_off, now_ns());
+    if (!cas(h, entry, mine, closed))
+        return PyLong_FromLong(-1);
+    count(h, C_QUARANTINED);
+    return PyLong_FromLong(0);
+}
+
+/* expire() -> slots freed: every QUARANTINED slot whose window has ended, whoever owns it. */
+static PyObject *
+hp_expire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!need(h, nargs, 0, "expire")) return NULL;
+    return PyLong_FromLong(expire_quarantined(h, now_ns()));
 }
 
 /* writing(slot, generation) -> whether the slot is this participant's WRITING one at
@@ -956,7 +1027,7 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {
         "buffer", "bitmap", "nwords", "tail_mask", "entries", "entry_size", "nslots",
-        "tag_off", "stamp_off", "qpos_off", "deliveries_off", "ring", "ring_cap", "head",
+        "tag_off", "stamp_off", "qpos_off", "deliveries_off", "deadline_off", "ring", "ring_cap", "head",
         "tail", "publish_seq", "readers_waiting", "readers_until", "release_seq",
         "claimers_waiting", "claimers_until", "registry", "reg_entry", "reg_capacity",
         "reg_state", "counters", "hist_held", "hist_ready", "hist_sum", "hist_bounds", "me",
@@ -967,9 +1038,9 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     Py_buffer table;
     unsigned int owner_checked;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnO!nnnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
+            args, kwds, "O$nnKnnnnnnnnnnnnnnnnnnnnnnO!nnnO!Ky*IO", kw, &obj, &h->bitmap, &h->nwords,
             &tail_mask, &h->entries, &h->entry_size, &h->nslots, &h->tag_off, &h->stamp_off,
-            &h->qpos_off, &h->deliveries_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
+            &h->qpos_off, &h->deliveries_off, &h->deadline_off, &h->ring, &h->ring_cap, &h->head, &h->tail,
             &h->publish_seq, &h->readers_waiting, &h->readers_until, &h->release_seq,
             &h->claimers_waiting, &h->claimers_until, &h->registry, &h->reg_entry,
             &h->reg_capacity, &h->reg_state, &PyTuple_Type, &counters, &h->hist_held,
@@ -1076,6 +1147,8 @@ static PyMethodDef hp_methods[] = {
     FAST("open_reserved", hp_open_reserved, "open_reserved(slot, gen) -> tag | None"),
     FAST("publish", hp_publish, "publish(slot, gen) -> 0 | -1 not owner | -2 ring full"),
     FAST("keep", hp_keep, "keep(slot, gen) -> 0 | -1 not owner"),
+    FAST("quarantine", hp_quarantine, "quarantine(slot, gen, state, deadline_ns) -> 0 | -1 not owner"),
+    FAST("expire", hp_expire, "expire() -> QUARANTINED slots freed, their windows ended"),
     FAST("writing", hp_writing, "writing(slot, gen) -> this participant's WRITING slot?"),
     FAST("take", hp_take, "take() -> (slot, gen, tag, deliveries) | None"),
     FAST("free", hp_free, "free(slot, gen, state, event) -> 0 | -1"),

@@ -51,7 +51,9 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   (queued rows that do not match their seal)}`
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
-  nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken), "older",
+  nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken),
+  "frees_in_s" (QUARANTINED only, else null: seconds until its late-write window ends,
+  negative once it has; the next claim that finds no FREE slot, or `reap`, frees it), "older",
   "site" (SITE = {"file", "line", "function"}: the code that made the owner, first frame
   outside shmslots; null when not traced, ownerless or not recorded)}`.
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
@@ -100,6 +102,7 @@ REAP_REASONS = {
     "reclaimed_held_dropped": "HELD slots dropped to FREE (on_consumer_death=drop)",
     "redelivered": "HELD slots queued again as READY",
     "participants_reaped": "dead participants removed from the registry",
+    "quarantines_ended": "QUARANTINED slots returned to FREE (window ended, or owner dead)",
 }
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}

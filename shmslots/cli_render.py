@@ -68,7 +68,13 @@ def _num(value: float | int | bool) -> str:
 
 
 def state_name(s: SlotSnapshot) -> str:
-    return s.state.name if s.state is not None else "changing"
+    if s.state is None:
+        return "changing"
+    if s.frees_in_s is None:
+        return s.state.name
+    if s.frees_in_s >= 0:
+        return f"{s.state.name} (frees in {fmt_duration(s.frees_in_s)})"
+    return f"{s.state.name} (window ended {fmt_duration(-s.frees_in_s)} ago)"
 
 
 def _titled(title: str) -> Table:
@@ -425,6 +431,7 @@ def slot_doc(snap: TableSnapshot, s: SlotSnapshot, older_than: float | None) -> 
         "tag": s.tag,
         "age_s": round(s.age_s, 6),
         "deliveries": s.deliveries,
+        "frees_in_s": None if s.frees_in_s is None else round(s.frees_in_s, 6),
         "older": older_than is not None and s.age_s >= older_than,
         "site": site_doc(s.site) if s.site else None,
     }

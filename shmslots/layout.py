@@ -68,13 +68,14 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
+# 9: a QUARANTINED state (its deadline in the slot entry) and its two counters;
 # 8: a u64 sum of the observed nanoseconds after each histogram's buckets;
 # 7: one column per field (rows are addressed as SGLang's metadata buffers), seals beside
 #    the slot states, uint64/int8/int16/bool fields;
 # 6: hold-time histograms, call-site tracing;
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
-VERSION = 8
+VERSION = 9
 CACHE_LINE = 64
 PAGE = 4096
 
@@ -143,6 +144,8 @@ COUNTERS = (
     "reclaimed_held_dropped",
     "redelivered",
     "participants_reaped",
+    "quarantined",
+    "quarantines_ended",
 )
 # A writer bumps claims and publishes and a reader takes and releases on every row:
 # sharing a line, they would bounce it between the two cores at each step.
@@ -181,6 +184,9 @@ SLOT_WORD = 0  # u64 state word, see states.py
 SLOT_TAG = 8  # u64 request tag
 SLOT_STAMP = 16  # u64 CLOCK_MONOTONIC ns of the last transition
 SLOT_QUEUE_POS = 24  # u64 ready-ring position of the current publication
+# A QUARANTINED slot is in no ring entry (a claimed slot has none), so the same word holds
+# the CLOCK_MONOTONIC ns its window ends; the next claim sets the queue position again.
+SLOT_DEADLINE = SLOT_QUEUE_POS
 SLOT_DELIVERIES = 32  # u64 times this publication was taken (counted by take itself)
 # Call site of the current owner (traced tables only), written by the owner after the step
 # that made it owner: valid while SLOT_SITE_WORD equals the slot's state word.

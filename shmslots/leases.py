@@ -3,6 +3,8 @@
 * `WriteSlot` (from `claim`/`open_reserved`): write, publish or abort.
 * `Reservation` (from `reserve`): hand (slot, generation) to a producer, or abort.
 * `Lease` (from `take`/`poll`): view, copy, verify, then release or abort.
+* `Quarantined` (from a reservation's or write slot's `quarantine`): an aborted transfer's
+  slot, closed to everyone until its late-write window ends.
 
 Each handle is single-use: after publish/release/abort every method raises
 `StaleLeaseError`, so a view cannot outlive ownership by accident.
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 _WRITING = int(State.WRITING)
 _RESERVED = int(State.RESERVED)
 _HELD = int(State.HELD)
+_QUARANTINED = int(State.QUARANTINED)
 _ABORT = int(Event.ABORT)
 _RELEASE = int(Event.RELEASE)
 _PUBLISH = int(Event.PUBLISH)
@@ -215,6 +218,18 @@ class _Handle(HandleBase):
         """The handle's last transition, and its end, in one compiled step."""
         if self._hand_back(event) == _STEP_REFUSED:
             raise self._table._own.not_mine(self.slot, self.generation, state)
+
+    def _quarantine_from(self, state: int, window_ns: int) -> Quarantined:
+        """QUARANTINE, one compiled step; an interrupt before the handle notes its end
+        leaves it open in name only (its slot is not in `state` any more, so every later
+        step of it is refused) and the slot closed all the same."""
+        self._check_open("quarantine")
+        table = self._table
+        deadline_ns = time.monotonic_ns() + window_ns
+        if table._own.hot.quarantine(self.slot, self.generation, state, deadline_ns):
+            raise table._own.not_mine(self.slot, self.generation, state)
+        self._open = False
+        return Quarantined(table, self.slot, self.generation, self.tag, deadline_ns)
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -443,6 +458,16 @@ class WriteSlot(_Handle, WriteSlotCore):
                 "written through them is not in the row; write those fields again"
             )
 
+    def quarantine(self, window_s: float) -> Quarantined:
+        """Close this slot to every writer and reader for `window_s` seconds, unpublished
+        (a row refused while a write by address may still be landing): see `Quarantined`."""
+        window_ns = _window_ns(window_s)
+        self._check_open("quarantine")
+        if self._viewed or self._opened:
+            self._check_views("quarantine")
+        self._opened = None
+        return self._quarantine_from(_WRITING, window_ns)
+
     def end(self) -> None:
         """Abort unless it was published or already ended; safe to call again."""
         self.__exit__(None, None, None)
@@ -481,13 +506,10 @@ class Reservation(_Handle):
         self._check_open("abort")
         self._end_with(_ABORT, _RESERVED)
 
-    def close_to_writers(self) -> WriteSlot:
-        """Open this reservation oneself (RESERVED -> WRITING, still this process's): the
-        producer that still holds (slot, generation) is refused from now on, and a reaper
-        frees the slot at once if this process dies.  For a reservation aborted while a
-        write by address may still land (`Quarantine`)."""
-        self._check_open("close to writers")
-        return self._table.open_reserved(self.slot, self.generation)
+    def quarantine(self, window_s: float) -> Quarantined:
+        """Abort this reservation but keep its slot closed to every writer and reader for
+        `window_s` seconds (its transfer may still land): see `Quarantined`."""
+        return self._quarantine_from(_RESERVED, _window_ns(window_s))
 
     def end(self) -> None:
         """Abort unless a producer opened it or it already ended; safe to call again."""
@@ -656,3 +678,59 @@ class Lease(_Handle, LeaseCore):
             else:  # the block's locals may still hold views: hand the slot back regardless
                 self._end(_ABORT, "abort", check_views=False)
         self._open = False
+
+
+class Quarantined:
+    """The slot of a transfer aborted while a write by address may still land in it,
+    QUARANTINED in the segment until `deadline_ns` (CLOCK_MONOTONIC, `time.monotonic_ns`):
+    no producer opens it, no reader takes it, `shmslots inspect` shows it with its
+    deadline.  Once the deadline has passed anyone's claim that finds no FREE slot frees it
+    (as does `reap`); `end()` frees it sooner, when no write can land any more (its engine
+    closed); a reaper frees it at once if this process dies.  Why: docs/protocol.md
+    (Quarantine)."""
+
+    __slots__ = ("_table", "deadline_ns", "generation", "slot", "tag")
+
+    def __init__(
+        self, table: SlotTable, slot: int, generation: int, tag: int, deadline_ns: int
+    ) -> None:
+        self._table = table
+        self.slot = slot
+        self.generation = generation
+        self.tag = tag
+        self.deadline_ns = deadline_ns
+
+    @property
+    def held(self) -> bool:
+        """Whether the slot is still closed under this quarantine (not freed by anyone)."""
+        table = self._table
+        return not table._closed and table._own.owns(self.slot, self.generation, _QUARANTINED)
+
+    def end(self) -> bool:
+        """Free the slot now if it is still held; whether it was.  Safe to call again."""
+        table = self._table
+        if table._closed:  # its close freed it
+            return False
+        return table._own.hot.free(self.slot, self.generation, _QUARANTINED, _ABORT) == 0
+
+    def __repr__(self) -> str:
+        left = (self.deadline_ns - time.monotonic_ns()) / 1e9
+        return (
+            f"<Quarantined slot={self.slot} gen={self.generation} tag={self.tag} {left:.3f}s left>"
+        )
+
+
+MAX_WINDOW_S = 365 * 24 * 3600.0  # a deadline in u64 nanoseconds, with room to spare
+
+
+def _window_ns(window_s: float) -> int:
+    if not (
+        isinstance(window_s, (int, float))
+        and not isinstance(window_s, bool)
+        and 0 <= window_s <= MAX_WINDOW_S
+    ):
+        raise InvalidArgument(
+            f"late-write window must be a number of seconds from 0 to {MAX_WINDOW_S:.0f}, "
+            f"got {window_s!r}"
+        )
+    return int(window_s * 1e9)

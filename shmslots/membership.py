@@ -55,8 +55,8 @@ class Membership:
             raise
 
     def reap(self) -> Counter[str]:
-        """Reclaim the slots of every dead participant and free its entry; what was done,
-        by reason."""
+        """Reclaim the slots of every dead participant and free its entry, and free every
+        quarantined slot whose window has ended; what was done, by reason."""
         self.registry.touch(self.participant)
         done: Counter[str] = Counter()
         for index in self.registry.dead_entries(self.participant):
@@ -68,6 +68,9 @@ class Membership:
             requeued = self.own.hot.requeue_stranded(0)
             if requeued:
                 done["requeued"] = requeued
+        expired = self.own.hot.expire()
+        if expired:
+            done["quarantines_expired"] = expired
         done = +done
         if done and self.arena is not None:
             done["arena_pages_freed"] = self.arena.collect(self.own.generation)

@@ -42,6 +42,8 @@ COUNTER_HELP = {
     "reclaimed_held_dropped": "HELD slots of dead consumers dropped (on_consumer_death=drop).",
     "redelivered": "HELD slots of dead consumers queued again as READY.",
     "participants_reaped": "Dead participants whose registry entries were reaped.",
+    "quarantined": "Slots of aborted transfers closed until their late-write window ended.",
+    "quarantines_ended": "QUARANTINED slots returned to FREE (window ended, owner closed or died).",
 }
 HISTOGRAM_HELP = {
     "held": "How long slots stayed HELD: take to release or abort.",

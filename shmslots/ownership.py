@@ -76,6 +76,7 @@ def hot_path(buffer: mmap.mmap, lay: L.Layout, me: int) -> HotPath:
         stamp_off=L.SLOT_STAMP,
         qpos_off=L.SLOT_QUEUE_POS,
         deliveries_off=L.SLOT_DELIVERIES,
+        deadline_off=L.SLOT_DEADLINE,
         ring=lay.ring,
         ring_cap=lay.ring_capacity,
         head=sync + L.RING_HEAD,

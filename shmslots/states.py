@@ -23,6 +23,7 @@ class State(IntEnum):
     READY = 3  # published, ownerless; queued in the ready ring (or about to be)
     HELD = 4  # a consumer holds a lease
     RECLAIMING = 5  # on its way to FREE from a state another process could take it from
+    QUARANTINED = 6  # an aborted transfer's slot, closed to everyone until its window passes
 
 
 class Event(IntEnum):
@@ -38,6 +39,8 @@ class Event(IntEnum):
     FINISH = 9  # RECLAIMING -> FREE, by the one who began it
     CANCEL = 10  # a READY slot's request was cancelled before pickup
     KEEP = 11  # a writer holds its own row, unqueued (a transfer committed where it is read)
+    QUARANTINE = 12  # its owner closes an aborted transfer's slot until its window passes
+    EXPIRE = 13  # anyone frees a QUARANTINED slot whose window has passed
 
 
 # (state, event) -> next state.  Absent pairs are illegal.  Why every way back to FREE
@@ -59,6 +62,11 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.WRITING, Event.RECLAIM): State.RECLAIMING,
     (State.HELD, Event.RECLAIM): State.RECLAIMING,
     (State.RECLAIMING, Event.RECLAIM): State.RECLAIMING,
+    (State.RESERVED, Event.QUARANTINE): State.QUARANTINED,
+    (State.WRITING, Event.QUARANTINE): State.QUARANTINED,
+    (State.QUARANTINED, Event.ABORT): State.RECLAIMING,
+    (State.QUARANTINED, Event.EXPIRE): State.RECLAIMING,
+    (State.QUARANTINED, Event.RECLAIM): State.RECLAIMING,
     (State.RECLAIMING, Event.FINISH): State.FREE,
 }
 
@@ -66,9 +74,11 @@ KNOWN_STATES = frozenset(int(s) for s in State)
 # Events by which a participant takes a slot that nobody owns (FREE or READY).
 _ACQUIRING = frozenset({Event.CLAIM, Event.TAKE, Event.CANCEL})
 # Events by which one participant acts on a slot another one owns: a producer opening a
-# reservation, or a reaper acting for a dead owner (reapers of one owner are serialized by
-# its registry lock, membership.py).  A table closing applies them to its own slots too.
-_TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER})
+# reservation, a reaper acting for a dead owner (reapers of one owner are serialized by
+# its registry lock, membership.py), or anyone freeing a quarantined slot whose window has
+# passed (the compiled step checks the deadline).  A table closing applies them to its own
+# slots too.
+_TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER, Event.EXPIRE})
 
 _STATE_MASK = 0xFFFF
 _OWNER_SHIFT = 16

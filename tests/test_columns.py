@@ -297,6 +297,6 @@ def test_a_quarantined_reservation_is_closed_to_its_producer(name: str) -> None:
             with pytest.raises(OwnershipError):
                 producer.open_reserved(reservation.slot, reservation.generation)
             assert producer.take() is None
-        assert t.stats().states["WRITING"] == 1 and len(quarantine) == 1
+        assert t.stats().states["QUARANTINED"] == 1 and len(quarantine) == 1
         quarantine.close()
         assert t.stats().states["FREE"] == 1

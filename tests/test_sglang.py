@@ -238,7 +238,7 @@ def test_abort_at_every_stage(name: str, stage: str) -> None:
             return
         assert allocator.slot_of(req) is None
         assert allocator.available_size() == 0 and allocator.alloc() is None  # quarantined
-        assert buffers.table.slot_info(idx)[0] is State.WRITING  # quarantined: closed to writers
+        assert buffers.table.slot_info(idx)[0] is State.QUARANTINED  # closed to all
         deadline = time.monotonic() + 5
         while allocator.available_size() == 0 and time.monotonic() < deadline:
             time.sleep(0.02)

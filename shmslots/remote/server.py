@@ -12,7 +12,7 @@ A write by address cannot be recalled, so a grant that ends unpublished — abor
 owner, expired without a commit, or rejected (torn, or not all of it landed yet) — may still
 receive bytes.  Freed at once, its slot could be granted again, and those bytes would land
 in the next request's row, perhaps while a reader holds it: nothing could tell them apart
-(the engine writes bytes, not generations).  So the slot stays RESERVED in a `Quarantine`
+(the engine writes bytes, not generations).  So the slot stays QUARANTINED (`Quarantine`)
 for `late_write_window_s` before it is freed, and a commit naming no pending grant is
 discarded.  The window is the promise the guarantee rests on: no write for a grant arrives
 more than `late_write_window_s` after the grant ended.  A writer's engine gives up on a
