@@ -221,7 +221,10 @@ ring_push(HotPath *h, Py_ssize_t slot)
     uint64_t cap = (uint64_t)h->ring_cap;
     for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
         uint64_t head = ld(h, h->head), tail = ld(h, h->tail);
-        if (tail - head >= cap) { /* full, unless head lags behind a consumed cell */
+        /* Full, unless head lags behind a consumed cell.  Head may be one past tail: a
+         * reader popped the entry of a pusher that stopped before moving tail (the cell
+         * check below moves tail on); unsigned, that would read as a full ring forever. */
+        if (tail >= head && tail - head >= cap) {
             if (!help_head(h, head))
                 return -1;
             continue;
@@ -296,7 +299,7 @@ ring_room(HotPath *h)
 {
     for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
         uint64_t head = ld(h, h->head), tail = ld(h, h->tail);
-        if (tail - head < (uint64_t)h->ring_cap)
+        if (tail < head || tail - head < (uint64_t)h->ring_cap) /* tail < head: ring_push */
             return 1;
         if (help_head(h, head))
             continue;
