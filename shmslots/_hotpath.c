@@ -41,6 +41,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
@@ -184,6 +185,18 @@ observe(HotPath *h, Py_ssize_t hist, uint64_t since, uint64_t now)
 }
 static inline void set_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_or(w64(h, h->bitmap + 8 * (slot >> 6)), UINT64_C(1) << (slot & 63), __ATOMIC_SEQ_CST); }
 static inline void clear_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_and(w64(h, h->bitmap + 8 * (slot >> 6)), ~(UINT64_C(1) << (slot & 63)), __ATOMIC_SEQ_CST); }
+
+/* Test-only: SIGKILL this process at one point inside a step (tests/test_quarantine.py sets
+ * it through _kill_at in a child); 0, the default, is never a point. */
+enum { KILL_NONE, KILL_QUARANTINED, KILL_RECLAIMING };
+static int kill_at = KILL_NONE;
+
+static inline void
+kill_point(int point)
+{
+    if (kill_at == point)
+        raise(SIGKILL);
+}
 
 /* -- ready ring -------------------------------------------------------------------- */
 
@@ -367,6 +380,7 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
         return 0;
     if (!cas(h, entry, word, closing))
         return 0;
+    kill_point(KILL_RECLAIMING);
     /* Read while RECLAIMING(me): once FREE, a claimer may stamp the slot first. */
     uint64_t taken = ld(h, entry + h->stamp_off);
     clear_bit(h, slot);
@@ -376,7 +390,7 @@ to_free(HotPath *h, Py_ssize_t slot, uint64_t word, int event)
     cas(h, entry, closing, freed);
     if (state_of(word) == S_HELD) /* its stamp was the take's */
         observe(h, h->hist_held, taken, now);
-    if (state_of(word) == S_QUARANTINED)
+    if (state_of(word) == S_QUARANTINED) /* a free killed before this is finished uncounted */
         count(h, C_QUARANTINES_ENDED);
     wake_claimers(h, now);
     return 1;
@@ -467,13 +481,17 @@ reclaimed_tuple(Reclaimed *done)
 }
 
 /* Free every QUARANTINED slot, anyone's, whose window ended by `now`: how many.  The scan
- * runs only while some slot is quarantined (the two counters differ).  The word is read
- * before its deadline, so a deadline read belongs to that word's quarantine or to a later
- * one, whose CAS against the word read then fails. */
+ * is skipped only when no slot can be QUARANTINED: `quarantined` is counted before a slot
+ * turns so and `quarantines_ended` after it is freed, so ended < quarantined whenever one
+ * is (a kill between the two steps of either leaves the gap wider: more scans, never
+ * fewer).  The word is read before its deadline, so a deadline read belongs to that word's
+ * quarantine, to none yet (NO_POS, "never": its owner stores it just after the CAS), or to
+ * a later one, whose CAS against the word read then fails. */
 static long
 expire_quarantined(HotPath *h, uint64_t now)
 {
-    if (ld(h, h->counter[C_QUARANTINED]) == ld(h, h->counter[C_QUARANTINES_ENDED]))
+    uint64_t ended = ld(h, h->counter[C_QUARANTINES_ENDED]);
+    if (ended >= ld(h, h->counter[C_QUARANTINED]))
         return 0;
     long freed = 0;
     for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
@@ -690,7 +708,10 @@ hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 /* quarantine(slot, generation, state, deadline_ns) -> 0, or -1 if the slot is not this
  * participant's RESERVED or WRITING one (`state`) at `generation` (nothing changed): the
  * slot of an aborted transfer is closed to every writer and reader until CLOCK_MONOTONIC
- * `deadline_ns`, stored before the CAS while the slot is still ours alone. */
+ * `deadline_ns`.  The CAS comes first: before it, a producer may open a RESERVED slot and
+ * publish it, and stores into its entry would corrupt that row's queue position.  After
+ * it the slot is ours alone: its deadline word still holds the claim's NO_POS, which no
+ * one reads as passed, until the store. */
 static PyObject *
 hp_quarantine(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -710,11 +731,14 @@ hp_quarantine(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     uint64_t mine = owned_word(gen, h->me, (unsigned)state);
     if (ld(h, entry) != mine || transition(h, mine, E_QUARANTINE, h->me, &closed) != 0)
         return PyLong_FromLong(-1);
+    count(h, C_QUARANTINED); /* first: see expire_quarantined */
+    if (!cas(h, entry, mine, closed)) {
+        __atomic_fetch_sub(w64(h, h->counter[C_QUARANTINED]), 1, __ATOMIC_SEQ_CST);
+        return PyLong_FromLong(-1);
+    }
+    kill_point(KILL_QUARANTINED);
     st(h, entry + h->deadline_off, deadline);
     st(h, entry + h->stamp_off, now_ns());
-    if (!cas(h, entry, mine, closed))
-        return PyLong_FromLong(-1);
-    count(h, C_QUARANTINED);
     return PyLong_FromLong(0);
 }
 
@@ -799,7 +823,8 @@ hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     uint64_t mine = owned_word(gen, h->me, (unsigned)state);
     if (ld(h, entry_of(h, slot)) != mine || !to_free(h, slot, mine, (int)event))
         return PyLong_FromLong(-1);
-    count(h, event == E_RELEASE ? C_RELEASES : C_ABORTS);
+    if (state != S_QUARANTINED) /* its abort was the quarantine (counted as such) */
+        count(h, event == E_RELEASE ? C_RELEASES : C_ABORTS);
     return PyLong_FromLong(0);
 }
 
@@ -1180,9 +1205,25 @@ static PyTypeObject HotPathType = {
     .tp_methods = hp_methods,
 };
 
+/* _kill_at(point): see kill_point; for tests only. */
+static PyObject *
+hotpath_kill_at(PyObject *module, PyObject *point)
+{
+    long p = PyLong_AsLong(point);
+    if (p == -1 && PyErr_Occurred())
+        return NULL;
+    kill_at = (int)p;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"_kill_at", hotpath_kill_at, METH_O, "_kill_at(point): SIGKILL inside a step (tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "shmslots._hotpath", "Compiled transitions of the slot protocol.", -1,
-    NULL,
+    module_methods,
 };
 
 /* name -> number, for ownership.py to hold against states.py. */

@@ -33,12 +33,14 @@ class Quarantine:
         _window_ns(window_s)  # refused here, not at the first hold
         self.window_s = float(window_s)
         self._held: deque[Quarantined] = deque()  # in deadline order
-        self.released = 0  # slots freed at the end of their window
+        self.released = 0  # slots whose window ended while in this book
 
     def __len__(self) -> int:
-        """Slots held now: those whose window has passed are freed first (anyone's claim
-        may have freed them already)."""
+        """Slots held now: those whose window has passed are freed first, and those freed
+        otherwise (their table closed, or a claim freed them at their deadline) forgotten."""
         self.sweep()
+        if not all(q.held for q in self._held):
+            self._held = deque(q for q in self._held if q.held)
         return len(self._held)
 
     def hold(self, handle: Reservation | WriteSlot) -> None:

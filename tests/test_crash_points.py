@@ -1,7 +1,8 @@
 """Crash points: interrupt or kill a participant at every line of the library's Python code.
 
 For each operation (claim->write->publish, take->release, reserve->open_reserved->publish,
-cancel, poll, reap of a dead consumer, close with a slot still being written), an actor
+keep, a quarantine, cancel, poll, reap of a dead consumer, close with a slot still being
+written), an actor
 process runs it with a `sys.settrace` counter that, at its k-th line event inside
 shmslots, either raises KeyboardInterrupt (the actor catches it and stays alive) or
 SIGKILLs the actor.  A checker process then proves, with public calls only:
@@ -74,6 +75,13 @@ def _keep(t: SlotTable, tag: int) -> None:
     lease.release()
 
 
+def _quarantine(t: SlotTable, tag: int) -> None:
+    """An aborted transfer's reservation, quarantined with no window: held, then freed."""
+    quarantine = shmslots.Quarantine(0.0)
+    quarantine.hold(t.reserve(tag=tag))
+    assert len(quarantine) == 0
+
+
 def _cancel(t: SlotTable, tag: int) -> None:
     t.cancel(tag)
 
@@ -99,6 +107,7 @@ OPS: dict[str, tuple[Op, int, int]] = {
     "consume": (_consume, 1, 0),
     "reserve": (_reserve, 0, 0),
     "keep": (_keep, 0, 0),
+    "quarantine": (_quarantine, 0, 0),
     "cancel": (_cancel, 1, 0),
     "poll": (_poll, 3, 0),
     "reap": (_reap, 2, 2),
@@ -238,7 +247,13 @@ def _run_once(checker: SlotTable, op_name: str, limit: int, kill: bool, tag: int
         if reply.startswith(("done", "interrupted")):
             result.outcome, lines = reply.split()
             result.lines = int(lines)
-            owned = [s for s in range(SLOTS) if checker.slot_info(s)[2] == actor_index]
+            # a QUARANTINED slot is held by its deadline (passed here), not by a handle
+            owned = [
+                s
+                for s in range(SLOTS)
+                if checker.slot_info(s)[2] == actor_index
+                and checker.slot_info(s)[0] is not State.QUARANTINED
+            ]
             if owned:
                 problems.append(f"the live actor owns slots {owned} that no handle refers to")
             _drain(checker, delivered, problems)  # no reader is blocked by the live actor

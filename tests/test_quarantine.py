@@ -25,6 +25,7 @@ from shmslots import (
     SlotTable,
     StaleLeaseError,
     State,
+    _hotpath,
 )
 from shmslots.snapshot import TableView
 
@@ -168,3 +169,43 @@ def test_a_view_kept_past_a_quarantine_is_reported(name: str) -> None:
         assert torch.equal(view, torch.full((4,), 1.0))
         held.end()
         del view
+
+
+KILL_QUARANTINED, KILL_RECLAIMING = 1, 2  # _hotpath.c's kill points
+
+
+def _quarantine_killed_at(name: str, point: int) -> None:
+    t = SlotTable.attach(name, "owner")
+    booked = t.reserve(tag=6)
+    if point == KILL_RECLAIMING:  # killed while freeing it: RECLAIMING, never FREE
+        held = booked.quarantine(0.0)
+        _hotpath._kill_at(point)
+        held.end()
+    else:  # killed just after closing it, before its deadline is stored
+        _hotpath._kill_at(point)
+        booked.quarantine(3600.0)
+    raise SystemExit("the kill point was not reached")
+
+
+@pytest.mark.parametrize("point", [KILL_QUARANTINED, KILL_RECLAIMING])
+def test_an_owner_killed_inside_a_quarantine_step_leaves_expiry_working(
+    name: str, children: Children, point: int
+) -> None:
+    """A SIGKILL inside the compiled steps: the reaper hands the slot back, and a later
+    quarantine still expires at its deadline (a counter left behind once made every later
+    quarantined slot wait for good)."""
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        proc = children.start(_quarantine_killed_at, name, point)
+        proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL
+        state = t.slot_info(0)[0]
+        assert state is (State.QUARANTINED if point == KILL_QUARANTINED else State.RECLAIMING)
+        t.reap()
+        assert t.stats().states["FREE"] == 1 and t.check_consistency() == []
+        counters = t.stats().counters
+        assert counters["quarantined"] == 1 and counters["quarantines_ended"] <= 1
+        held = t.reserve(tag=7).quarantine(0.2)
+        with SlotTable.attach(name, "other") as other:
+            ws = other.claim(timeout=5.0)  # frees it once its window has passed
+            assert ws.slot == held.slot and not held.held
+            ws.abort()

@@ -59,7 +59,7 @@ def stranded_wait_s(name: str, rounds: int) -> list[float]:
         with SlotTable.attach(name, "reader") as reader:
             for tag in range(1, rounds + 1):
                 got: list[float] = []
-                thread = threading.Thread(target=lambda: got.append(_take_at(reader)))
+                thread = threading.Thread(target=_take_into, args=(reader, got))
                 thread.start()
                 time.sleep(0.05)  # the reader is asleep by now
                 stranded_at = time.monotonic()
@@ -71,12 +71,12 @@ def stranded_wait_s(name: str, rounds: int) -> list[float]:
     return waits
 
 
-def _take_at(reader: SlotTable) -> float:
+def _take_into(reader: SlotTable, got: list[float]) -> None:
+    """Block in take() and note when the row came."""
     lease = reader.take(timeout=5.0)
-    at = time.monotonic()
+    got.append(time.monotonic())
     assert lease is not None
     lease.release()
-    return at
 
 
 def main() -> None:
