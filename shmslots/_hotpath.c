@@ -424,7 +424,7 @@ redeliver(HotPath *h, Py_ssize_t slot, uint64_t word, int unread)
 }
 
 typedef struct {
-    long writing, reserved, held_dropped, redelivered;
+    long writing, reserved, held_dropped, redelivered, quarantined;
 } Reclaimed;
 
 /* Reclaim every slot whose word names `owner`: 0, or -1 with an error set. */
@@ -442,8 +442,8 @@ reclaim_owner(HotPath *h, uint64_t owner, int drop_held, Reclaimed *done)
         case S_RESERVED: /* a producer may open it first: then it is the producer's */
             done->reserved += to_free(h, slot, word, E_RECLAIM);
             break;
-        case S_QUARANTINED: /* its owner's engine died with it (counted by to_free) */
-            to_free(h, slot, word, E_RECLAIM);
+        case S_QUARANTINED: /* its owner's engine died with it (to_free counts it ended) */
+            done->quarantined += to_free(h, slot, word, E_RECLAIM);
             break;
         case S_RECLAIMING: /* its owner, or a reaper, died half way: finish */
             to_free(h, slot, word, E_RECLAIM);
@@ -476,8 +476,8 @@ reclaim_owner(HotPath *h, uint64_t owner, int drop_held, Reclaimed *done)
 static PyObject *
 reclaimed_tuple(Reclaimed *done)
 {
-    return Py_BuildValue("(llll)", done->writing, done->reserved, done->held_dropped,
-                         done->redelivered);
+    return Py_BuildValue("(lllll)", done->writing, done->reserved, done->held_dropped,
+                         done->redelivered, done->quarantined);
 }
 
 /* Free every QUARANTINED slot, anyone's, whose window ended by `now`: how many.  The scan
@@ -485,8 +485,8 @@ reclaimed_tuple(Reclaimed *done)
  * turns so and `quarantines_ended` after it is freed, so ended < quarantined whenever one
  * is (a kill between the two steps of either leaves the gap wider: more scans, never
  * fewer).  The word is read before its deadline, so a deadline read belongs to that word's
- * quarantine, to none yet (NO_POS, "never": its owner stores it just after the CAS), or to
- * a later one, whose CAS against the word read then fails. */
+ * quarantine, to none yet (0, "not yet": the claim's, until its owner stores it just after
+ * the CAS), or to a later one, whose CAS against the word read then fails. */
 static long
 expire_quarantined(HotPath *h, uint64_t now)
 {
@@ -497,7 +497,10 @@ expire_quarantined(HotPath *h, uint64_t now)
     for (Py_ssize_t slot = 0; slot < h->nslots; slot++) {
         Py_ssize_t entry = entry_of(h, slot);
         uint64_t word = ld(h, entry);
-        if (state_of(word) == S_QUARANTINED && ld(h, entry + h->deadline_off) <= now)
+        if (state_of(word) != S_QUARANTINED)
+            continue;
+        uint64_t deadline = ld(h, entry + h->deadline_off);
+        if (deadline && deadline <= now)
             freed += to_free(h, slot, word, E_EXPIRE);
     }
     return freed;
@@ -709,9 +712,9 @@ hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
  * participant's RESERVED or WRITING one (`state`) at `generation` (nothing changed): the
  * slot of an aborted transfer is closed to every writer and reader until CLOCK_MONOTONIC
  * `deadline_ns`.  The CAS comes first: before it, a producer may open a RESERVED slot and
- * publish it, and stores into its entry would corrupt that row's queue position.  After
- * it the slot is ours alone: its deadline word still holds the claim's NO_POS, which no
- * one reads as passed, until the store. */
+ * publish it, and stores into its entry would corrupt that row.  After it the slot is ours
+ * alone: its deadline word (the deliveries count, which no stale step writes) still holds
+ * the claim's 0, "not yet", which nobody expires, until the store, the last step. */
 static PyObject *
 hp_quarantine(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -733,12 +736,14 @@ hp_quarantine(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
         return PyLong_FromLong(-1);
     count(h, C_QUARANTINED); /* first: see expire_quarantined */
     if (!cas(h, entry, mine, closed)) {
-        __atomic_fetch_sub(w64(h, h->counter[C_QUARANTINED]), 1, __ATOMIC_SEQ_CST);
+        /* its producer opened it first: counted as a quarantine that ended at once, so both
+         * counters only grow (they are Prometheus counters) */
+        count(h, C_QUARANTINES_ENDED);
         return PyLong_FromLong(-1);
     }
     kill_point(KILL_QUARANTINED);
-    st(h, entry + h->deadline_off, deadline);
     st(h, entry + h->stamp_off, now_ns());
+    st(h, entry + h->deadline_off, deadline ? deadline : 1); /* 0 means "not yet" */
     return PyLong_FromLong(0);
 }
 
@@ -874,7 +879,8 @@ hp_cancel(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(cancelled);
 }
 
-/* reclaim_owner(owner, drop_held) -> (writing, reserved, held dropped, redelivered):
+/* reclaim_owner(owner, drop_held) -> (writing, reserved, held dropped, redelivered,
+ * quarantined):
  * hand back every slot of `owner`.  Only for this participant's own id (a table closing, or
  * one that took over a dead participant's registry entry); reap_entry does it for others. */
 static PyObject *
@@ -901,7 +907,8 @@ entry_lock(int fd, Py_ssize_t index, short kind)
     return fcntl(fd, F_OFD_SETLK, &fl);
 }
 
-/* reap_entry(fd, index, drop_held) -> (writing, reserved, held dropped, redelivered) | None:
+/* reap_entry(fd, index, drop_held) -> (writing, reserved, held dropped, redelivered,
+ * quarantined) | None:
  * take registry entry `index`'s liveness lock (on `fd`, an open file description of this
  * participant's), and if the entry is still ACTIVE, its holder is dead: reclaim its slots,
  * free the entry, drop the lock.  None if the lock is held (alive, or another reaper) or
@@ -943,7 +950,8 @@ hp_reap_entry(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
-/* leave(fd, drop_held) -> (writing, reserved, held dropped, redelivered) | None: this
+/* leave(fd, drop_held) -> (writing, reserved, held dropped, redelivered,
+ * quarantined) | None: this
  * participant detaches — its slots are handed back as if it had died, its registry entry
  * marked free, its liveness lock dropped — in one call, once: a second call (a close()
  * retried after an interrupt) does nothing, so it can never free an entry that another
@@ -1134,8 +1142,9 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     ok = ok && h->reg_capacity > 0 && h->registry >= 0 && h->reg_entry % 8 == 0 &&
          h->reg_state >= 0 && h->reg_state % 8 == 0 && h->reg_state + 8 <= h->reg_entry &&
          h->registry + h->reg_capacity * h->reg_entry <= len;
-    Py_ssize_t words[] = {h->tag_off, h->stamp_off, h->qpos_off, h->deliveries_off};
-    for (int i = 0; i < 4; i++)
+    Py_ssize_t words[] = {h->tag_off, h->stamp_off, h->qpos_off, h->deliveries_off,
+                          h->deadline_off};
+    for (int i = 0; i < 5; i++)
         ok = ok && words[i] >= 8 && words[i] % 8 == 0 && words[i] + 8 <= h->entry_size;
     Py_ssize_t singles[6 + 3 + C_COUNT] = {h->head, h->tail, h->publish_seq, h->readers_waiting,
                                           h->readers_until, h->release_seq, h->claimers_waiting,

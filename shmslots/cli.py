@@ -52,8 +52,9 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   with S = `{"slot", "state" (null: changing while read), "generation", "owner"
   (participant index, -1 for nobody), "owner_pid", "owner_role", "owner_alive" (null when
   nobody owns it), "tag", "age_s", "deliveries" (times this publication was taken),
-  "frees_in_s" (QUARANTINED only, else null: seconds until its late-write window ends,
-  negative once it has; the next claim that finds no FREE slot, or `reap`, frees it), "older",
+  "frees_in_s" (QUARANTINED only, else null, and null until its owner has stored it:
+  seconds until its late-write window ends, negative once it has; the next claim that finds
+  no FREE slot, or `reap`, frees it), "older",
   "site" (SITE = {"file", "line", "function"}: the code that made the owner, first frame
   outside shmslots; null when not traced, ownerless or not recorded)}`.
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
@@ -300,10 +301,12 @@ def _serve(registry: Any, bind: str, port: int) -> int:
 def _reap(args: argparse.Namespace) -> int:
     before, _ = _look(args.name)
     with Reaper.open(args.name) as reaper:  # attaching reaps already
-        reaper.reap()
+        reaped = reaper.reap()
         counters = reaper.counters()
     after, dead = _look(args.name)
     done = {k: counters[k] - before.counters[k] for k in REAP_REASONS}
+    # live owners end their own quarantines meanwhile: only what this reap ended
+    done["quarantines_ended"] = reaped.get("quarantines_ended", 0)
     still_dead = {(p.index, p.pid, p.start_ticks) for p in after.participants if not p.alive}
     gone = [
         p

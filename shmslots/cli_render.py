@@ -40,7 +40,7 @@ RATES: dict[str, tuple[str, ...]] = {
     "claims": ("claims",),
     "publishes": ("publishes",),
     "releases": ("releases",),
-    "aborts": ("aborts", "cancels"),
+    "aborts": ("aborts", "cancels", "quarantined"),  # a quarantine aborts a transfer
     "reclaims": (
         "reclaimed_writing",
         "reclaimed_reserved",

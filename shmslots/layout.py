@@ -184,10 +184,12 @@ SLOT_WORD = 0  # u64 state word, see states.py
 SLOT_TAG = 8  # u64 request tag
 SLOT_STAMP = 16  # u64 CLOCK_MONOTONIC ns of the last transition
 SLOT_QUEUE_POS = 24  # u64 ready-ring position of the current publication
-# A QUARANTINED slot is in no ring entry (a claimed slot has none), so the same word holds
-# the CLOCK_MONOTONIC ns its window ends; the next claim sets the queue position again.
-SLOT_DEADLINE = SLOT_QUEUE_POS
 SLOT_DELIVERIES = 32  # u64 times this publication was taken (counted by take itself)
+# A QUARANTINED slot is never published at its generation, so its deliveries word holds the
+# CLOCK_MONOTONIC ns its window ends (0: not stored yet); the next claim sets it to 0.  Not
+# the queue position: a publisher stopped before its push stores that into a slot that
+# may have moved on since.
+SLOT_DEADLINE = SLOT_DELIVERIES
 # Call site of the current owner (traced tables only), written by the owner after the step
 # that made it owner: valid while SLOT_SITE_WORD equals the slot's state word.
 SLOT_SITE_WORD = 40  # u64 the state word the site was recorded under

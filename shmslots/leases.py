@@ -229,6 +229,8 @@ class _Handle(HandleBase):
         if table._own.hot.quarantine(self.slot, self.generation, state, deadline_ns):
             raise table._own.not_mine(self.slot, self.generation, state)
         self._open = False
+        if table._sites is not None:  # diagnostic only: whatever happens here, it stays closed
+            table._sites.record([(self.slot, self.generation)], _QUARANTINED)
         return Quarantined(table, self.slot, self.generation, self.tag, deadline_ns)
 
     def __repr__(self) -> str:

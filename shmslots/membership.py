@@ -70,7 +70,7 @@ class Membership:
                 done["requeued"] = requeued
         expired = self.own.hot.expire()
         if expired:
-            done["quarantines_ended"] = expired
+            done["quarantines_ended"] += expired
         done = +done
         if done and self.arena is not None:
             done["arena_pages_freed"] = self.arena.collect(self.own.generation)

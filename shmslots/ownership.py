@@ -36,7 +36,13 @@ _M64 = (1 << 64) - 1
 STRANDED_AGE_NS = 200_000_000
 STRANDED_CHECK_S = 0.5
 # What reclaim_owner and reap_entry return, in order.
-RECLAIMED = ("reclaimed_writing", "reclaimed_reserved", "reclaimed_held_dropped", "redelivered")
+RECLAIMED = (
+    "reclaimed_writing",
+    "reclaimed_reserved",
+    "reclaimed_held_dropped",
+    "redelivered",
+    "quarantines_ended",
+)
 
 if {s.name: int(s) for s in State} != _hotpath.STATES or {
     e.name: int(e) for e in Event

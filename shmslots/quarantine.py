@@ -43,11 +43,11 @@ class Quarantine:
             self._held = deque(q for q in self._held if q.held)
         return len(self._held)
 
-    def hold(self, handle: Reservation | WriteSlot) -> None:
+    def hold(self, handle: Reservation | WriteSlot) -> bool:
         """Quarantine a reservation whose transfer was aborted, or a write slot whose row
-        was refused while a write may still be landing.  One that already ended, or that
-        its producer opened, is not held (the slot is the producer's); one held already
-        has ended, and is refused."""
+        was refused while a write may still be landing; whether it is held now.  One that
+        already ended, or that its producer opened, is not held (the slot is the
+        producer's); one held already has ended, and is refused."""
         if not isinstance(handle, (Reservation, WriteSlot)):
             raise InvalidArgument(f"a quarantine holds Reservations, not {handle!r}")
         if not handle._open:
@@ -60,12 +60,13 @@ class Quarantine:
                 raise InvalidArgument(
                     f"slot {handle.slot} (generation {handle.generation}) is held already"
                 )
-            return
+            return False
         try:
             self._held.append(handle.quarantine(self.window_s))
         except OwnershipError:  # its producer opened it first: the slot is the producer's
-            return
+            return False
         self.sweep()
+        return True
 
     def sweep(self) -> int:
         """Free every held slot whose window has passed; returns how many.  Each is freed

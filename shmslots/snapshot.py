@@ -27,7 +27,7 @@ from .states import State, generation_of, known, owner_of, state_of
 from .tracing import CallSite, Holding, holdings, site_of
 from .validate import INSPECT_WAIT_S, read_schema, read_valid_header
 
-_ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position (or deadline), deliveries
+_ENTRY = struct.Struct("<QQQQQ")  # word, tag, stamp, queue position, deliveries (or deadline)
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class TableView:
         self.layout.check_slot(slot)
         entry = self.layout.slot_entry(slot)
         mm = self._segment.mm
-        word, tag, stamp, deadline, deliveries = _ENTRY.unpack_from(mm, entry)
+        word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)
         steady = self._u64(entry) == word
         if stamp:
             age = max(0, time.monotonic_ns() - stamp) / 1e9
@@ -146,7 +146,10 @@ class TableView:
         # a word of no state this version knows shows as changing, not as garbage
         state = state_of(word) if steady and known(word) else None
         site = site_of(mm, self.layout, slot, word) if state is not None else None
-        frees_in = (deadline - time.monotonic_ns()) / 1e9 if state is State.QUARANTINED else None
+        frees_in = None
+        if state is State.QUARANTINED:  # its deliveries word is its deadline (layout.py)
+            deadline, deliveries = deliveries, 0
+            frees_in = (deadline - time.monotonic_ns()) / 1e9 if deadline else None
         return SlotSnapshot(
             slot,
             state,

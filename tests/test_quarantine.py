@@ -27,6 +27,7 @@ from shmslots import (
     State,
     _hotpath,
 )
+from shmslots import layout as L
 from shmslots.snapshot import TableView
 
 
@@ -114,7 +115,7 @@ def test_a_dead_owners_quarantined_slots_are_freed_at_once(name: str, children: 
         assert proc.exitcode == -signal.SIGKILL
         assert t.stats().states["QUARANTINED"] == 2
         done = t.reap()
-        assert done["participants_reaped"] == 1
+        assert done["participants_reaped"] == 1 and done["quarantines_ended"] == 2
         assert t.stats().states["FREE"] == 2 and t.check_consistency() == []
         assert t.stats().counters["quarantines_ended"] == 2
 
@@ -200,6 +201,9 @@ def test_an_owner_killed_inside_a_quarantine_step_leaves_expiry_working(
         assert proc.exitcode == -signal.SIGKILL
         state = t.slot_info(0)[0]
         assert state is (State.QUARANTINED if point == KILL_QUARANTINED else State.RECLAIMING)
+        if point == KILL_QUARANTINED:  # closed, its deadline not stored: none is shown
+            with TableView.open(name) as view:
+                assert view.slot(0).frees_in_s is None
         t.reap()
         assert t.stats().states["FREE"] == 1 and t.check_consistency() == []
         counters = t.stats().counters
@@ -209,3 +213,27 @@ def test_an_owner_killed_inside_a_quarantine_step_leaves_expiry_working(
             ws = other.claim(timeout=5.0)  # frees it once its window has passed
             assert ws.slot == held.slot and not held.held
             ws.abort()
+
+
+def test_a_stale_push_cannot_cut_a_quarantine_short(name: str) -> None:
+    """A publisher stopped between READY and its push stores the ring position into the
+    slot entry when it resumes, though the slot has moved on since (taken, released,
+    quarantined): the deadline kept in that word became a ring position, long passed."""
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        held = t.reserve(tag=1).quarantine(3600.0)
+        own = t._own
+        own.a.store(own.entry(held.slot) + L.SLOT_QUEUE_POS, 0)  # the stale push's store
+        with SlotTable.attach(name, "other") as other:
+            with pytest.raises(SlotsExhausted):
+                other.claim(timeout=0.05)
+            assert other.reap() == {}
+        assert held.held and held.end()
+
+
+def test_a_quarantined_slot_keeps_its_call_site(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=2, trace=True) as t:
+        held = t.reserve(tag=1).quarantine(60.0)
+        (holding,) = t.holdings()
+        assert holding.slots == [held.slot] and holding.states == {"QUARANTINED": 1}
+        assert holding.site.function == "test_a_quarantined_slot_keeps_its_call_site"
+        held.end()

@@ -240,8 +240,8 @@ class RemoteServer:
                 ws.end()  # unpublished: aborted; published: nothing left to do
 
     def _hold(self, handle: Reservation | WriteSlot) -> None:
-        self._quarantine.hold(handle)
-        self.stats.quarantined += 1
+        if self._quarantine.hold(handle):
+            self.stats.quarantined += 1
 
     def _expire(self, now: float) -> None:
         while self._pending:

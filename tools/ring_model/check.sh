@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Model-check the ready ring (ring.pml) with Spin: every cast explored whole for the safety
-# properties, and all but the largest for livelocks (about 30 s in all on 2 cores).  The ring-full test from before the model (-DWRAPPING_FULL_CHECK) must
+# properties, and all but the largest for livelocks (about 40 s in all on 2 cores).  The ring-full test from before the model (-DWRAPPING_FULL_CHECK) must
 # fail it: a model that cannot find the bug it found is no check.
 # Needs `spin` (Debian: apt-get install spin) and gcc.
 set -euo pipefail
