@@ -31,6 +31,11 @@ def load() -> tuple[Any, tuple[type[Exception], ...]]:
         # the wheel's own libnl-route, whose destructor crashes every process that made an
         # agent as it exits (SIGSEGV in rtnl_tc_unregister, nixl-cu12 1.5.1)
         os.environ.setdefault("UCX_MODULES", "^ib*,rdmacm")
+    # On one host UCX writes with CMA (process_vm_writev): the bytes land in the owner's
+    # memory with no step of the owner's, so closing its engine would not stop a writer
+    # that has not yet seen the disconnect.  Over TCP the owner's worker applies each
+    # write, and a closed engine applies none (RemoteServer.close relies on it).
+    os.environ.setdefault("UCX_TLS", "^cma")
     try:  # the `nixl` meta-package where installed (as SGLang imports it), else the wheel
         from nixl import _api, _bindings
     except ImportError:
