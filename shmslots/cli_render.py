@@ -40,7 +40,7 @@ RATES: dict[str, tuple[str, ...]] = {
     "claims": ("claims",),
     "publishes": ("publishes",),
     "releases": ("releases",),
-    "aborts": ("aborts", "cancels", "quarantined"),  # a quarantine aborts a transfer
+    "aborts": ("aborts", "quarantined"),  # a cancel counts in aborts; a quarantine aborts too
     "reclaims": (
         "reclaimed_writing",
         "reclaimed_reserved",
