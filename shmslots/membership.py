@@ -68,10 +68,8 @@ class Membership:
             requeued = self.own.hot.requeue_stranded(0)
             if requeued:
                 done["requeued"] = requeued
-        expired = self.own.hot.expire()
-        if expired:
-            done["quarantines_ended"] += expired
-        done = +done
+        done["quarantines_ended"] += self.own.hot.expire()
+        done = +done  # drops the reasons of nothing done
         if done and self.arena is not None:
             done["arena_pages_freed"] = self.arena.collect(self.own.generation)
         return done

@@ -73,16 +73,19 @@ class Quarantine:
         before it is forgotten (`end` may be called again), so an interrupt between the two
         leaves it in the book, never closed and forgotten (and even then anyone frees it
         once its deadline has passed)."""
-        now, freed = time.monotonic_ns(), 0
-        while self._held and self._held[0].deadline_ns <= now:
-            self._held[0].end()
-            self._held.popleft()
-            freed += 1
+        freed = self._end_until(time.monotonic_ns())
         self.released += freed
         return freed
 
     def close(self) -> None:
         """Free everything held now (the owner is closing: its engine stops writing)."""
-        while self._held:
+        self._end_until(None)
+
+    def _end_until(self, now_ns: int | None) -> int:
+        """Free and forget, in deadline order, every slot due by `now_ns` (None: all)."""
+        ended = 0
+        while self._held and (now_ns is None or self._held[0].deadline_ns <= now_ns):
             self._held[0].end()
             self._held.popleft()
+            ended += 1
+        return ended
