@@ -1,4 +1,4 @@
-"""Only the compiled modules live here; all metadata is in pyproject.toml."""
+"""Only the compiled module lives here; all metadata is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -10,12 +10,15 @@ FLAGS = [
     "-Wno-missing-field-initializers",
     "-Wno-unused-parameter",
 ]
+FILES = ["module", "atomic", "hotpath", "rowcodec", "leases"]
 
 setup(
     ext_modules=[
-        Extension("shmslots._atomic", sources=["shmslots/_atomic.c"], extra_compile_args=FLAGS),
-        Extension("shmslots._hotpath", sources=["shmslots/_hotpath.c"], extra_compile_args=FLAGS),
-        Extension("shmslots._rowcodec", sources=["shmslots/_rowcodec.c"], extra_compile_args=FLAGS),
-        Extension("shmslots._leases", sources=["shmslots/_leases.c"], extra_compile_args=FLAGS),
+        Extension(
+            "shmslots._core",
+            sources=[f"shmslots/csrc/{name}.c" for name in FILES],
+            depends=["shmslots/csrc/core.h"],
+            extra_compile_args=FLAGS,
+        )
     ]
 )

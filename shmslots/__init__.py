@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._rowcodec import row_hash
+from ._core import row_hash
 from .errors import (
     CorruptTable,
     IncompatibleTable,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import layout as L
-from ._atomic import AtomicView
+from ._core import AtomicView
 
 _GEN = 0xFFFF_FFFF
 

@@ -59,7 +59,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from ._atomic import load_acquire, store_release
+from ._core import load_acquire, store_release
 from .errors import CorruptTable, IncompatibleTable, InvalidArgument, InvalidSlot
 from .units import fmt_bytes
 
@@ -213,7 +213,7 @@ NO_QUEUE_POS = 0xFFFF_FFFF_FFFF_FFFF
 # SEALS entry (relative to the entry start).
 SEAL_ENTRY = 16
 SEAL_GENERATION = 0  # u64 generation the row was published under
-SEAL_CHECKSUM = 8  # u32 checksum of the row's items (_rowcodec.c)
+SEAL_CHECKSUM = 8  # u32 checksum of the row's items (csrc/rowcodec.c)
 SEAL = struct.Struct("<QI")  # generation, checksum, as at SEAL_GENERATION and SEAL_CHECKSUM
 
 MAX_SLOTS = 1 << 20  # ring cells carry a 20-bit slot index

@@ -10,7 +10,7 @@ Each handle is single-use: after publish/release/abort every method raises
 `StaleLeaseError`, so a view cannot outlive ownership by accident.
 
 The per-request steps (write, publish, abort; view, release) run compiled in
-_leases.c for the plain case; anything else, every error included, comes to
+csrc/leases.c for the plain case; anything else, every error included, comes to
 the `_..._slow` and `_end` methods here before anything has changed.  Those
 end with `_hand_back`, one compiled call that makes the transition and closes
 the handle together.  A handle collected while it still owns its slot hands
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ._leases import HandleBase, HandleCore, LeaseCore, WatchedTensors, WriteSlotCore
+from ._core import HandleBase, HandleCore, LeaseCore, WatchedTensors, WriteSlotCore
 from .errors import (
     InvalidArgument,
     LeakedViewError,
@@ -72,8 +72,6 @@ def handle_core(
         WriteSlot,
         Lease,
         Reservation,
-        events=(int(Event.CLAIM), int(Event.RESERVE), _RELEASE, _ABORT, _REDELIVER, _PUBLISH),
-        states=(_WRITING, _RESERVED, _HELD),
         nfields=len(rows.schema.slots),
         plain_claim=not rows.schema.has_handles,
         strict=strict,

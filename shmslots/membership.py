@@ -13,7 +13,7 @@ import io
 from collections import Counter
 
 from . import layout as L
-from ._atomic import AtomicView
+from ._core import AtomicView
 from .arena import Arena
 from .ownership import RECLAIMED, Ownership
 from .participants import Registry

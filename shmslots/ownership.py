@@ -1,7 +1,7 @@
-"""The slot protocol's Python side: builds the compiled steps (_hotpath.c) from states.py
+"""The slot protocol's Python side: builds the compiled steps (csrc/hotpath.c) from states.py
 and layout.py, checks their numbering, and reads what they leave for observation.
 
-Every transition is one call into _hotpath.c, which runs no Python code, so an exception or
+Every transition is one call into csrc/hotpath.c, which runs no Python code, so an exception or
 a signal's handler can land only before or after it.  The rules those calls keep (the
 bitmap, reservations, ready first, the ring, deliveries, reaping) are in docs/protocol.md.
 """
@@ -12,10 +12,9 @@ import mmap
 from collections import Counter
 from collections.abc import Iterable
 
-from . import _hotpath
+from . import _core
 from . import layout as L
-from ._atomic import AtomicView
-from ._hotpath import HotPath
+from ._core import AtomicView, HotPath
 from .errors import CorruptTable, OwnershipError
 from .states import (
     OWNER_CHECKED,
@@ -44,10 +43,10 @@ RECLAIMED = (
     "quarantines_ended",
 )
 
-if {s.name: int(s) for s in State} != _hotpath.STATES or {
+if {s.name: int(s) for s in State} != _core.STATES or {
     e.name: int(e) for e in Event
-} != _hotpath.EVENTS:
-    raise ImportError("shmslots._hotpath was built for another states.py: reinstall shmslots")
+} != _core.EVENTS:
+    raise ImportError("shmslots._core was built for another states.py: reinstall shmslots")
 
 
 def _transition_table() -> bytes:
@@ -97,7 +96,7 @@ def hot_path(buffer: mmap.mmap, lay: L.Layout, me: int) -> HotPath:
         reg_entry=L.REGISTRY_ENTRY,
         reg_capacity=lay.registry_capacity,
         reg_state=L.REG_STATE,
-        counters=tuple(lay.counters + L.COUNTER_OFFSET[name] for name in _hotpath.COUNTERS),
+        counters=tuple(lay.counters + L.COUNTER_OFFSET[name] for name in _core.COUNTERS),
         hist_held=lay.histograms + L.HISTOGRAM_OFFSET["held"],
         hist_ready=lay.histograms + L.HISTOGRAM_OFFSET["ready_wait"],
         hist_sum=L.HIST_SUM,

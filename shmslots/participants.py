@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from . import layout as L
-from ._atomic import AtomicView
+from ._core import AtomicView
 from .errors import RegistryFull
 
 FREE = 0

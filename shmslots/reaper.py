@@ -11,7 +11,7 @@ import os
 from collections import Counter
 
 from . import layout as L
-from ._atomic import AtomicView
+from ._core import AtomicView
 from .membership import Membership
 from .segment import Segment
 from .validate import read_schema, read_valid_header

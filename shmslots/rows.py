@@ -18,16 +18,23 @@ from typing import Any, Protocol
 
 import torch
 
-from ._atomic import AtomicView
-from ._leases import WatchedTensors
-from ._rowcodec import NUMBER_WRITES, REASONS, SCALARS, RowCodec, Rules, row_hash
+from ._core import (
+    NUMBER_WRITES,
+    REASONS,
+    SCALARS,
+    AtomicView,
+    RowCodec,
+    Rules,
+    WatchedTensors,
+    row_hash,
+)
 from .errors import SchemaError
 from .layout import SEAL, SEAL_ENTRY
 from .schema import DTYPE_CODES, Field, RowSchema
 from .segment import address_of
 
 # The checks on a tensor before its bytes are copied into shared memory, in one place
-# (_rowcodec.c): every path asks them, the compiled write included; this file words them.
+# (csrc/rowcodec.c): every path asks them, the compiled write included; this file words them.
 RULES = Rules(
     torch.Tensor,
     torch.UntypedStorage,
@@ -36,7 +43,7 @@ RULES = Rules(
     torch.empty,
     torch.device("cpu"),
 )
-# Reason codes of RULES.check, as _rowcodec.c exports them.  0: the bytes may be copied as
+# Reason codes of RULES.check, as csrc/rowcodec.c exports them.  0: the bytes may be copied as
 # they are.  Positive, bits: acceptable once torch has made a plain copy (also NEGATED,
 # SUBCLASS).  Negative: refused.
 PLAIN = REASONS["PLAIN"]
@@ -192,7 +199,7 @@ class Rows:
         return plan
 
     def write_plain(self, slot: int, values: dict[str, Any]) -> bool:
-        """Write values in one compiled call if all are the plain case (see _rowcodec.c);
+        """Write values in one compiled call if all are the plain case (see csrc/rowcodec.c);
         False, with nothing written, sends the caller to prepare() and write()."""
         return self._codec is not None and self._codec.write(slot, values)
 
@@ -255,7 +262,7 @@ class Rows:
 
 
 # how RowCodec reads a field of one element as a number, and writes one of shape () from
-# one (the rest it reads only), as _rowcodec.c exports them
+# one (the rest it reads only), as csrc/rowcodec.c exports them
 _CODEC_ITEMS = {name: kind for name, kind in SCALARS.items() if name != "handle"}
 _CODEC_SCALARS = {name: _CODEC_ITEMS[name] for name in NUMBER_WRITES}
 _CODEC_HANDLE = SCALARS["handle"]

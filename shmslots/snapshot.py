@@ -17,7 +17,7 @@ from typing import Any
 
 from . import layout as L
 from . import validate
-from ._rowcodec import row_hash
+from ._core import row_hash
 from .errors import CorruptTable
 from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader

@@ -1,6 +1,6 @@
 """SlotTable: create or attach a table, and the calls that move slots.
 
-This is the public face; the protocol is docs/protocol.md (compiled in _hotpath.c, built by
+This is the public face; the protocol is docs/protocol.md (compiled in csrc/hotpath.c, built by
 ownership.py), the bytes in layout.py, the legal transitions in states.py, joining and
 leaving in membership.py.
 """
@@ -21,8 +21,7 @@ import torch
 
 from . import layout as L
 from . import orphans
-from ._atomic import AtomicView
-from ._leases import HandleBase
+from ._core import AtomicView, HandleBase
 from .errors import (
     CorruptTable,
     InvalidArgument,

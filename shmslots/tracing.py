@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 
 from . import layout as L
-from ._atomic import AtomicView
+from ._core import AtomicView
 from .states import owner_of, pack
 
 TRACE_ENV = "SHMSLOTS_TRACE"

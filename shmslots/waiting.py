@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ._atomic import AtomicView
+from ._core import AtomicView
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shmslots._atomic import AtomicView, load_acquire, store_release
+from shmslots._core import AtomicView, load_acquire, store_release
 
 
 def test_cas_load_store_and_rmw() -> None:

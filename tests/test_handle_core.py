@@ -1,4 +1,4 @@
-"""The compiled handle steps (_leases.c): they agree with the Python rules and refuse misuse."""
+"""The compiled handle steps (csrc/leases.c): they agree with the Python rules and refuse misuse."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from shmslots import (
     StaleLeaseError,
     State,
 )
-from shmslots._leases import HandleBase, HandleCore, WatchedTensors
+from shmslots._core import HandleBase, HandleCore, WatchedTensors
 from shmslots.leases import Lease, WriteSlot
 
 

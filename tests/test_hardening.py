@@ -210,7 +210,7 @@ def _value_for(code: str, original: int | bytes) -> st.SearchStrategy[Any]:
     return st.integers(0, top) | near | st.sampled_from([0, 1, 64, top, top // 2 + 1])
 
 
-# A ready-ring cell is empty for position p when it holds p << 21 (see _hotpath.c).
+# A ready-ring cell is empty for position p when it holds p << 21 (see csrc/hotpath.c).
 _RING_POS_SHIFT = 21
 
 

@@ -25,7 +25,7 @@ from shmslots import (
     SlotTable,
     StaleLeaseError,
     State,
-    _hotpath,
+    _core,
 )
 from shmslots import layout as L
 from shmslots.snapshot import TableView
@@ -172,7 +172,10 @@ def test_a_view_kept_past_a_quarantine_is_reported(name: str) -> None:
         del view
 
 
-KILL_QUARANTINED, KILL_RECLAIMING = 1, 2  # _hotpath.c's kill points
+KILL_QUARANTINED, KILL_RECLAIMING = (
+    _core.KILL_POINTS["QUARANTINED"],
+    _core.KILL_POINTS["RECLAIMING"],
+)
 
 
 def _quarantine_killed_at(name: str, point: int) -> None:
@@ -180,10 +183,10 @@ def _quarantine_killed_at(name: str, point: int) -> None:
     booked = t.reserve(tag=6)
     if point == KILL_RECLAIMING:  # killed while freeing it: RECLAIMING, never FREE
         held = booked.quarantine(0.0)
-        _hotpath._kill_at(point)
+        _core._kill_at(point)
         held.end()
     else:  # killed just after closing it, before its deadline is stored
-        _hotpath._kill_at(point)
+        _core._kill_at(point)
         booked.quarantine(3600.0)
     raise SystemExit("the kill point was not reached")
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmslots import Field, SchemaError, SlotTable
-from shmslots._rowcodec import RowCodec, row_hash
+from shmslots._core import RowCodec, row_hash
 from shmslots.rows import RULES, Rows
 
 FIELDS = (

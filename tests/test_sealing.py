@@ -4,7 +4,7 @@ keep() used to change the state before it sealed, while publish sealed before: a
 SIGKILLed between the two left a kept (HELD) row under a stale seal, which the reaper
 redelivered and a strict reader refused, so a committed row was lost.  Now both prove the
 slot is theirs, seal, then move it.  A child is SIGKILLed at each point, inside the compiled
-step (`_leases._kill_at`), and the table is checked with public calls after a reap.
+step (`_core._kill_at`), and the table is checked with public calls after a reap.
 """
 
 from __future__ import annotations
@@ -12,16 +12,18 @@ from __future__ import annotations
 import pytest
 from conftest import SMALL, Children, small_row
 
-from shmslots import SlotTable, _leases
+from shmslots import SlotTable, _core
 
-PUBLISH_SEALED, KEEP_SEALED, KEEP_HELD = 1, 2, 3  # _leases.c's kill points
+PUBLISH_SEALED, KEEP_SEALED, KEEP_HELD = (
+    _core.KILL_POINTS[p] for p in ("PUBLISH_SEALED", "KEEP_SEALED", "KEEP_HELD")
+)
 
 
 def _write_then_die(name: str, op: str, point: int) -> None:
     table = SlotTable.attach(name, "writer")
     ws = table.claim(tag=7)
     ws.write(**small_row(7))
-    _leases._kill_at(point)
+    _core._kill_at(point)
     if op == "publish":
         ws.publish()
     else:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._atomic import AtomicView
+from .._core import AtomicView
 from ..errors import InvalidArgument, SchemaError
 from ..rows import ColumnBlock, Rows
 from ..schema import RowSchema

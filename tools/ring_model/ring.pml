@@ -1,4 +1,4 @@
-/* The ready ring of shmslots/_hotpath.c and the slot words it queues, for Spin.
+/* The ready ring of shmslots/csrc/hotpath.c and the slot words it queues, for Spin.
  *
  * Every shared access is one atomic step, as in the C code: a load, a store, or a
  * compare-and-swap (an `atomic` block).  Spin explores every interleaving of each of four

@@ -33,12 +33,11 @@
  * and passes each of COUNTERS its offset by name).  tests/test_hotpath.py holds the compiled transitions against
  * states.next_word for every state, event and actor.
  *
- * The ready ring's cell format (POS_BITS, FULL, SLOT_MASK below), its steps and the
- * memory ordering are stated in docs/protocol.md (The ready ring, Memory ordering).
+ * The slot word and the ready ring's cell are defined in core.h; the ring's steps and the
+ * memory ordering are stated in docs/protocol.md (The ready ring, Memory ordering).  The
+ * steps a handle makes (hot_*) are declared there too, for leases.c to call directly.
  */
-#define _GNU_SOURCE
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "core.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -52,21 +51,12 @@
 #define NSTATES 16
 #define NEVENTS 16
 #define NONE 0xFF
-#define POS_BITS 43
-#define POS_MASK ((UINT64_C(1) << POS_BITS) - 1)
-#define FULL (UINT64_C(1) << 20)
-#define SLOT_MASK (FULL - 1)
 #define NO_POS UINT64_MAX
 #define REG_ACTIVE 1
 #define REG_FREE 0
 #define HIST_MAX_BOUNDS 31
 
-/* The numbering of states.py, checked by ownership.py against STATES and EVENTS. */
-enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_QUARANTINED, S_COUNT };
-enum {
-    E_CLAIM, E_RESERVE, E_OPEN_RESERVED, E_PUBLISH, E_TAKE, E_RELEASE, E_ABORT, E_RECLAIM,
-    E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_QUARANTINE, E_EXPIRE, E_COUNT
-};
+/* The names of core.h's numbering, exported for ownership.py to check against states.py. */
 static const char *state_names[] = {"FREE", "RESERVED",   "WRITING",    "READY",
                                     "HELD", "RECLAIMING", "QUARANTINED"};
 static const char *event_names[] = {"CLAIM",     "RESERVE", "OPEN_RESERVED", "PUBLISH", "TAKE",
@@ -84,7 +74,7 @@ static const char *counter_names[] = {
     "reclaimed_writing", "reclaimed_reserved", "reclaimed_held_dropped", "redelivered",
     "participants_reaped", "quarantined", "quarantines_ended"};
 
-typedef struct {
+struct HotPath {
     PyObject_HEAD
     Py_buffer buf;
     int held;
@@ -111,7 +101,7 @@ typedef struct {
     Py_ssize_t hint;
     int left; /* leave() has run: this participant's registry entry is no longer ours */
     PyObject *corrupt; /* exception class for a segment that breaks the protocol's rules */
-} HotPath;
+};
 
 static inline uint64_t *w64(HotPath *h, Py_ssize_t off) { return (uint64_t *)(h->base + off); }
 static inline uint64_t ld(HotPath *h, Py_ssize_t off) { return __atomic_load_n(w64(h, off), __ATOMIC_SEQ_CST); }
@@ -128,21 +118,13 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 static inline Py_ssize_t entry_of(HotPath *h, Py_ssize_t slot) { return h->entries + slot * h->entry_size; }
-static inline uint64_t empty_cell(uint64_t pos) { return (pos & POS_MASK) << 21; }
-static inline uint64_t full_cell(uint64_t pos, uint64_t slot) { return ((pos & POS_MASK) << 21) | FULL | slot; }
-static inline unsigned state_of(uint64_t word) { return (unsigned)(word & 0xFFFF); }
-static inline uint64_t owner_of(uint64_t word) { return (word >> 16) & 0xFFFF; }
-static inline uint64_t owned_word(uint64_t gen, uint64_t owner, unsigned state)
-{
-    return ((gen & 0xFFFFFFFFu) << 32) | (owner << 16) | state;
-}
 
 /* states.next_word, table driven; returns 0 and sets *out, or -1 if illegal. */
 static int
 transition(HotPath *h, uint64_t word, int event, uint64_t actor, uint64_t *out)
 {
     unsigned state = state_of(word);
-    uint64_t gen = word >> 32;
+    uint64_t gen = generation_of(word);
     if (state >= NSTATES || event < 0 || event >= NEVENTS || h->next[state][event] == NONE)
         return -1;
     if ((h->owner_checked >> event & 1) && owner_of(word) != actor)
@@ -185,18 +167,6 @@ observe(HotPath *h, Py_ssize_t hist, uint64_t since, uint64_t now)
 }
 static inline void set_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_or(w64(h, h->bitmap + 8 * (slot >> 6)), UINT64_C(1) << (slot & 63), __ATOMIC_SEQ_CST); }
 static inline void clear_bit(HotPath *h, Py_ssize_t slot) { __atomic_fetch_and(w64(h, h->bitmap + 8 * (slot >> 6)), ~(UINT64_C(1) << (slot & 63)), __ATOMIC_SEQ_CST); }
-
-/* Test-only: SIGKILL this process at one point inside a step (tests/test_quarantine.py sets
- * it through _kill_at in a child); 0, the default, is never a point. */
-enum { KILL_NONE, KILL_QUARANTINED, KILL_RECLAIMING };
-static int kill_at = KILL_NONE;
-
-static inline void
-kill_point(int point)
-{
-    if (kill_at == point)
-        raise(SIGKILL);
-}
 
 /* -- ready ring -------------------------------------------------------------------- */
 
@@ -508,14 +478,51 @@ expire_quarantined(HotPath *h, uint64_t now)
 
 /* -- argument checks -------------------------------------------------------------------- */
 
+/* Whether this participant may act through `h`; error set if not. */
 static int
-need(HotPath *h, Py_ssize_t nargs, Py_ssize_t want, const char *name)
+acting(HotPath *h)
 {
     if (!h->held || h->left) {
         PyErr_SetString(PyExc_ValueError,
                         h->left ? "this participant has left the table" : "HotPath is released");
         return 0;
     }
+    return 1;
+}
+
+static int
+in_range(HotPath *h, Py_ssize_t slot)
+{
+    if (slot < 0 || slot >= h->nslots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd out of range", slot);
+        return 0;
+    }
+    return 1;
+}
+
+/* A generation is the slot word's 32 bits (core.h); error set if `gen` is not one. */
+static int
+generation_fits(uint64_t gen)
+{
+    if (gen > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_OverflowError, "generation is 32 bits");
+        return 0;
+    }
+    return 1;
+}
+
+/* What every step a handle makes checks first (core.h). */
+static int
+may_step(HotPath *h, Py_ssize_t slot, uint64_t gen)
+{
+    return acting(h) && in_range(h, slot) && generation_fits(gen);
+}
+
+static int
+need(HotPath *h, Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (!acting(h))
+        return 0;
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
         return 0;
@@ -529,25 +536,14 @@ slot_arg(HotPath *h, PyObject *o, Py_ssize_t *slot)
     *slot = PyLong_AsSsize_t(o);
     if (*slot == -1 && PyErr_Occurred())
         return 0;
-    if (*slot < 0 || *slot >= h->nslots) {
-        PyErr_Format(PyExc_IndexError, "slot %zd out of range", *slot);
-        return 0;
-    }
-    return 1;
+    return in_range(h, *slot);
 }
 
 static int
 gen_arg(PyObject *o, uint64_t *gen)
 {
-    unsigned long long g = PyLong_AsUnsignedLongLong(o);
-    if (PyErr_Occurred())
-        return 0;
-    if (g > 0xFFFFFFFFu) {
-        PyErr_SetString(PyExc_OverflowError, "generation is 32 bits");
-        return 0;
-    }
-    *gen = g;
-    return 1;
+    *gen = PyLong_AsUnsignedLongLong(o);
+    return !PyErr_Occurred() && generation_fits(*gen);
 }
 
 /* -- methods ---------------------------------------------------------------------------- */
@@ -593,17 +589,43 @@ acquire_scan(HotPath *h, int event, uint64_t tag, uint64_t *generation, int *ski
             }
             count(h, event == E_RESERVE ? C_RESERVES : C_CLAIMS);
             h->hint = wi;
-            *generation = mine >> 32;
+            *generation = generation_of(mine);
             return slot;
         }
     }
     return -1;
 }
 
-/* acquire(event, tag) -> (slot, generation) | None
- * CLAIM: FREE -> WRITING(me).  RESERVE: the same, then -> RESERVED(me) once the bit, tag
+/* CLAIM: FREE -> WRITING(me).  RESERVE: the same, then -> RESERVED(me) once the bit, tag
  * and queue position are set, so no producer can open a reservation still being made.
- * FREE slots held back by stale entries at the ring's head are freed up by popping those. */
+ * FREE slots held back by stale entries at the ring's head are freed up by popping those,
+ * and QUARANTINED ones whose window has ended by expiring them. */
+int
+hot_acquire(HotPath *h, int event, uint64_t tag, Py_ssize_t *slot, uint64_t *gen)
+{
+    if (!acting(h))
+        return STEP_ERROR;
+    if (event != E_CLAIM && event != E_RESERVE) {
+        PyErr_SetString(PyExc_ValueError, "acquire takes CLAIM or RESERVE");
+        return STEP_ERROR;
+    }
+    int skipped = 0;
+    *slot = acquire_scan(h, event, tag, gen, &skipped);
+    if (*slot < 0 && skipped) {
+        int dropped = drop_stale_heads(h);
+        if (dropped == RING_CORRUPT) {
+            corrupt_ring(h);
+            return STEP_ERROR;
+        }
+        if (dropped)
+            *slot = acquire_scan(h, event, tag, gen, &skipped);
+    }
+    if (*slot < 0 && expire_quarantined(h, now_ns()))
+        *slot = acquire_scan(h, event, tag, gen, &skipped);
+    return *slot >= 0;
+}
+
+/* acquire(event, tag) -> (slot, generation) | None: hot_acquire. */
 static PyObject *
 hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -611,48 +633,87 @@ hp_acquire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     int event = (int)PyLong_AsLong(args[0]);
     unsigned long long tag = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    if (event != E_CLAIM && event != E_RESERVE) {
-        PyErr_SetString(PyExc_ValueError, "acquire takes CLAIM or RESERVE");
-        return NULL;
-    }
+    Py_ssize_t slot;
     uint64_t gen = 0;
-    int skipped = 0;
-    Py_ssize_t slot = acquire_scan(h, event, tag, &gen, &skipped);
-    if (slot < 0 && skipped) {
-        int dropped = drop_stale_heads(h);
-        if (dropped == RING_CORRUPT)
-            return corrupt_ring(h);
-        if (dropped)
-            slot = acquire_scan(h, event, tag, &gen, &skipped);
-    }
-    if (slot < 0 && expire_quarantined(h, now_ns()))
-        slot = acquire_scan(h, event, tag, &gen, &skipped);
-    if (slot < 0)
-        Py_RETURN_NONE;
-    PyObject *got = Py_BuildValue("(nK)", slot, (unsigned long long)gen);
-    if (!got) /* out of memory: the slot goes back rather than stay owned by nobody */
+    int got = hot_acquire(h, event, tag, &slot, &gen);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *pair = Py_BuildValue("(nK)", slot, (unsigned long long)gen);
+    if (!pair) /* out of memory: the slot goes back rather than stay owned by nobody */
         to_free(h, slot, owned_word(gen, h->me, event == E_RESERVE ? S_RESERVED : S_WRITING),
                 E_ABORT);
-    return got;
+    return pair;
 }
 
-/* open_reserved(slot, generation) -> tag | None: RESERVED(anyone, generation) -> WRITING(me),
- * or None if the slot is not reserved at that generation (nothing changed). */
+/* RESERVED(anyone, generation) -> WRITING(me). */
+int
+hot_open_reserved(HotPath *h, Py_ssize_t slot, uint64_t gen, uint64_t *tag)
+{
+    uint64_t mine;
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
+    Py_ssize_t entry = entry_of(h, slot);
+    uint64_t word = ld(h, entry);
+    if (state_of(word) != S_RESERVED || generation_of(word) != gen ||
+        transition(h, word, E_OPEN_RESERVED, h->me, &mine) != 0 || !cas(h, entry, word, mine))
+        return 0;
+    st(h, entry + h->stamp_off, now_ns());
+    *tag = ld(h, entry + h->tag_off);
+    return 1;
+}
+
+/* open_reserved(slot, generation) -> tag | None (not reserved at that generation: nothing
+ * changed). */
 static PyObject *
 hp_open_reserved(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
-    uint64_t gen, mine;
+    uint64_t gen, tag;
     if (!need(h, nargs, 2, "open_reserved") || !slot_arg(h, args[0], &slot) ||
         !gen_arg(args[1], &gen))
         return NULL;
+    int opened = hot_open_reserved(h, slot, gen, &tag);
+    if (opened <= 0)
+        return opened < 0 ? NULL : Py_NewRef(Py_None);
+    return PyLong_FromUnsignedLongLong(tag);
+}
+
+/* A step's code as the Python methods return it: NULL for STEP_ERROR (error set). */
+static PyObject *
+code(int step)
+{
+    return step == STEP_ERROR ? NULL : PyLong_FromLong(step);
+}
+
+/* WRITING(me) -> READY, then queued: STEP_DONE, STEP_REFUSED (not this participant's WRITING
+ * slot), STEP_QUEUE_FULL (the ring full of live entries: nothing changed). */
+int
+hot_publish(HotPath *h, Py_ssize_t slot, uint64_t gen)
+{
+    uint64_t ready;
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
     Py_ssize_t entry = entry_of(h, slot);
-    uint64_t word = ld(h, entry);
-    if (state_of(word) != S_RESERVED || (word >> 32) != gen ||
-        transition(h, word, E_OPEN_RESERVED, h->me, &mine) != 0 || !cas(h, entry, word, mine))
-        Py_RETURN_NONE;
-    st(h, entry + h->stamp_off, now_ns());
-    return PyLong_FromUnsignedLongLong(ld(h, entry + h->tag_off));
+    uint64_t mine = owned_word(gen, h->me, S_WRITING);
+    if (ld(h, entry) != mine || transition(h, mine, E_PUBLISH, h->me, &ready) != 0)
+        return STEP_REFUSED;
+    int room = ring_room(h);
+    if (room == RING_CORRUPT) {
+        corrupt_ring(h);
+        return STEP_ERROR;
+    }
+    if (!room)
+        return STEP_QUEUE_FULL;
+    uint64_t now = now_ns();
+    st(h, entry + h->stamp_off, now);
+    if (!cas(h, entry, mine, ready))
+        return STEP_REFUSED;
+    count(h, C_PUBLISHES);
+    if (queue_ready(h, slot, now) == RING_CORRUPT) {
+        corrupt_ring(h);
+        return STEP_ERROR;
+    }
+    return STEP_DONE;
 }
 
 /* publish(slot, generation) -> 0 published, -1 not this participant's WRITING slot,
@@ -661,51 +722,46 @@ static PyObject *
 hp_publish(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot;
-    uint64_t gen, ready;
+    uint64_t gen;
     if (!need(h, nargs, 2, "publish") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
         return NULL;
-    Py_ssize_t entry = entry_of(h, slot);
-    uint64_t mine = owned_word(gen, h->me, S_WRITING);
-    if (ld(h, entry) != mine || transition(h, mine, E_PUBLISH, h->me, &ready) != 0)
-        return PyLong_FromLong(-1);
-    int room = ring_room(h);
-    if (room == RING_CORRUPT)
-        return corrupt_ring(h);
-    if (!room)
-        return PyLong_FromLong(-2);
-    uint64_t now = now_ns();
-    st(h, entry + h->stamp_off, now);
-    if (!cas(h, entry, mine, ready))
-        return PyLong_FromLong(-1);
-    count(h, C_PUBLISHES);
-    if (queue_ready(h, slot, now) == RING_CORRUPT)
-        return corrupt_ring(h);
-    return PyLong_FromLong(0);
+    return code(hot_publish(h, slot, gen));
 }
 
-/* keep(slot, generation) -> 0 kept, -1 not this participant's WRITING slot (nothing changed).
- * Counted as a publish and a take, so counters read as if it went through the ring. */
-static PyObject *
-hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+/* WRITING(me) -> HELD(me): STEP_DONE, or STEP_REFUSED if not this participant's WRITING
+ * slot (nothing changed).  Counted as a publish and a take, so counters read as if it went
+ * through the ring. */
+int
+hot_keep(HotPath *h, Py_ssize_t slot, uint64_t gen)
 {
-    Py_ssize_t slot;
-    uint64_t gen, held;
-    if (!need(h, nargs, 2, "keep") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
-        return NULL;
+    uint64_t held;
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
     Py_ssize_t entry = entry_of(h, slot);
     uint64_t mine = owned_word(gen, h->me, S_WRITING);
     if (ld(h, entry) != mine || transition(h, mine, E_KEEP, h->me, &held) != 0)
-        return PyLong_FromLong(-1);
+        return STEP_REFUSED;
     /* Before the CAS, as publish stamps before it, while the slot is still our WRITING one:
      * after it, a SIGKILL between the CAS and these stores would leave a HELD row that a
      * reaper redelivers saying it was never delivered. */
     st(h, entry + h->stamp_off, now_ns());
     st(h, entry + h->deliveries_off, 1); /* delivered once: to its writer */
     if (!cas(h, entry, mine, held))
-        return PyLong_FromLong(-1);
+        return STEP_REFUSED;
     count(h, C_PUBLISHES);
     count(h, C_TAKES);
-    return PyLong_FromLong(0);
+    return STEP_DONE;
+}
+
+/* keep(slot, generation) -> 0 kept, -1 not this participant's WRITING slot. */
+static PyObject *
+hp_keep(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t gen;
+    if (!need(h, nargs, 2, "keep") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
+        return NULL;
+    return code(hot_keep(h, slot, gen));
 }
 
 /* quarantine(slot, generation, state, deadline_ns) -> 0, or -1 if the slot is not this
@@ -755,8 +811,17 @@ hp_expire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(expire_quarantined(h, now_ns()));
 }
 
-/* writing(slot, generation) -> whether the slot is this participant's WRITING one at
- * `generation`: the proof the one sealing order (_leases.c, seal_mine) asks for first. */
+/* Whether the slot is this participant's WRITING one at `gen`: the proof the one sealing
+ * order (leases.c, seal_mine) asks for first. */
+int
+hot_writing(HotPath *h, Py_ssize_t slot, uint64_t gen)
+{
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
+    return ld(h, entry_of(h, slot)) == owned_word(gen, h->me, S_WRITING);
+}
+
+/* writing(slot, generation) -> bool: hot_writing. */
 static PyObject *
 hp_writing(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -764,7 +829,50 @@ hp_writing(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     uint64_t gen;
     if (!need(h, nargs, 2, "writing") || !slot_arg(h, args[0], &slot) || !gen_arg(args[1], &gen))
         return NULL;
-    return PyBool_FromLong(ld(h, entry_of(h, slot)) == owned_word(gen, h->me, S_WRITING));
+    int mine = hot_writing(h, slot, gen);
+    return mine < 0 ? NULL : PyBool_FromLong(mine);
+}
+
+/* READY -> HELD(me) of the oldest queued slot: 1 (*slot, *gen, *tag and *before, the
+ * deliveries before this one, set), 0 nothing ready, STEP_ERROR. */
+int
+hot_take(HotPath *h, Py_ssize_t *slot, uint64_t *gen, uint64_t *tag, uint64_t *before)
+{
+    if (!acting(h))
+        return STEP_ERROR;
+    for (;;) {
+        uint64_t pos;
+        int peeked = ring_peek(h, &pos, slot);
+        if (peeked == RING_CORRUPT) {
+            corrupt_ring(h);
+            return STEP_ERROR;
+        }
+        if (peeked < 0)
+            return 0;
+        if (head_is_live(h, pos, *slot)) {
+            Py_ssize_t entry = entry_of(h, *slot);
+            uint64_t word = ld(h, entry), held;
+            if (state_of(word) == S_READY && transition(h, word, E_TAKE, h->me, &held) == 0 &&
+                cas(h, entry, word, held)) {
+                ring_pop(h, pos, *slot);
+                uint64_t now = now_ns();
+                /* The stamp is the publish's (or the redelivery's): the row's wait. */
+                observe(h, h->hist_ready, ld(h, entry + h->stamp_off), now);
+                st(h, entry + h->stamp_off, now);
+                /* Counted in the step that delivers: a second delivery always says so. */
+                *before = __atomic_fetch_add(w64(h, entry + h->deliveries_off), 1,
+                                             __ATOMIC_SEQ_CST);
+                count(h, C_TAKES);
+                *gen = generation_of(word);
+                *tag = ld(h, entry + h->tag_off);
+                return 1;
+            }
+            continue;
+        }
+        ring_pop(h, pos, *slot); /* stale: taken, cancelled or queued again elsewhere */
+        if (*slot < h->nslots && state_of(ld(h, entry_of(h, *slot))) == S_FREE)
+            wake_claimers(h, now_ns()); /* claimable again (see acquire) */
+    }
 }
 
 /* take() -> (slot, generation, tag, deliveries before this one) | None (nothing ready). */
@@ -772,45 +880,38 @@ static PyObject *
 hp_take(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!need(h, nargs, 0, "take")) return NULL;
-    for (;;) {
-        uint64_t pos;
-        Py_ssize_t slot;
-        int peeked = ring_peek(h, &pos, &slot);
-        if (peeked == RING_CORRUPT)
-            return corrupt_ring(h);
-        if (peeked < 0)
-            Py_RETURN_NONE;
-        if (head_is_live(h, pos, slot)) {
-            Py_ssize_t entry = entry_of(h, slot);
-            uint64_t word = ld(h, entry), held;
-            if (state_of(word) == S_READY && transition(h, word, E_TAKE, h->me, &held) == 0 &&
-                cas(h, entry, word, held)) {
-                ring_pop(h, pos, slot);
-                uint64_t now = now_ns();
-                /* The stamp is the publish's (or the redelivery's): the row's wait. */
-                observe(h, h->hist_ready, ld(h, entry + h->stamp_off), now);
-                st(h, entry + h->stamp_off, now);
-                /* Counted in the step that delivers: a second delivery always says so. */
-                uint64_t before = __atomic_fetch_add(w64(h, entry + h->deliveries_off), 1,
-                                                     __ATOMIC_SEQ_CST);
-                count(h, C_TAKES);
-                PyObject *got = Py_BuildValue("(nKKK)", slot, (unsigned long long)(word >> 32),
-                                              (unsigned long long)ld(h, entry + h->tag_off),
-                                              (unsigned long long)before);
-                if (!got) /* out of memory: back to READY rather than owned by nobody */
-                    redeliver(h, slot, held, 1);
-                return got;
-            }
-            continue;
-        }
-        ring_pop(h, pos, slot); /* stale: taken, cancelled or queued again elsewhere */
-        if (slot < h->nslots && state_of(ld(h, entry_of(h, slot))) == S_FREE)
-            wake_claimers(h, now_ns()); /* claimable again (see acquire) */
-    }
+    Py_ssize_t slot;
+    uint64_t gen, tag, before;
+    int took = hot_take(h, &slot, &gen, &tag, &before);
+    if (took <= 0)
+        return took < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *got = Py_BuildValue("(nKKK)", slot, (unsigned long long)gen,
+                                  (unsigned long long)tag, (unsigned long long)before);
+    if (!got) /* out of memory: back to READY rather than owned by nobody */
+        redeliver(h, slot, owned_word(gen, h->me, S_HELD), 1);
+    return got;
 }
 
-/* free(slot, generation, state, event) -> 0, or -1 if the slot is not this participant's in
- * `state` at `generation` (nothing changed).  RELEASE or ABORT, through RECLAIMING. */
+/* Owned -> RECLAIMING -> FREE, by RELEASE or ABORT: STEP_DONE, or STEP_REFUSED if the slot is
+ * not this participant's in `state` at `gen` (nothing changed). */
+int
+hot_free(HotPath *h, Py_ssize_t slot, uint64_t gen, int state, int event)
+{
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
+    if (state < 0 || state >= S_COUNT || (event != E_RELEASE && event != E_ABORT)) {
+        PyErr_SetString(PyExc_ValueError, "free takes an owned state and RELEASE or ABORT");
+        return STEP_ERROR;
+    }
+    uint64_t mine = owned_word(gen, h->me, (unsigned)state);
+    if (ld(h, entry_of(h, slot)) != mine || !to_free(h, slot, mine, event))
+        return STEP_REFUSED;
+    if (state != S_QUARANTINED) /* its abort was the quarantine (counted as such) */
+        count(h, event == E_RELEASE ? C_RELEASES : C_ABORTS);
+    return STEP_DONE;
+}
+
+/* free(slot, generation, state, event) -> 0, or -1 (not this participant's slot). */
 static PyObject *
 hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -821,22 +922,31 @@ hp_free(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     long state = PyLong_AsLong(args[2]);
     long event = PyLong_AsLong(args[3]);
     if (PyErr_Occurred()) return NULL;
-    if (state < 0 || state >= S_COUNT || (event != E_RELEASE && event != E_ABORT)) {
-        PyErr_SetString(PyExc_ValueError, "free takes an owned state and RELEASE or ABORT");
-        return NULL;
-    }
-    uint64_t mine = owned_word(gen, h->me, (unsigned)state);
-    if (ld(h, entry_of(h, slot)) != mine || !to_free(h, slot, mine, (int)event))
-        return PyLong_FromLong(-1);
-    if (state != S_QUARANTINED) /* its abort was the quarantine (counted as such) */
-        count(h, event == E_RELEASE ? C_RELEASES : C_ABORTS);
-    return PyLong_FromLong(0);
+    /* out of int's range: a number hot_free refuses, never one wrapped into its range */
+    return code(hot_free(h, slot, gen, state < 0 || state > S_COUNT ? -1 : (int)state,
+                         event < 0 || event > E_COUNT ? -1 : (int)event));
 }
 
-/* redeliver(slot, generation, unread) -> 0, or -1 if the slot is not HELD by this participant
- * at `generation`: a lease handed back goes to READY and is queued again; `unread` (its
- * caller never saw the row: a strict check refused a batch, a handle could not be made)
- * takes back the delivery its take counted. */
+/* HELD(me) -> READY, queued again: a lease handed back.  `unread` (its caller never saw the
+ * row: a strict check refused a batch, a handle could not be made) takes back the delivery
+ * its take counted.  STEP_DONE, or STEP_REFUSED if not HELD by this participant at `gen`. */
+int
+hot_redeliver(HotPath *h, Py_ssize_t slot, uint64_t gen, int unread)
+{
+    if (!may_step(h, slot, gen))
+        return STEP_ERROR;
+    uint64_t mine = owned_word(gen, h->me, S_HELD);
+    if (ld(h, entry_of(h, slot)) != mine)
+        return STEP_REFUSED;
+    int r = redeliver(h, slot, mine, unread);
+    if (r == RING_CORRUPT) {
+        corrupt_ring(h);
+        return STEP_ERROR;
+    }
+    return r ? STEP_DONE : STEP_REFUSED;
+}
+
+/* redeliver(slot, generation, unread) -> 0, or -1 (not HELD by this participant). */
 static PyObject *
 hp_redeliver(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -848,13 +958,7 @@ hp_redeliver(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     int unread = PyObject_IsTrue(args[2]);
     if (unread < 0)
         return NULL;
-    uint64_t mine = owned_word(gen, h->me, S_HELD);
-    if (ld(h, entry_of(h, slot)) != mine)
-        return PyLong_FromLong(-1);
-    int r = redeliver(h, slot, mine, unread);
-    if (r == RING_CORRUPT)
-        return corrupt_ring(h);
-    return PyLong_FromLong(r ? 0 : -1);
+    return code(hot_redeliver(h, slot, gen, unread));
 }
 
 /* cancel(tag) -> slots cancelled: every READY slot carrying `tag` goes to FREE. */
@@ -1202,9 +1306,9 @@ static PyMethodDef hp_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject HotPathType = {
+PyTypeObject HotPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._hotpath.HotPath",
+    .tp_name = "shmslots._core.HotPath",
     .tp_doc = "Every slot transition of one participant, compiled.",
     .tp_basicsize = sizeof(HotPath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -1212,27 +1316,6 @@ static PyTypeObject HotPathType = {
     .tp_init = (initproc)hp_init,
     .tp_dealloc = (destructor)hp_dealloc,
     .tp_methods = hp_methods,
-};
-
-/* _kill_at(point): see kill_point; for tests only. */
-static PyObject *
-hotpath_kill_at(PyObject *module, PyObject *point)
-{
-    long p = PyLong_AsLong(point);
-    if (p == -1 && PyErr_Occurred())
-        return NULL;
-    kill_at = (int)p;
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef module_methods[] = {
-    {"_kill_at", hotpath_kill_at, METH_O, "_kill_at(point): SIGKILL inside a step (tests)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._hotpath", "Compiled transitions of the slot protocol.", -1,
-    module_methods,
 };
 
 /* name -> number, for ownership.py to hold against states.py. */
@@ -1255,29 +1338,14 @@ numbering(const char **names, int n, int as_tuple)
     return out;
 }
 
-/* PyModule_AddObjectRef, taking `value`'s reference whatever happens (3.13's PyModule_Add). */
-static int
-add_owned(PyObject *m, const char *name, PyObject *value)
+int
+hotpath_add(PyObject *m)
 {
-    int rc = value ? PyModule_AddObjectRef(m, name, value) : -1;
-    Py_XDECREF(value);
-    return rc;
-}
-
-PyMODINIT_FUNC
-PyInit__hotpath(void)
-{
-    if (PyType_Ready(&HotPathType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&moduledef);
-    if (!m)
-        return NULL;
-    if (PyModule_AddObjectRef(m, "HotPath", (PyObject *)&HotPathType) < 0 ||
+    if (PyType_Ready(&HotPathType) < 0 ||
+        PyModule_AddObjectRef(m, "HotPath", (PyObject *)&HotPathType) < 0 ||
         add_owned(m, "STATES", numbering(state_names, S_COUNT, 0)) < 0 ||
         add_owned(m, "EVENTS", numbering(event_names, E_COUNT, 0)) < 0 ||
-        add_owned(m, "COUNTERS", numbering(counter_names, C_COUNT, 1)) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+        add_owned(m, "COUNTERS", numbering(counter_names, C_COUNT, 1)) < 0)
+        return -1;
+    return 0;
 }

@@ -14,8 +14,7 @@
  * row that is not byte for byte the one sealed fails with probability about
  * 1 - 2^-32, the purpose zlib.crc32 served at a tenth of the speed.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "core.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -455,7 +454,7 @@ static PyMethodDef rules_methods[] = {
 
 static PyTypeObject RulesType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._rowcodec.Rules",
+    .tp_name = "shmslots._core.Rules",
     .tp_doc = "The checks on a tensor before its bytes are copied into shared memory.",
     .tp_basicsize = sizeof(Rules),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -476,7 +475,7 @@ typedef struct {
     PyObject *shape;
 } Spec;
 
-typedef struct {
+struct RowCodec {
     PyObject_HEAD
     Py_buffer buf;
     int held;
@@ -487,7 +486,7 @@ typedef struct {
     PyObject *specs; /* the tuple the Spec pointers borrow from */
     PyObject *index; /* field name -> index */
     Rules *rules;
-} RowCodec;
+};
 
 /* -- checksum ------------------------------------------------------------------------------ */
 
@@ -653,6 +652,21 @@ static inline char *item_at(RowCodec *r, const Spec *s, Py_ssize_t slot)
     return r->base + s->column + slot * s->item_len;
 }
 
+/* Whether the codec is held and `slot` one of its rows; error set if not. */
+static int
+slot_in_range(RowCodec *r, Py_ssize_t slot)
+{
+    if (!r->held) {
+        PyErr_SetString(PyExc_ValueError, "RowCodec released");
+        return 0;
+    }
+    if (slot < 0 || slot >= r->nslots) {
+        PyErr_SetString(PyExc_IndexError, "slot out of range");
+        return 0;
+    }
+    return 1;
+}
+
 /* The slot named by args[0], after checking the argument count; -1: error set. */
 static Py_ssize_t
 slot_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
@@ -661,18 +675,10 @@ slot_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, 
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
-    if (!r->held) {
-        PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        return -1;
-    }
     Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
     if (slot == -1 && PyErr_Occurred())
         return -1;
-    if (slot < 0 || slot >= r->nslots) {
-        PyErr_SetString(PyExc_IndexError, "slot out of range");
-        return -1;
-    }
-    return slot;
+    return slot_in_range(r, slot) ? slot : -1;
 }
 
 /* The checksum of one slot's row: its fields' items, chained in field order. */
@@ -742,36 +748,31 @@ plain_number(Spec *s, PyObject *v, Copy *c)
     return 1;
 }
 
-static PyObject *
-rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+int
+codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
 {
-    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "write(slot, fields: dict)");
-    if (slot < 0)
-        return NULL;
-    PyObject *fields = args[1];
-    if (!PyDict_Check(fields)) {
-        PyErr_SetString(PyExc_TypeError, "write(slot, fields: dict)");
-        return NULL;
-    }
+    if (!slot_in_range(r, slot))
+        return -1;
     /* Under a torch-function mode the tensor calls below would run Python code between
        the checks and the copies: leave that to Python's path. */
     PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
     if (!on)
-        return NULL;
+        return -1;
     int modes = on != Py_False;
     Py_DECREF(on);
     Py_ssize_t n = PyDict_GET_SIZE(fields);
     if (modes || n > MAX_FIELDS)
-        Py_RETURN_FALSE;
+        return 0;
     /* Strong references first, so nothing the checks run can free a value under us. */
     PyObject *held[MAX_FIELDS];
     Spec *spec[MAX_FIELDS];
     Py_ssize_t pos = 0, k = 0;
-    PyObject *key, *value, *result = Py_False;
+    PyObject *key, *value;
+    int result = 0;
     while (k < n && PyDict_Next(fields, &pos, &key, &value)) {
         PyObject *i = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(r->index, key) : NULL;
         if (!i) {
-            result = PyErr_Occurred() ? NULL : Py_False;
+            result = PyErr_Occurred() ? -1 : 0;
             goto done;
         }
         spec[k] = &r->spec[PyLong_AsSsize_t(i)];
@@ -798,13 +799,13 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
         else
             ok = 0; /* a subclass is asked only with torch functions off: Python's path */
         if (ok != 1) {
-            result = ok < 0 ? NULL : Py_False;
+            result = ok < 0 ? -1 : 0;
             goto done;
         }
     }
     if (!r->held) { /* the checks may have run Python, which may have closed the table */
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
-        result = NULL;
+        result = -1;
         goto done;
     }
     if (total >= (1 << 20)) {
@@ -812,7 +813,7 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
          * an export of our own, held for the copy, makes the mapping refuse to unmap. */
         Py_buffer keep;
         if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
-            result = NULL;
+            result = -1;
             goto done;
         }
         Py_BEGIN_ALLOW_THREADS
@@ -826,24 +827,37 @@ rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
             if (copies[j].nbytes)
                 memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
     }
-    result = Py_True;
+    result = 1;
 done:
     for (Py_ssize_t j = 0; j < k; j++)
         Py_DECREF(held[j]);
-    return Py_XNewRef(result);
+    return result;
+}
+
+static PyObject *
+rc_write(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "write(slot, fields: dict)");
+    if (slot < 0)
+        return NULL;
+    if (!PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "write(slot, fields: dict)");
+        return NULL;
+    }
+    int written = codec_write(r, slot, args[1]);
+    return written < 0 ? NULL : PyBool_FromLong(written);
 }
 
 /* -- scalar read ---------------------------------------------------------------------------- */
 
 /* read(slot, name) -> int | float for a field of one number (shape (), (1,), ...), None for
  * any other field or name (leases.py says why not). */
-static PyObject *
-rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+PyObject *
+codec_read(RowCodec *r, Py_ssize_t slot, PyObject *name)
 {
-    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "read(slot, name)");
-    if (slot < 0)
+    if (!slot_in_range(r, slot))
         return NULL;
-    PyObject *i = PyUnicode_CheckExact(args[1]) ? PyDict_GetItemWithError(r->index, args[1]) : NULL;
+    PyObject *i = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(r->index, name) : NULL;
     if (!i) {
         if (PyErr_Occurred())
             return NULL;
@@ -874,6 +888,13 @@ rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     }
     default: Py_RETURN_NONE;
     }
+}
+
+static PyObject *
+rc_read(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot = slot_arg(r, args, nargs, 2, "read(slot, name)");
+    return slot < 0 ? NULL : codec_read(r, slot, args[1]);
 }
 
 /* -- gather and scatter ------------------------------------------------------------------- */
@@ -1014,25 +1035,20 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
  * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
  * them (scatter).  True having moved every row; False having moved nothing (no such field,
  * a handle field, a torch-function mode on, or `t` not plain: the caller's path). */
-static PyObject *
-move_field(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const char *usage)
+PyObject *
+codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, int out)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
-    }
-    PyObject *slots = args[0];
     int batched = PyTuple_Check(slots);
     Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
     Spec *s;
-    int ok = plain_field(r, args[1], &s);
+    int ok = plain_field(r, name, &s);
     /* Only an exact tensor is asked here: a subclass would answer the queries with its own
      * Python (which may raise, or change the table); the caller's path copies it first. */
     char *flat;
     if (ok == 1)
-        ok = Py_TYPE(args[2]) != (PyTypeObject *)r->rules->tensor_type
+        ok = Py_TYPE(flat_tensor) != (PyTypeObject *)r->rules->tensor_type
                  ? 0
-                 : plain_rows(r, s, args[2], n, batched, &flat);
+                 : plain_rows(r, s, flat_tensor, n, batched, &flat);
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
     if (move_items(r, s, slots, n, batched, flat, out) < 0)
@@ -1043,13 +1059,21 @@ move_field(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const 
 static PyObject *
 rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    return move_field(r, args, nargs, 1, "gather(slots, name, out)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "gather(slots, name, out)");
+        return NULL;
+    }
+    return codec_move(r, args[0], args[1], args[2], 1);
 }
 
 static PyObject *
 rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    return move_field(r, args, nargs, 0, "scatter(slots, name, values)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter(slots, name, values)");
+        return NULL;
+    }
+    return codec_move(r, args[0], args[1], args[2], 0);
 }
 
 /* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a handle field,
@@ -1113,6 +1137,18 @@ rc_checksum(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* The seal: generation (u64), checksum (u32), as layout.py's SEAL_* offsets place them. */
+int
+codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t generation)
+{
+    if (!slot_in_range(r, slot))
+        return -1;
+    uint32_t sum = row_checksum(r, slot);
+    char *seal = r->base + r->seals + 16 * slot;
+    memcpy(seal, &generation, 8);
+    memcpy(seal + 8, &sum, 4);
+    return 0;
+}
+
 static PyObject *
 rc_seal(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1122,12 +1158,7 @@ rc_seal(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long generation = PyLong_AsUnsignedLongLong(args[1]);
     if (generation == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    uint64_t g = generation;
-    uint32_t sum = row_checksum(r, slot);
-    char *seal = r->base + r->seals + 16 * slot;
-    memcpy(seal, &g, 8);
-    memcpy(seal + 8, &sum, 4);
-    Py_RETURN_NONE;
+    return codec_seal(r, slot, generation) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* row_hash(items) -> the checksum of a row whose fields' items are `items`, in field order:
@@ -1186,9 +1217,9 @@ static PyMethodDef rc_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject RowCodecType = {
+PyTypeObject RowCodecType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._rowcodec.RowCodec",
+    .tp_name = "shmslots._core.RowCodec",
     .tp_doc = "Plain-case row writes and row checksums over the columns of one buffer.",
     .tp_basicsize = sizeof(RowCodec),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -1239,13 +1270,8 @@ add_enums(PyObject *m)
     return rc;
 }
 
-static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._rowcodec", "Compiled plain-case row writes and checksums.",
-    -1, module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__rowcodec(void)
+int
+rowcodec_add(PyObject *m)
 {
     if (!(s_dtype = PyUnicode_InternFromString("dtype")) ||
         !(s_shape = PyUnicode_InternFromString("shape")) ||
@@ -1255,16 +1281,11 @@ PyInit__rowcodec(void)
         !(s_enter = PyUnicode_InternFromString("__enter__")) ||
         !(s_exit = PyUnicode_InternFromString("__exit__")) ||
         !(k_dtype_device = Py_BuildValue("(ss)", "dtype", "device")))
-        return NULL;
-    if (PyType_Ready(&RulesType) < 0 || PyType_Ready(&RowCodecType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&moduledef);
-    if (!m)
-        return NULL;
-    if (PyModule_AddObjectRef(m, "RowCodec", (PyObject *)&RowCodecType) < 0 ||
-        PyModule_AddObjectRef(m, "Rules", (PyObject *)&RulesType) < 0 || add_enums(m) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+        return -1;
+    if (PyType_Ready(&RulesType) < 0 || PyType_Ready(&RowCodecType) < 0 ||
+        PyModule_AddObjectRef(m, "RowCodec", (PyObject *)&RowCodecType) < 0 ||
+        PyModule_AddObjectRef(m, "Rules", (PyObject *)&RulesType) < 0 || add_enums(m) < 0 ||
+        PyModule_AddFunctions(m, module_methods) < 0)
+        return -1;
+    return 0;
 }

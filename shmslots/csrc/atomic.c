@@ -14,8 +14,7 @@
  * Every access is bounds- and alignment-checked against the exported buffer,
  * so a wrong offset raises instead of corrupting memory.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "core.h"
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -344,7 +343,7 @@ static PyMethodDef av_methods[] = {
 
 static PyTypeObject AtomicViewType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._atomic.AtomicView",
+    .tp_name = "shmslots._core.AtomicView",
     .tp_doc = "Atomic 64/32-bit words and futexes over a writable buffer.",
     .tp_basicsize = sizeof(AtomicView),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -392,24 +391,12 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._atomic", "Atomics and futexes on shared memory.", -1,
-    module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__atomic(void)
+int
+atomic_add(PyObject *m)
 {
-    if (PyType_Ready(&AtomicViewType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&moduledef);
-    if (!m)
-        return NULL;
-    Py_INCREF(&AtomicViewType);
-    if (PyModule_AddObject(m, "AtomicView", (PyObject *)&AtomicViewType) < 0) {
-        Py_DECREF(&AtomicViewType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    if (PyType_Ready(&AtomicViewType) < 0 ||
+        PyModule_AddObjectRef(m, "AtomicView", (PyObject *)&AtomicViewType) < 0 ||
+        PyModule_AddFunctions(m, module_methods) < 0)
+        return -1;
+    return 0;
 }

@@ -7,8 +7,8 @@
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
  * `_abort_slow`, `_view_slow`, `_item_slow`, `_end`) before changing anything, which does
  * the checks in Python and raises the error.  Slots still move only through
- * HotPath (the compiled transitions of states.py) and rows only through
- * RowCodec: nothing here adds to the protocol.
+ * hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
+ * directly: nothing here adds to the protocol, and no step calls Python.
  *
  * Nothing is owned by nobody: a handle is made in the same C call as the
  * transition that gives it its slot (and the transition is undone if it cannot
@@ -19,9 +19,7 @@
  * WatchedTensors, the views handed out with the reference counts they have
  * at rest, lives here too, because every release checks it.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <signal.h>
+#include "core.h"
 #include <structmember.h>
 #include <time.h>
 
@@ -135,10 +133,47 @@ rest_clear(Rest *r)
     Py_CLEAR(r->cdata);
 }
 
+/* torch's types and functions, looked up on first use (a WatchedTensors or HandleCore made):
+ * the module itself serves torch-free callers (snapshot, the CLI, reap) too, which must not
+ * pay torch's import.  0, or -1 with an error set. */
+static int
+bind_torch(void)
+{
+    if (tensor_untyped_storage)
+        return 0;
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch)
+        return -1;
+    PyObject *torch_c = PyObject_GetAttrString(torch, "_C");
+    use_count = torch_c ? PyObject_GetAttrString(torch_c, "_storage_Use_Count") : NULL;
+    tensor_type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
+    storage_type = (PyTypeObject *)PyObject_GetAttrString(torch, "UntypedStorage");
+    Py_XDECREF(torch_c);
+    Py_DECREF(torch);
+    if (!use_count || !tensor_type || !storage_type)
+        goto failed;
+    if (!PyType_Check(tensor_type) || !PyType_Check(storage_type)) {
+        PyErr_SetString(PyExc_TypeError, "torch.Tensor or torch.UntypedStorage is not a type");
+        goto failed;
+    }
+    if (!(tensor_data_ptr = PyObject_GetAttr((PyObject *)tensor_type, s_data_ptr)) ||
+        !(tensor_untyped_storage = PyObject_GetAttr((PyObject *)tensor_type, s_untyped_storage)))
+        goto failed;
+    return 0;
+failed:
+    Py_CLEAR(use_count);
+    Py_CLEAR(tensor_type);
+    Py_CLEAR(storage_type);
+    Py_CLEAR(tensor_data_ptr);
+    return -1;
+}
+
 static int
 watched_init(Watched *w, PyObject *args, PyObject *kwds)
 {
     PyObject *given;
+    if (bind_torch() < 0)
+        return -1;
     if (w->tensors) {
         PyErr_SetString(PyExc_RuntimeError, "WatchedTensors already initialized");
         return -1;
@@ -378,7 +413,7 @@ static PyGetSetDef watched_getset[] = {
 
 static PyTypeObject WatchedType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._leases.WatchedTensors",
+    .tp_name = "shmslots._core.WatchedTensors",
     .tp_doc = "Tensors handed out to callers, with the reference counts they have at rest.",
     .tp_basicsize = sizeof(Watched),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -404,15 +439,10 @@ typedef struct {
     long long idle_every_ns;   /* how often a reader finding nothing runs table._idle() */
     long long idle_due_ns;     /* CLOCK_MONOTONIC ns of the next such run */
     Py_ssize_t nfields;
-    /* HotPath methods */
-    PyObject *acquire, *publish, *take, *free, *redeliver, *open_reserved, *keep, *writing;
-    PyObject *write, *seal, *read, *gather, *scatter; /* RowCodec methods */
+    HotPath *hot;                            /* this participant's steps */
+    RowCodec *codec;                         /* the table's row copies */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
-    /* states.py's numbers, as ints: events CLAIM, RESERVE, RELEASE, ABORT, REDELIVER,
-     * PUBLISH; states WRITING, RESERVED, HELD */
-    PyObject *ev_claim, *ev_reserve, *ev_release, *ev_abort, *ev_redeliver, *ev_publish;
-    PyObject *st_writing, *st_reserved, *st_held;
 } Core;
 
 static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
@@ -420,15 +450,10 @@ static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
 static int
 core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation", "events",
-                         "states", "nfields", "plain_claim", "strict", "redeliver_dropped",
+    static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation",
+                         "nfields", "plain_claim", "strict", "redeliver_dropped",
                          "idle_every_ns", NULL};
-    static const char *hot_names[] = {"acquire", "publish", "take", "free", "redeliver",
-                                      "open_reserved", "keep", "writing"};
-    static const char *codec_names[] = {"write", "seal", "read", "gather", "scatter"};
-    enum { NHOT = 8, NMETHODS = 13 };
-    PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *ev[6], *states[3],
-        *methods[NMETHODS] = {NULL};
+    PyObject *hot, *codec, *views, *write_slot, *lease, *reservation;
     Py_ssize_t nfields;
     int plain_claim, strict, redeliver_dropped;
     long long idle_every_ns;
@@ -436,13 +461,12 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
     }
+    if (bind_torch() < 0)
+        return -1;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOO!O!O!O!$(O!O!O!O!O!O!)(O!O!O!)npppL", kw, &hot, &codec, &PyList_Type,
-            &views, &PyType_Type, &write_slot, &PyType_Type, &lease, &PyType_Type, &reservation,
-            &PyLong_Type, &ev[0], &PyLong_Type, &ev[1], &PyLong_Type, &ev[2], &PyLong_Type, &ev[3],
-            &PyLong_Type, &ev[4], &PyLong_Type, &ev[5], &PyLong_Type, &states[0], &PyLong_Type,
-            &states[1], &PyLong_Type, &states[2], &nfields, &plain_claim, &strict,
-            &redeliver_dropped, &idle_every_ns))
+            args, kwds, "O!O!O!O!O!O!$npppL", kw, &HotPathType, &hot, &RowCodecType, &codec,
+            &PyList_Type, &views, &PyType_Type, &write_slot, &PyType_Type, &lease, &PyType_Type,
+            &reservation, &nfields, &plain_claim, &strict, &redeliver_dropped, &idle_every_ns))
         return -1;
     if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
         !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType) ||
@@ -450,31 +474,12 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "handle classes must derive from the cores");
         return -1;
     }
-    /* Everything that can fail first, into locals: a failed __init__ leaves nothing set. */
-    for (int i = 0; i < NMETHODS; i++) {
-        PyObject *owner = i < NHOT ? hot : codec;
-        methods[i] = PyObject_GetAttrString(owner, i < NHOT ? hot_names[i] : codec_names[i - NHOT]);
-        if (!methods[i]) {
-            for (int j = 0; j < i; j++)
-                Py_DECREF(methods[j]);
-            return -1;
-        }
-    }
-    c->acquire = methods[0], c->publish = methods[1], c->take = methods[2], c->free = methods[3];
-    c->redeliver = methods[4], c->open_reserved = methods[5], c->keep = methods[6];
-    c->writing = methods[7], c->write = methods[8], c->seal = methods[9], c->read = methods[10];
-    c->gather = methods[11], c->scatter = methods[12];
+    c->hot = (HotPath *)Py_NewRef(hot);
+    c->codec = (RowCodec *)Py_NewRef(codec);
     c->views = Py_NewRef(views);
     c->write_slot = (PyTypeObject *)Py_NewRef(write_slot);
     c->lease = (PyTypeObject *)Py_NewRef(lease);
     c->reservation = (PyTypeObject *)Py_NewRef(reservation);
-    PyObject **ev_at[] = {&c->ev_claim, &c->ev_reserve, &c->ev_release, &c->ev_abort,
-                          &c->ev_redeliver, &c->ev_publish};
-    for (int i = 0; i < 6; i++)
-        *ev_at[i] = Py_NewRef(ev[i]);
-    c->st_writing = Py_NewRef(states[0]);
-    c->st_reserved = Py_NewRef(states[1]);
-    c->st_held = Py_NewRef(states[2]);
     c->nfields = nfields;
     c->plain_claim = (char)plain_claim;
     c->strict = (char)strict;
@@ -487,14 +492,9 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
-    {&(c)->acquire, &(c)->publish, &(c)->take, &(c)->free, &(c)->redeliver,                   \
-     &(c)->open_reserved, &(c)->keep, &(c)->writing, &(c)->write, &(c)->seal, &(c)->read,     \
-     &(c)->gather,                                                                            \
-     &(c)->scatter, &(c)->views,                                                              \
+    {(PyObject **)&(c)->hot, (PyObject **)&(c)->codec, &(c)->views,                           \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
-     (PyObject **)&(c)->reservation, &(c)->ev_claim, &(c)->ev_reserve, &(c)->ev_release,      \
-     &(c)->ev_abort, &(c)->ev_redeliver, &(c)->ev_publish, &(c)->st_writing,                  \
-     &(c)->st_reserved, &(c)->st_held}
+     (PyObject **)&(c)->reservation}
 #define COUNT(a) (sizeof(a) / sizeof(*(a)))
 
 static int
@@ -678,49 +678,50 @@ get_written(Handle *h, void *unused)
 }
 
 /* The slot's state while this handle owns it, by the handle's kind. */
-static PyObject *
+static int
 held_state(Handle *h)
 {
-    Core *c = h->core;
     if (PyObject_TypeCheck(h, &WriteSlotType))
-        return c->st_writing;
-    return PyObject_TypeCheck(h, &LeaseType) ? c->st_held : c->st_reserved;
+        return S_WRITING;
+    return PyObject_TypeCheck(h, &LeaseType) ? S_HELD : S_RESERVED;
 }
 
-enum { STEP_DONE = 0, STEP_REFUSED = -1, STEP_QUEUE_FULL = -2, STEP_ERROR = -3 };
+/* The handle's slot and generation as the steps take them (hotpath.c checks their range);
+ * 0 with an error set if Python made the handle with numbers that are no slot's. */
+static int
+ids(Handle *h, Py_ssize_t *slot, uint64_t *gen)
+{
+    *slot = PyLong_AsSsize_t(h->slot);
+    if (*slot == -1 && PyErr_Occurred())
+        return 0;
+    *gen = PyLong_AsUnsignedLongLong(h->generation);
+    return !(*gen == (uint64_t)-1 && PyErr_Occurred());
+}
 
 /* The handle's last transition and the end of its ownership, in one step that runs no Python
- * code: `event` is PUBLISH (a WriteSlot), REDELIVER (a Lease handed back: `unread` if its
- * caller never saw the row, which takes back the take's delivery), or RELEASE or ABORT.
+ * code: `event` is E_PUBLISH (a WriteSlot), E_REDELIVER (a Lease handed back: `unread` if its
+ * caller never saw the row, which takes back the take's delivery), or E_RELEASE or E_ABORT.
  * STEP_DONE (the handle is closed), STEP_REFUSED (not this handle's slot any more: nothing
- * changed), STEP_QUEUE_FULL (publish: nothing changed), STEP_ERROR (error set). */
+ * changed), STEP_QUEUE_FULL (publish: nothing changed),
+ * STEP_ERROR (error set). */
 static int
-step(Handle *h, PyObject *event, int unread)
+step(Handle *h, int event, int unread)
 {
-    Core *c = h->core;
-    PyObject *call[4] = {h->slot, h->generation, held_state(h), event}, *r;
-    /* The events this file passes are Core's own objects: no comparison for those. */
-    int freeing = event == c->ev_release || event == c->ev_abort;
-    int publish = !freeing && PyObject_RichCompareBool(event, c->ev_publish, Py_EQ) == 1;
-    int redeliver = !freeing && !publish &&
-                    PyObject_RichCompareBool(event, c->ev_redeliver, Py_EQ) == 1;
-    if (publish)
-        r = PyObject_Vectorcall(c->publish, call, 2, NULL);
-    else if (redeliver) {
-        call[2] = unread ? Py_True : Py_False;
-        r = PyObject_Vectorcall(c->redeliver, call, 3, NULL);
-    }
-    else
-        r = PyObject_Vectorcall(c->free, call, 4, NULL);
-    if (!r)
+    HotPath *hot = h->core->hot;
+    Py_ssize_t slot;
+    uint64_t gen;
+    int code;
+    if (!ids(h, &slot, &gen))
         return STEP_ERROR;
-    long code = PyLong_AsLong(r);
-    Py_DECREF(r);
-    if (code == -1 && PyErr_Occurred())
-        return STEP_ERROR;
+    if (event == E_PUBLISH)
+        code = hot_publish(hot, slot, gen);
+    else if (event == E_REDELIVER)
+        code = hot_redeliver(hot, slot, gen, unread);
+    else /* E_RELEASE or E_ABORT; hot_free refuses any other event with an error */
+        code = hot_free(hot, slot, gen, held_state(h), event);
     if (code == STEP_DONE)
         h->open = 0;
-    return code == STEP_DONE || code == STEP_QUEUE_FULL ? (int)code : STEP_REFUSED;
+    return code;
 }
 
 /* _hand_back(event) -> 0 done | -1 refused | -2 ready queue full: `step` for the Python side. */
@@ -733,9 +734,13 @@ handle_hand_back(Handle *h, PyObject *event)
         PyErr_SetString(PyExc_TypeError, "_hand_back takes an event number");
         return NULL;
     }
+    long number = PyLong_AsLong(event);
+    if (number == -1 && PyErr_Occurred())
+        return NULL;
     if (!usable(h))
         return PyLong_FromLong(STEP_REFUSED);
-    int code = step(h, event, 1); /* the table hands leases back before their caller sees them */
+    /* the table hands leases back before their caller sees them: unread */
+    int code = step(h, number < 0 || number >= E_COUNT ? -1 : (int)number, 1);
     return code == STEP_ERROR ? NULL : PyLong_FromLong(code);
 }
 
@@ -757,7 +762,7 @@ hand_back_dropped(Handle *h)
         PyList_SetItem(c->views, slot, Py_NewRef(Py_None));
     PyErr_Clear();
     int lease = PyObject_TypeCheck(h, &LeaseType);
-    int done = step(h, lease && c->redeliver_dropped ? c->ev_redeliver : c->ev_abort, 0);
+    int done = step(h, lease && c->redeliver_dropped ? E_REDELIVER : E_ABORT, 0);
     if (done == STEP_DONE &&
         PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                          "%s of slot %S (tag %S) was garbage-collected while it still owned its "
@@ -800,14 +805,13 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     int gc_was = hold_collection(); /* from the check that h is open to the copy */
+    Py_ssize_t slot;
+    uint64_t gen;
     if (kwargs && usable(h)) {
-        PyObject *call[2] = {h->slot, kwargs};
-        PyObject *plain = PyObject_Vectorcall(h->core->write, call, 2, NULL);
+        int written_all = ids(h, &slot, &gen) ? codec_write(h->core->codec, slot, kwargs) : -1;
         collection_back(gc_was);
-        if (!plain)
+        if (written_all < 0)
             return NULL;
-        int written_all = plain == Py_True;
-        Py_DECREF(plain);
         if (written_all) {
             PyObject *written = lazy_set(&h->written), *name, *value;
             Py_ssize_t pos = 0;
@@ -829,18 +833,6 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
     return result;
 }
 
-/* Test-only: SIGKILL this process at one point of the sealing order (tests/test_sealing.py
- * sets it through _kill_at in a child); 0, the default, is never a point. */
-enum { KILL_NONE, KILL_PUBLISH_SEALED, KILL_KEEP_SEALED, KILL_KEEP_HELD };
-static int kill_at = KILL_NONE;
-
-static inline void
-kill_point(int point)
-{
-    if (kill_at == point)
-        raise(SIGKILL);
-}
-
 /* The one sealing order, for publish and keep alike: prove the slot is still this handle's
  * WRITING one, seal its row, and only then make the transition.  Killed between the seal and
  * the transition, the slot is a dead writer's WRITING one, which a reaper frees: nothing
@@ -851,19 +843,14 @@ kill_point(int point)
 static int
 seal_mine(Handle *h)
 {
-    Core *c = h->core;
-    PyObject *call[2] = {h->slot, h->generation};
-    PyObject *r = PyObject_Vectorcall(c->writing, call, 2, NULL);
-    if (!r)
+    Py_ssize_t slot;
+    uint64_t gen;
+    if (!ids(h, &slot, &gen))
         return -1;
-    int mine = PyObject_IsTrue(r);
-    Py_DECREF(r);
+    int mine = hot_writing(h->core->hot, slot, gen);
     if (mine <= 0)
-        return mine;
-    if (!(r = PyObject_Vectorcall(c->seal, call, 2, NULL)))
-        return -1;
-    Py_DECREF(r);
-    return 1;
+        return mine < 0 ? -1 : 0;
+    return codec_seal(h->core->codec, slot, gen) < 0 ? -1 : 1;
 }
 
 /* _seal_mine() -> bool: seal_mine for the Python path of publish (leases.py). */
@@ -874,17 +861,6 @@ ws_seal_mine(Handle *h, PyObject *unused)
         return NULL;
     int sealed = usable(h) ? seal_mine(h) : 0;
     return sealed < 0 ? NULL : PyBool_FromLong(sealed);
-}
-
-/* _kill_at(point): see kill_point; for tests only. */
-static PyObject *
-leases_kill_at(PyObject *module, PyObject *point)
-{
-    long p = PyLong_AsLong(point);
-    if (p == -1 && PyErr_Occurred())
-        return NULL;
-    kill_at = (int)p;
-    Py_RETURN_NONE;
 }
 
 /* publish(timeout=1.0) */
@@ -911,7 +887,7 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         if (sealed < 0)
             return NULL;
         kill_point(KILL_PUBLISH_SEALED);
-        int code = sealed ? step(h, c->ev_publish, 0) : STEP_REFUSED;
+        int code = sealed ? step(h, E_PUBLISH, 0) : STEP_REFUSED;
         if (code == STEP_ERROR)
             return NULL;
         if (code == STEP_DONE)
@@ -927,7 +903,7 @@ ws_abort(Handle *h, PyObject *unused)
         return NULL;
     if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) &&
         (!h->opened || h->opened == Py_None)) {
-        int code = step(h, h->core->ev_abort, 0);
+        int code = step(h, E_ABORT, 0);
         if (code == STEP_ERROR)
             return NULL;
         if (code == STEP_DONE)
@@ -948,17 +924,16 @@ ws_keep(Handle *h, PyObject *unused)
     if (!usable(h))
         Py_RETURN_NONE;
     Core *c = h->core;
-    PyObject *call[4] = {h->slot, h->generation, c->st_held, c->ev_abort}, *r;
+    Py_ssize_t slot;
+    uint64_t gen;
     int sealed = seal_mine(h);
     if (sealed <= 0)
         return sealed < 0 ? NULL : Py_NewRef(Py_None);
     kill_point(KILL_KEEP_SEALED);
-    if (!(r = PyObject_Vectorcall(c->keep, call, 2, NULL)))
-        return NULL;
-    long code = PyLong_AsLong(r);
-    Py_DECREF(r);
-    if (code != 0)
-        Py_RETURN_NONE;
+    ids(h, &slot, &gen); /* seal_mine converted them */
+    int code = hot_keep(c->hot, slot, gen);
+    if (code != STEP_DONE)
+        return code == STEP_ERROR ? NULL : Py_NewRef(Py_None);
     h->open = 0;
     kill_point(KILL_KEEP_HELD);
     Handle *lease = new_handle(c->lease, c, h->table, h->slot, h->generation, h->tag);
@@ -966,10 +941,8 @@ ws_keep(Handle *h, PyObject *unused)
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        PyObject *undone = PyObject_Vectorcall(c->free, call, 4, NULL);
-        if (!undone)
-            PyErr_WriteUnraisable(c->free);
-        Py_XDECREF(undone);
+        if (hot_free(c->hot, slot, gen, S_HELD, E_ABORT) == STEP_ERROR)
+            PyErr_WriteUnraisable((PyObject *)h);
         PyErr_Restore(type, value, tb);
         if (lease)
             lease->open = 0;
@@ -1011,9 +984,10 @@ lease_item(Handle *h, PyObject *name)
 {
     if (!made(h))
         return NULL;
+    Py_ssize_t slot;
+    uint64_t gen;
     if (usable(h)) {
-        PyObject *call[2] = {h->slot, name};
-        PyObject *number = PyObject_Vectorcall(h->core->read, call, 2, NULL);
+        PyObject *number = ids(h, &slot, &gen) ? codec_read(h->core->codec, slot, name) : NULL;
         if (number != Py_None)
             return number; /* the value, or NULL with the error */
         Py_DECREF(number);
@@ -1026,7 +1000,7 @@ lease_end(Handle *h, int release)
 {
     if (!made(h))
         return NULL;
-    PyObject *event = release ? h->core->ev_release : h->core->ev_abort;
+    int event = release ? E_RELEASE : E_ABORT;
     int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
     if (usable(h) && (!h->opened || h->opened == Py_None) && (!viewed || watched_of(h)) &&
         !(viewed && h->core->strict)) {
@@ -1047,7 +1021,10 @@ lease_end(Handle *h, int release)
                 Py_RETURN_NONE;
         }
     }
-    return slow((PyObject *)h, s_end, event, release ? s_release : s_abort);
+    PyObject *number = PyLong_FromLong(event);
+    PyObject *r = number ? slow((PyObject *)h, s_end, number, release ? s_release : s_abort) : NULL;
+    Py_XDECREF(number);
+    return r;
 }
 
 static PyObject *
@@ -1065,31 +1042,57 @@ lease_abort(Handle *h, PyObject *unused)
 /* -- HandleCore methods: how a handle is made, in the call that gives it its slot ------------ */
 
 /* Undo a transition whose handle could not be made (out of memory): hand the slot back
- * through a handle-less free, keeping the error that got us here. */
+ * through a handle-less step (a lease's unread), keeping the error that got us here. */
 static void
-undo(Core *c, PyObject *slot, PyObject *generation, PyObject *state)
+undo(Core *c, Py_ssize_t slot, uint64_t gen, int state)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    int held = state == c->st_held;
-    PyObject *call[4] = {slot, generation, held ? Py_True : state, c->ev_abort};
-    PyObject *r = held ? PyObject_Vectorcall(c->redeliver, call, 3, NULL) /* unread */
-                       : PyObject_Vectorcall(c->free, call, 4, NULL);
-    if (!r)
-        PyErr_WriteUnraisable(held ? c->redeliver : c->free);
-    Py_XDECREF(r);
+    int code = state == S_HELD ? hot_redeliver(c->hot, slot, gen, 1)
+                               : hot_free(c->hot, slot, gen, state, E_ABORT);
+    if (code == STEP_ERROR)
+        PyErr_WriteUnraisable((PyObject *)c);
     PyErr_Restore(type, value, tb);
 }
 
 /* A handle of `type` for a slot just acquired, or NULL with the slot handed back. */
 static PyObject *
-own(Core *c, PyTypeObject *type, PyObject *table, PyObject *slot, PyObject *generation,
-    PyObject *tag, PyObject *state)
+own(Core *c, PyTypeObject *type, PyObject *table, Py_ssize_t slot, uint64_t gen, uint64_t tag,
+    int state)
 {
-    Handle *h = new_handle(type, c, table, slot, generation, tag);
+    PyObject *slot_o = PyLong_FromSsize_t(slot), *gen_o = PyLong_FromUnsignedLongLong(gen);
+    PyObject *tag_o = PyLong_FromUnsignedLongLong(tag);
+    Handle *h = slot_o && gen_o && tag_o ? new_handle(type, c, table, slot_o, gen_o, tag_o)
+                                         : NULL;
+    Py_XDECREF(slot_o);
+    Py_XDECREF(gen_o);
+    Py_XDECREF(tag_o);
     if (!h)
-        undo(c, slot, generation, state);
+        undo(c, slot, gen, state);
     return (PyObject *)h;
+}
+
+/* A handle for a slot acquired by `event` (E_CLAIM: WriteSlot, E_RESERVE: Reservation)
+ * carrying `tag`, Py_None if no slot is FREE, or NULL with an error. */
+static PyObject *
+acquire_one(Core *c, PyObject *table, int event, uint64_t tag)
+{
+    Py_ssize_t slot;
+    uint64_t gen;
+    int got = hot_acquire(c->hot, event, tag, &slot, &gen);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    int reserve = event == E_RESERVE;
+    return own(c, reserve ? c->reservation : c->write_slot, table, slot, gen, tag,
+               reserve ? S_RESERVED : S_WRITING);
+}
+
+/* The tag of a claim or reservation as the slot word's entry holds it; 0 with an error set. */
+static int
+tag_arg(PyObject *o, uint64_t *tag)
+{
+    *tag = PyLong_AsUnsignedLongLong(o);
+    return !(*tag == (uint64_t)-1 && PyErr_Occurred());
 }
 
 /* acquire(table, event, tag) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None (none FREE).
@@ -1105,18 +1108,15 @@ core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "the table is closed");
         return NULL;
     }
-    int reserve = PyObject_RichCompareBool(args[1], c->ev_reserve, Py_EQ);
-    if (reserve < 0)
+    long event = PyLong_AsLong(args[1]);
+    uint64_t tag;
+    if ((event == -1 && PyErr_Occurred()) || !tag_arg(args[2], &tag))
         return NULL;
-    PyObject *call[2] = {reserve ? c->ev_reserve : c->ev_claim, args[2]};
-    PyObject *got = PyObject_Vectorcall(c->acquire, call, 2, NULL);
-    if (!got || got == Py_None)
-        return got;
-    PyObject *h = own(c, reserve ? c->reservation : c->write_slot, args[0],
-                      PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), args[2],
-                      reserve ? c->st_reserved : c->st_writing);
-    Py_DECREF(got);
-    return h;
+    if (event != E_CLAIM && event != E_RESERVE) {
+        PyErr_SetString(PyExc_ValueError, "acquire takes CLAIM or RESERVE");
+        return NULL;
+    }
+    return acquire_one(c, args[0], (int)event, tag);
 }
 
 /* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
@@ -1131,13 +1131,12 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyObject *tag = args[1];
     if (!c->ready || c->closed || !c->plain_claim || !PyLong_CheckExact(tag))
         Py_RETURN_NONE;
-    PyLong_AsUnsignedLongLong(tag);
-    if (PyErr_Occurred()) { /* negative or over 64 bits: Python's check words the error */
+    uint64_t number;
+    if (!tag_arg(tag, &number)) { /* negative or over 64 bits: Python's check words the error */
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    PyObject *call[3] = {args[0], c->ev_claim, tag};
-    return core_acquire(c, call, 3);
+    return acquire_one(c, args[0], E_CLAIM, number);
 }
 
 /* open_reserved(table, slot, generation) -> WriteSlot | None (not reserved at generation). */
@@ -1152,12 +1151,14 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "the table is closed");
         return NULL;
     }
-    PyObject *tag = PyObject_Vectorcall(c->open_reserved, args + 1, 2, NULL);
-    if (!tag || tag == Py_None)
-        return tag;
-    PyObject *h = own(c, c->write_slot, args[0], args[1], args[2], tag, c->st_writing);
-    Py_DECREF(tag);
-    return h;
+    Py_ssize_t slot = PyLong_AsSsize_t(args[1]);
+    uint64_t gen, tag;
+    if ((slot == -1 && PyErr_Occurred()) || !tag_arg(args[2], &gen))
+        return NULL;
+    int opened = hot_open_reserved(c->hot, slot, gen, &tag);
+    if (opened <= 0)
+        return opened < 0 ? NULL : Py_NewRef(Py_None);
+    return own(c, c->write_slot, args[0], slot, gen, tag, S_WRITING);
 }
 
 /* One READY slot as a Lease (new reference), Py_None (new reference) if nothing is ready, or
@@ -1166,16 +1167,21 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 take_one(Core *c, PyObject *table)
 {
-    PyObject *got = PyObject_Vectorcall(c->take, NULL, 0, NULL);
-    if (!got || !PyTuple_Check(got))
-        return got;
-    Handle *h = (Handle *)own(c, c->lease, table, PyTuple_GET_ITEM(got, 0),
-                              PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 2), c->st_held);
-    if (h) {
-        join_views(c, h);
-        h->deliveries = Py_NewRef(PyTuple_GET_ITEM(got, 3));
+    Py_ssize_t slot;
+    uint64_t gen, tag, before;
+    int took = hot_take(c->hot, &slot, &gen, &tag, &before);
+    if (took <= 0)
+        return took < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *deliveries = PyLong_FromUnsignedLongLong(before);
+    Handle *h = deliveries ? (Handle *)own(c, c->lease, table, slot, gen, tag, S_HELD) : NULL;
+    if (!h) {
+        if (!deliveries)
+            undo(c, slot, gen, S_HELD);
+        Py_XDECREF(deliveries);
+        return NULL;
     }
-    Py_DECREF(got);
+    join_views(c, h);
+    h->deliveries = deliveries;
     return (PyObject *)h;
 }
 
@@ -1225,7 +1231,7 @@ core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
  * NULL) and every handle of `list` through `event` (leases unread: nobody saw them),
  * keeping the error that got us here. */
 static void
-hand_back_all(PyObject *one, PyObject *list, PyObject *event)
+hand_back_all(PyObject *one, PyObject *list, int event)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -1259,7 +1265,7 @@ core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         if (!lease || PyList_Append(leases, lease) < 0) {
-            hand_back_all(lease, leases, c->ev_redeliver);
+            hand_back_all(lease, leases, E_REDELIVER);
             Py_XDECREF(lease);
             Py_CLEAR(leases);
         } else {
@@ -1398,17 +1404,18 @@ core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
-    if ((n == -1 && PyErr_Occurred()) || !open_core(c))
+    uint64_t tag;
+    if ((n == -1 && PyErr_Occurred()) || !open_core(c) || !tag_arg(args[2], &tag))
         return NULL;
-    PyObject *slots = PyList_New(0), *call[3] = {args[0], c->ev_claim, args[2]};
+    PyObject *slots = PyList_New(0);
     for (Py_ssize_t k = 0; slots && k < n; k++) {
-        PyObject *ws = core_acquire(c, call, 3);
+        PyObject *ws = acquire_one(c, args[0], E_CLAIM, tag);
         if (ws == Py_None) {
             Py_DECREF(ws);
             break;
         }
         if (!ws || PyList_Append(slots, ws) < 0) {
-            hand_back_all(ws, slots, c->ev_abort);
+            hand_back_all(ws, slots, E_ABORT);
             Py_XDECREF(ws);
             Py_CLEAR(slots);
         } else {
@@ -1418,7 +1425,7 @@ core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return slots;
 }
 
-/* The slots of `items` (handles) as a tuple, for a RowCodec batch call; NULL: error set. */
+/* The slots of `items` (handles) as a tuple, for codec_move; NULL: error set. */
 static PyObject *
 slots_of(PyObject *items)
 {
@@ -1429,14 +1436,14 @@ slots_of(PyObject *items)
     return slots;
 }
 
-/* RowCodec batch call `method` (gather or scatter) on the slots of the handles listed in
+/* codec_move, out of the rows (`out`: gather) or into them (scatter), on the slots of the handles listed in
  * args[0] — each of `type`, of this table, open, and (if `once`) listed once — with args[1]
  * and args[2]; no garbage collection runs from the check that they are open to the end of
  * the copy.  The codec's answer (True, or False having moved nothing), an index (that item
  * refused, nothing done), or NULL; *items: the handles, when the codec was called. */
 static PyObject *
 codec_on_listed(Core *c, PyObject *const *args, Py_ssize_t nargs, PyTypeObject *type, int once,
-                PyObject *method, const char *usage, PyObject **items)
+                int out, const char *usage, PyObject **items)
 {
     *items = NULL;
     if (nargs != 3) {
@@ -1452,8 +1459,7 @@ codec_on_listed(Core *c, PyObject *const *args, Py_ssize_t nargs, PyTypeObject *
     if (listed) {
         PyObject *slots = slots_of(listed);
         if (slots) {
-            PyObject *call[3] = {slots, args[1], args[2]};
-            r = PyObject_Vectorcall(method, call, 3, NULL);
+            r = codec_move(c->codec, slots, args[1], args[2], out);
             Py_DECREF(slots);
         }
     }
@@ -1472,7 +1478,7 @@ static PyObject *
 core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *items;
-    PyObject *r = codec_on_listed(c, args, nargs, c->lease, 0, c->gather,
+    PyObject *r = codec_on_listed(c, args, nargs, c->lease, 0, 1,
                                   "gather(leases, name, out)", &items);
     Py_XDECREF(items);
     return r;
@@ -1487,7 +1493,7 @@ static PyObject *
 core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *items;
-    PyObject *r = codec_on_listed(c, args, nargs, c->write_slot, 1, c->scatter,
+    PyObject *r = codec_on_listed(c, args, nargs, c->write_slot, 1, 0,
                                   "scatter(write_slots, name, values)", &items);
     for (Py_ssize_t i = 0; r == Py_True && i < PyTuple_GET_SIZE(items); i++) {
         PyObject *written = lazy_set(&((Handle *)PyTuple_GET_ITEM(items, i))->written);
@@ -1520,7 +1526,7 @@ static PyMemberDef core_members[] = {
 
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._leases.HandleCore",
+    .tp_name = "shmslots._core.HandleCore",
     .tp_doc = "What one table's handles share: its compiled steps, rows and closed flag.",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -1560,7 +1566,7 @@ static PyMethodDef handle_methods[] = {
 
 static PyTypeObject HandleType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._leases.HandleBase",
+    .tp_name = "shmslots._core.HandleBase",
     .tp_doc = "A slot owned through one handle: table, slot, generation, tag, open or not.",
     .tp_basicsize = sizeof(Handle),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
@@ -1601,7 +1607,7 @@ static PyGetSetDef ws_getset[] = {
 
 static PyTypeObject WriteSlotType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._leases.WriteSlotCore",
+    .tp_name = "shmslots._core.WriteSlotCore",
     .tp_doc = "The compiled steps of a WriteSlot.",
     .tp_basicsize = sizeof(Handle),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
@@ -1637,7 +1643,7 @@ lease_init(Handle *h, PyObject *args, PyObject *kwds)
 
 static PyTypeObject LeaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._leases.LeaseCore",
+    .tp_name = "shmslots._core.LeaseCore",
     .tp_doc = "The compiled steps of a Lease.",
     .tp_basicsize = sizeof(Handle),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
@@ -1651,18 +1657,8 @@ static PyTypeObject LeaseType = {
 
 /* -- module ------------------------------------------------------------------------------------ */
 
-static PyMethodDef module_methods[] = {
-    {"_kill_at", leases_kill_at, METH_O, "_kill_at(point): SIGKILL at a sealing step (tests)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmslots._leases", "Compiled fast paths of the type-state handles.",
-    -1, module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__leases(void)
+int
+leases_add(PyObject *m)
 {
     struct { PyObject **at; const char *text; } names[] = {
         {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_data_ptr, "data_ptr"},
@@ -1675,40 +1671,17 @@ PyInit__leases(void)
     };
     for (size_t i = 0; i < COUNT(names); i++)
         if (!(*names[i].at = PyUnicode_InternFromString(names[i].text)))
-            return NULL;
+            return -1;
     if (!(default_timeout = PyFloat_FromDouble(1.0)))
-        return NULL;
-    PyObject *torch = PyImport_ImportModule("torch");
-    if (!torch)
-        return NULL;
-    PyObject *torch_c = PyObject_GetAttrString(torch, "_C");
-    use_count = torch_c ? PyObject_GetAttrString(torch_c, "_storage_Use_Count") : NULL;
-    tensor_type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
-    storage_type = (PyTypeObject *)PyObject_GetAttrString(torch, "UntypedStorage");
-    Py_XDECREF(torch_c);
-    Py_DECREF(torch);
-    if (!use_count || !tensor_type || !storage_type)
-        return NULL;
-    if (!PyType_Check(tensor_type) || !PyType_Check(storage_type)) {
-        PyErr_SetString(PyExc_TypeError, "torch.Tensor or torch.UntypedStorage is not a type");
-        return NULL;
-    }
-    if (!(tensor_data_ptr = PyObject_GetAttr((PyObject *)tensor_type, s_data_ptr)) ||
-        !(tensor_untyped_storage = PyObject_GetAttr((PyObject *)tensor_type, s_untyped_storage)))
-        return NULL;
+        return -1;
     PyTypeObject *types[] = {&WatchedType, &CoreType, &HandleType, &WriteSlotType, &LeaseType};
     for (size_t i = 0; i < COUNT(types); i++)
         if (PyType_Ready(types[i]) < 0)
-            return NULL;
-    PyObject *m = PyModule_Create(&moduledef);
-    if (!m)
-        return NULL;
+            return -1;
     const char *exported[] = {"WatchedTensors", "HandleCore", "HandleBase", "WriteSlotCore",
                               "LeaseCore"};
     for (size_t i = 0; i < COUNT(types); i++)
-        if (PyModule_AddObjectRef(m, exported[i], (PyObject *)types[i]) < 0) {
-            Py_DECREF(m);
-            return NULL;
-        }
-    return m;
+        if (PyModule_AddObjectRef(m, exported[i], (PyObject *)types[i]) < 0)
+            return -1;
+    return 0;
 }

@@ -1,0 +1,107 @@
+/* shmslots._core: what its files share.
+ *
+ * One extension, four files, one job each: atomic.c (atomics and futexes on a mapping),
+ * hotpath.c (the slot protocol's transitions and the ready ring), rowcodec.c (the rules a
+ * tensor must pass and the row copies), leases.c (the type-state handles' fast paths).
+ * leases.c calls the other two through the functions declared here, C to C: a handle's step
+ * makes no Python call between two compiled steps.
+ *
+ * The slot word and the ring cell are defined here and nowhere else in C; states.py is their
+ * Python home, and ownership.py checks at import that STATES and EVENTS (exported from
+ * hotpath.c) number them as states.py does.  docs/protocol.md states the rules.
+ */
+#ifndef SHMSLOTS_CORE_H
+#define SHMSLOTS_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* -- the slot word: generation (32 bits) | owner (16) | state (16) -------------------------- */
+
+enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_QUARANTINED, S_COUNT };
+enum {
+    E_CLAIM, E_RESERVE, E_OPEN_RESERVED, E_PUBLISH, E_TAKE, E_RELEASE, E_ABORT, E_RECLAIM,
+    E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_QUARANTINE, E_EXPIRE, E_COUNT
+};
+
+static inline unsigned state_of(uint64_t word) { return (unsigned)(word & 0xFFFF); }
+static inline uint64_t owner_of(uint64_t word) { return (word >> 16) & 0xFFFF; }
+static inline uint64_t generation_of(uint64_t word) { return word >> 32; }
+static inline uint64_t owned_word(uint64_t gen, uint64_t owner, unsigned state)
+{
+    return ((gen & 0xFFFFFFFFu) << 32) | (owner << 16) | state;
+}
+
+/* -- the ready ring's cell: position (43 bits) | full (1) | slot (20) ----------------------- */
+
+#define POS_BITS 43
+#define POS_MASK ((UINT64_C(1) << POS_BITS) - 1)
+#define FULL (UINT64_C(1) << 20)
+#define SLOT_MASK (FULL - 1)
+
+static inline uint64_t empty_cell(uint64_t pos) { return (pos & POS_MASK) << 21; }
+static inline uint64_t full_cell(uint64_t pos, uint64_t slot)
+{
+    return ((pos & POS_MASK) << 21) | FULL | slot;
+}
+
+/* -- test-only kill points: SIGKILL inside a step (_kill_at, KILL_POINTS) ------------------- */
+
+enum {
+    KILL_NONE, KILL_QUARANTINED, KILL_RECLAIMING, KILL_PUBLISH_SEALED, KILL_KEEP_SEALED,
+    KILL_KEEP_HELD, KILL_COUNT
+};
+extern int kill_at;
+void kill_point(int point);
+
+/* -- hotpath.c: the transitions a handle makes ------------------------------------------------
+ * Each checks that the participant may act and that `slot` is in range (error set, STEP_ERROR
+ * returned otherwise).  Codes: STEP_DONE, STEP_REFUSED (not this participant's slot in that
+ * state at that generation: nothing changed), STEP_QUEUE_FULL (publish: nothing changed),
+ * STEP_ERROR (error set, a corrupt ring included). */
+
+enum { STEP_DONE = 0, STEP_REFUSED = -1, STEP_QUEUE_FULL = -2, STEP_ERROR = -3 };
+
+typedef struct HotPath HotPath;
+extern PyTypeObject HotPathType;
+
+/* 1 acquired (*slot, *gen set), 0 none FREE, STEP_ERROR. */
+int hot_acquire(HotPath *h, int event, uint64_t tag, Py_ssize_t *slot, uint64_t *gen);
+/* 1 opened (*tag set), 0 not reserved at `gen`, STEP_ERROR. */
+int hot_open_reserved(HotPath *h, Py_ssize_t slot, uint64_t gen, uint64_t *tag);
+int hot_publish(HotPath *h, Py_ssize_t slot, uint64_t gen);
+int hot_keep(HotPath *h, Py_ssize_t slot, uint64_t gen);
+/* 1 it is this participant's WRITING slot at `gen`, 0 not, STEP_ERROR. */
+int hot_writing(HotPath *h, Py_ssize_t slot, uint64_t gen);
+/* 1 taken (all out-values set), 0 nothing ready, STEP_ERROR. */
+int hot_take(HotPath *h, Py_ssize_t *slot, uint64_t *gen, uint64_t *tag, uint64_t *before);
+int hot_free(HotPath *h, Py_ssize_t slot, uint64_t gen, int state, int event);
+int hot_redeliver(HotPath *h, Py_ssize_t slot, uint64_t gen, int unread);
+
+/* -- rowcodec.c: a row's copies --------------------------------------------------------------- */
+
+typedef struct RowCodec RowCodec;
+extern PyTypeObject RowCodecType;
+
+/* 1 every field written, 0 not the plain case (nothing written), -1 error set. */
+int codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields);
+/* 0 sealed, -1 error set. */
+int codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t gen);
+/* The value (new reference), Py_None (new reference: not the plain case), or NULL. */
+PyObject *codec_read(RowCodec *r, Py_ssize_t slot, PyObject *name);
+/* Py_True moved, Py_False not the plain case (nothing moved), or NULL: gather (`out`) copies
+ * field `name` of each of `slots` into `flat`, scatter the other way. */
+PyObject *codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat, int out);
+
+/* -- each file adds its types and functions to the module ------------------------------------ */
+
+int atomic_add(PyObject *m);
+int hotpath_add(PyObject *m);
+int rowcodec_add(PyObject *m);
+int leases_add(PyObject *m);
+
+/* PyModule_AddObjectRef, taking `value`'s reference whatever happens (3.13's PyModule_Add). */
+int add_owned(PyObject *m, const char *name, PyObject *value);
+
+#endif

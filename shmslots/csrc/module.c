@@ -1,0 +1,64 @@
+/* shmslots._core: the module, made of its four files (core.h says which does what), and the
+ * test-only kill points that SIGKILL this process inside a compiled step. */
+#include "core.h"
+#include <signal.h>
+
+int kill_at = KILL_NONE;
+
+void
+kill_point(int point)
+{
+    if (kill_at == point)
+        raise(SIGKILL);
+}
+
+/* _kill_at(point): SIGKILL at that point of a later step (KILL_POINTS names them); for
+ * tests, which set it in a child; 0 is never a point. */
+static PyObject *
+core_kill_at(PyObject *module, PyObject *point)
+{
+    long p = PyLong_AsLong(point);
+    if (p == -1 && PyErr_Occurred())
+        return NULL;
+    if (p < KILL_NONE || p >= KILL_COUNT)
+        return PyErr_Format(PyExc_ValueError, "no kill point %ld", p);
+    kill_at = (int)p;
+    Py_RETURN_NONE;
+}
+
+int
+add_owned(PyObject *m, const char *name, PyObject *value)
+{
+    int rc = value ? PyModule_AddObjectRef(m, name, value) : -1;
+    Py_XDECREF(value);
+    return rc;
+}
+
+static PyMethodDef module_methods[] = {
+    {"_kill_at", core_kill_at, METH_O, "_kill_at(point): SIGKILL inside a step (tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "shmslots._core",
+    "The compiled core: atomics, the slot protocol's steps, row copies, handle fast paths.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__core(void)
+{
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m)
+        return NULL;
+    if (atomic_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 || leases_add(m) < 0 ||
+        add_owned(m, "KILL_POINTS",
+                  Py_BuildValue("{sisisisisi}", "QUARANTINED", KILL_QUARANTINED, "RECLAIMING",
+                                KILL_RECLAIMING, "PUBLISH_SEALED", KILL_PUBLISH_SEALED,
+                                "KEEP_SEALED", KILL_KEEP_SEALED, "KEEP_HELD",
+                                KILL_KEEP_HELD)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
