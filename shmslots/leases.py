@@ -23,6 +23,7 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,8 +45,8 @@ from .states import Event, State
 if TYPE_CHECKING:
     from .handles import Pin
     from .ownership import Ownership
+    from .parts import TableParts
     from .rows import Rows
-    from .table import SlotTable
 
 _WRITING = int(State.WRITING)
 _RESERVED = int(State.RESERVED)
@@ -89,9 +90,9 @@ def _caller_level() -> int:
     return level
 
 
-def _changed_in_place(watched: WatchedTensors, names: set[str], table: SlotTable) -> list[str]:
+def _changed_in_place(watched: WatchedTensors, names: set[str], parts: TableParts) -> list[str]:
     """Names whose view no longer has the shape, strides and plain state it was made with."""
-    fields = table._rows.schema.slots
+    fields = parts.rows.schema.slots
     changed = []
     for name in names:
         view, shape = watched.tensors[name], fields[name].field.fixed_shape
@@ -112,18 +113,19 @@ def _changed_in_place(watched: WatchedTensors, names: set[str], table: SlotTable
 
 
 class _Handle(HandleBase):
-    """What every handle checks; table, slot, generation and tag live in HandleBase."""
+    """What every handle checks; its table's parts, slot, generation and tag live in
+    HandleBase."""
 
     __slots__ = ()
 
     def _still_mine(self, state: int) -> bool:
         """False when the transition already happened but an interrupt hit before we noted it."""
-        return self._table._own.owns(self.slot, self.generation, state)
+        return self._parts.own.owns(self.slot, self.generation, state)
 
     def _check_open(self, action: str) -> None:
-        if self._table._closed:
+        if self._parts.closed:
             raise StaleLeaseError(
-                f"cannot {action}: table {self._table.name!r} was closed, and with it this "
+                f"cannot {action}: table {self._parts.name!r} was closed, and with it this "
                 f"{type(self).__name__} of slot {self.slot}"
             )
         if not self._open:
@@ -161,20 +163,20 @@ class _Handle(HandleBase):
         and neither is one changed in place (checked in strict mode): the slot
         gets fresh views. What is reported is not reported again on a retry.
         """
-        table = self._table
+        parts = self._parts
         watched = self._views()
         leaked = self._leaked()
         moved = self._moved_out()
-        if leaked and table.strict:
+        if leaked and parts.strict:
             raise LeakedViewError(self._leak_message(action, leaked))
         if moved:  # before any warning, which may be raised as an error and end this call
-            table._rows.forget_views(self.slot)
+            parts.rows.forget_views(self.slot)
             self._forget_moved(moved)
         if leaked:
             self._report(leaked, self._leak_message(action, leaked))
         if moved:
             self._moved(moved, action, reported=leaked)
-        changed = _changed_in_place(watched, self._viewed, table) if table.strict else []
+        changed = _changed_in_place(watched, self._viewed, parts) if parts.strict else []
         if changed:
             self._report(
                 changed,
@@ -196,8 +198,8 @@ class _Handle(HandleBase):
         """Count and warn once; the slot's next owner gets fresh views."""
         if self._opened:  # opened tensors reported once, like views
             self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
-        self._table._own.count("leaked_views", len(names))
-        self._table._rows.forget_views(self.slot)
+        self._parts.own.count("leaked_views", len(names))
+        self._parts.rows.forget_views(self.slot)
         self._viewed.difference_update(names)
         warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
 
@@ -205,31 +207,31 @@ class _Handle(HandleBase):
         """A with block hands the slot back although strict mode refused to: its views
         outlive ownership after all, so they count as leaked (a warning counts its own)."""
         if isinstance(exc, LeakedViewError):
-            self._table._own.count("leaked_views", len(self._leaked()))
+            self._parts.own.count("leaked_views", len(self._leaked()))
 
     def _forget_unchecked(self) -> None:
         """Ending without a check (an exception is on its way): no view of ours stays cached."""
         if self._viewed:
-            self._table._rows.forget_views(self.slot)
+            self._parts.rows.forget_views(self.slot)
 
     def _end_with(self, event: int, state: int) -> None:
         """The handle's last transition, and its end, in one compiled step."""
         if self._hand_back(event) == _STEP_REFUSED:
-            raise self._table._own.not_mine(self.slot, self.generation, state)
+            raise self._parts.own.not_mine(self.slot, self.generation, state)
 
     def _quarantine_from(self, state: int, window_ns: int) -> Quarantined:
         """QUARANTINE, one compiled step; an interrupt before the handle notes its end
         leaves it open in name only (its slot is not in `state` any more, so every later
         step of it is refused) and the slot closed all the same."""
         self._check_open("quarantine")
-        table = self._table
+        parts = self._parts
         deadline_ns = time.monotonic_ns() + window_ns
-        if table._own.hot.quarantine(self.slot, self.generation, state, deadline_ns):
-            raise table._own.not_mine(self.slot, self.generation, state)
+        if parts.own.hot.quarantine(self.slot, self.generation, state, deadline_ns):
+            raise parts.own.not_mine(self.slot, self.generation, state)
         self._open = False
-        if table._sites is not None:  # diagnostic only: whatever happens here, it stays closed
-            table._sites.record([(self.slot, self.generation)], _QUARANTINED)
-        return Quarantined(table, self.slot, self.generation, self.tag, deadline_ns)
+        if parts.sites is not None:  # diagnostic only: whatever happens here, it stays closed
+            parts.sites.record([(self.slot, self.generation)], _QUARANTINED)
+        return Quarantined(parts, self.slot, self.generation, self.tag, deadline_ns)
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -252,7 +254,7 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _write_slow(self, fields: dict[str, Any]) -> WriteSlot:
         """write() for values that are not the plain case, and every error of it."""
         self._check_open("write")
-        rows = self._table._rows
+        rows = self._parts.rows
         plan = rows.prepare(fields)
         if rows.schema.has_handles:
             handles = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle]
@@ -264,8 +266,8 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _pin_handles(
         self, plan: list[tuple[str, Any]], handles: list[int]
     ) -> list[tuple[str, Any]]:
-        store = self._table._handles
-        schema = self._table._rows.schema
+        store = self._parts.handles
+        schema = self._parts.rows.schema
         encoded: dict[int, tuple[bytes, Pin]] = {}
         try:
             for i in handles:
@@ -290,7 +292,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         """The field's row memory, to fill in place (zero copy); counts as written."""
         self._check_open("view")
         if self._watched is None:  # publish checks these views, even if the slot's cache moves on
-            self._watched = self._table._rows.views(self.slot)
+            self._watched = self._parts.rows.views(self.slot)
         tensor = self._watched.tensors.get(name)
         if tensor is None:
             raise SchemaError(f"no inline field {name!r}")
@@ -299,7 +301,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         return tensor
 
     def _views(self) -> WatchedTensors:
-        return self._watched if self._watched is not None else self._table._rows.views(self.slot)
+        return self._watched if self._watched is not None else self._parts.rows.views(self.slot)
 
     def alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of the table's arena for handle field `name`, to fill in place: the loan
@@ -308,8 +310,8 @@ class WriteSlot(_Handle, WriteSlotCore):
         publish; a loan kept past publish or abort is reported as a leaked view (it would
         see the next occupant's data), and one moved out of the arena is refused."""
         self._check_open("alloc")
-        table = self._table
-        fs = table._rows.schema.slots.get(name) if isinstance(name, str) else None
+        parts = self._parts
+        fs = parts.rows.schema.slots.get(name) if isinstance(name, str) else None
         if fs is None or not fs.field.is_handle:
             raise SchemaError(f"alloc loans handle fields; {name!r} is not one")
         f = fs.field
@@ -326,13 +328,13 @@ class WriteSlot(_Handle, WriteSlotCore):
                 f"alloc of {name!r} in slot {self.slot} while the previous loan is still "
                 "referenced; its pages are freed and will hold other data"
             )
-            if table.strict:
+            if parts.strict:
                 raise LeakedViewError(message)
             self._report([name], message)
-        store = table._handles
+        store = parts.handles
         blob, pin = store.loan(self.slot, self.generation, f, got)
         try:
-            table._rows.write(self.slot, [(name, blob)])
+            parts.rows.write(self.slot, [(name, blob)])
         except BaseException:
             store.unpin(pin)
             raise
@@ -362,7 +364,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_open("write")
         if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 32):
             raise InvalidArgument(f"checksum must be a 32-bit unsigned int, got {checksum!r}")
-        rows = self._table._rows
+        rows = self._parts.rows
         if rows.schema.has_handles:
             raise SchemaError("handle fields cannot be written by address")
         if checksum is not None and rows.checksum(self.slot) != checksum:
@@ -387,21 +389,21 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_open("keep")
         moved = self._moved_out()
         if moved:
-            self._table._rows.forget_views(self.slot)
+            self._parts.rows.forget_views(self.slot)
             self._forget_moved(moved)
             self._moved(moved, "keep", reported=[])
         self._check_written()
-        table = self._table
+        parts = self._parts
         got = self._keep()
         if got is None:
-            raise table._own.not_mine(self.slot, self.generation, _WRITING)
+            raise parts.own.not_mine(self.slot, self.generation, _WRITING)
         lease = cast(Lease, got)
         if self._viewed:  # the lease's own, checked at its end
             lease._viewed.update(self._viewed)
             lease._watched = self._views()
         lease._opened, self._opened = self._opened, None  # loans, likewise
-        if table._sites is not None:
-            table._trace([lease], _HELD)
+        if parts.sites is not None:
+            trace(parts, [lease], _HELD)
         return lease
 
     def _publish_slow(self, timeout: float) -> None:
@@ -410,21 +412,21 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_written()
         if self._viewed or self._opened:
             self._check_views("publish")
-        table = self._table
+        parts = self._parts
         if not self._seal_mine():  # the one sealing order: proven ours, sealed, then the step
-            raise table._own.not_mine(self.slot, self.generation, _WRITING)
+            raise parts.own.not_mine(self.slot, self.generation, _WRITING)
         self._opened = None  # loans: the reader's from now on
         deadline = time.monotonic() + timeout
         while (result := self._hand_back(_PUBLISH)) == _STEP_QUEUE_FULL:
             if time.monotonic() >= deadline:
-                raise SlotsExhausted("ready queue full", table._own.occupancy())
+                raise SlotsExhausted("ready queue full", parts.own.occupancy())
             time.sleep(0.0005)
         if result == _STEP_REFUSED:
-            raise table._own.not_mine(self.slot, self.generation, _WRITING)
+            raise parts.own.not_mine(self.slot, self.generation, _WRITING)
 
     def _check_written(self) -> None:
         """Refuse to publish a row with fields never written."""
-        fields = self._table._rows.schema.slots
+        fields = self._parts.rows.schema.slots
         if len(self._written) != len(fields):  # written names were all checked to be fields
             missing = fields.keys() - self._written
             raise SchemaError(
@@ -483,7 +485,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         Ownership ends with the block: a view check that fails still hands the slot
         back (no later call could), and its error is raised after.
         """
-        if self._open and not self._table._closed and self._still_mine(_WRITING):
+        if self._open and not self._parts.closed and self._still_mine(_WRITING):
             if et is None:
                 try:
                     self.abort()
@@ -513,7 +515,7 @@ class Reservation(_Handle):
 
     def end(self) -> None:
         """Abort unless a producer opened it or it already ended; safe to call again."""
-        if self._open and not self._table._closed and self._still_mine(_RESERVED):
+        if self._open and not self._parts.closed and self._still_mine(_RESERVED):
             self.abort()
         self._open = False
 
@@ -550,7 +552,7 @@ class Lease(_Handle, LeaseCore):
 
     def _item_slow(self, name: str) -> int | float:
         self._check_open("read")
-        fs = self._table._rows.schema.slots.get(name) if isinstance(name, str) else None
+        fs = self._parts.rows.schema.slots.get(name) if isinstance(name, str) else None
         if fs is None:
             raise SchemaError(f"no field {name!r}")
         f = fs.field
@@ -568,7 +570,7 @@ class Lease(_Handle, LeaseCore):
         A handle is opened once per lease: an arena view, or the CUDA tensor
         rebuilt on this process's device with the same UUID.
         """
-        fs = self._table._rows.schema.slots.get(name)
+        fs = self._parts.rows.schema.slots.get(name)
         if fs is None or not fs.field.is_handle:
             return self.view(name)
         self._check_open("open a handle of")
@@ -579,9 +581,9 @@ class Lease(_Handle, LeaseCore):
         return self._opened[name].tensors[name]
 
     def _open_handle(self, name: str) -> torch.Tensor:
-        table = self._table
-        raw = table._rows.field_bytes(self.slot, name)
-        return table._handles.open(raw, self.slot, self.generation, name)
+        parts = self._parts
+        raw = parts.rows.field_bytes(self.slot, name)
+        return parts.handles.open(raw, self.slot, self.generation, name)
 
     def copy(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """An owned copy of the field that outlives the lease, returned.
@@ -591,7 +593,7 @@ class Lease(_Handle, LeaseCore):
         an inline field is copied by one memcpy, without a torch operation.
         """
         self._check_open("copy")
-        codec = self._table._rows._codec
+        codec = self._parts.rows._codec
         assert codec is not None  # a table's rows are writable
         if out is None and (made := codec.copied(self.slot, name)) is not None:
             # An inline field: made, checked and filled in one compiled call.  torch.empty
@@ -600,7 +602,7 @@ class Lease(_Handle, LeaseCore):
             # again, so open now means open throughout), the row read is this lease's.
             self._check_open("copy")
             return made
-        fs = self._table._rows.schema.slots.get(name)
+        fs = self._parts.rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")
         f = fs.field
@@ -627,12 +629,12 @@ class Lease(_Handle, LeaseCore):
     def verify(self) -> bool:
         """True if the row is still exactly what was published under this generation."""
         self._check_open("verify")
-        return self._table._row_intact(self.slot, self.generation)
+        return self._parts.row_intact(self.slot, self.generation)
 
     def _views(self) -> WatchedTensors:
         """The slot's views, made on first use (the compiled take never runs Python)."""
         if self._watched is None:
-            self._watched = self._table._rows.views(self.slot)
+            self._watched = self._parts.rows.views(self.slot)
         return self._watched
 
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
@@ -649,7 +651,7 @@ class Lease(_Handle, LeaseCore):
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
         """release() or abort() with views or handles to check, and every error of them."""
-        if self._table._closed or not self._open:
+        if self._parts.closed or not self._open:
             self._check_open(action)
         if not check_views:
             self._forget_unchecked()
@@ -666,7 +668,7 @@ class Lease(_Handle, LeaseCore):
     ) -> None:
         """Ownership ends with the block, as for a WriteSlot: a failed view check still
         hands the slot back, then raises."""
-        if self._open and not self._table._closed and self._still_mine(_HELD):
+        if self._open and not self._parts.closed and self._still_mine(_HELD):
             if et is None:
                 try:
                     self.release()
@@ -689,12 +691,12 @@ class Quarantined:
     closed); a reaper frees it at once if this process dies.  Why: docs/protocol.md
     (Quarantine)."""
 
-    __slots__ = ("_table", "deadline_ns", "generation", "slot", "tag")
+    __slots__ = ("_parts", "deadline_ns", "generation", "slot", "tag")
 
     def __init__(
-        self, table: SlotTable, slot: int, generation: int, tag: int, deadline_ns: int
+        self, parts: TableParts, slot: int, generation: int, tag: int, deadline_ns: int
     ) -> None:
-        self._table = table
+        self._parts = parts
         self.slot = slot
         self.generation = generation
         self.tag = tag
@@ -703,15 +705,15 @@ class Quarantined:
     @property
     def held(self) -> bool:
         """Whether the slot is still closed under this quarantine (not freed by anyone)."""
-        table = self._table
-        return not table._closed and table._own.owns(self.slot, self.generation, _QUARANTINED)
+        parts = self._parts
+        return not parts.closed and parts.own.owns(self.slot, self.generation, _QUARANTINED)
 
     def end(self) -> bool:
         """Free the slot now if it is still held; whether it was.  Safe to call again."""
-        table = self._table
-        if table._closed:  # its close freed it
+        parts = self._parts
+        if parts.closed:  # its close freed it
             return False
-        return table._own.hot.free(self.slot, self.generation, _QUARANTINED, _ABORT) == 0
+        return parts.own.hot.free(self.slot, self.generation, _QUARANTINED, _ABORT) == 0
 
     def __repr__(self) -> str:
         left = (self.deadline_ns - time.monotonic_ns()) / 1e9
@@ -734,3 +736,19 @@ def _window_ns(window_s: float) -> int:
             f"got {window_s!r}"
         )
     return int(window_s * 1e9)
+
+
+def trace(parts: TableParts, handles: Sequence[_Handle], state: int) -> None:
+    """Record the caller as these new owners' call site.  Diagnostic data only: if an
+    interrupt lands here, the handles are handed back (leases queued again) before it goes
+    on, so it never leaves a slot owned without a handle."""
+    assert parts.sites is not None
+    try:
+        parts.sites.record([(h.slot, h.generation) for h in handles], state)
+    except BaseException:
+        for h in handles:
+            if isinstance(h, Lease):
+                h._hand_back(_REDELIVER)
+            else:
+                cast(WriteSlot | Reservation, h).abort()
+        raise

@@ -54,7 +54,7 @@ class Quarantine:
             if any(
                 q.slot == handle.slot
                 and q.generation == handle.generation
-                and q._table is handle._table
+                and q._parts is handle._parts
                 for q in self._held
             ):
                 raise InvalidArgument(

@@ -36,10 +36,11 @@ from .errors import (
     TableNotReady,
 )
 from .handles import HandleStore
-from .leases import Lease, Reservation, WriteSlot, handle_core
+from .leases import Lease, Reservation, WriteSlot, handle_core, trace
 from .membership import Membership
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, describe_word, hot_path
 from .participants import Participant, hold_gate, release_gate
+from .parts import TableParts
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
@@ -223,6 +224,16 @@ class SlotTable:
                 STRANDED_CHECK_S,
             )
             self._handles = HandleStore(self._own, member.arena, segment.mm, segment.name)
+            self._parts = TableParts(
+                segment.name,
+                self._strict,
+                self._rows,
+                self._own,
+                self._handles,
+                self._sites,
+                self._core,
+                self._idle,
+            )
             self._closed = False
             self.reap()
         except BaseException:
@@ -407,7 +418,7 @@ class SlotTable:
     # -- writer side ------------------------------------------------------------------
     def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
-        ws = self._core.claim(self, tag)  # the plain case: a slot free now, a plain tag
+        ws = self._core.claim(self._parts, tag)  # the plain case: a slot free now, a plain tag
         if ws is None:
             if self._closed:
                 self._check_open()
@@ -416,7 +427,7 @@ class SlotTable:
             assert isinstance(got, WriteSlot)
             ws = got
         if self._sites is not None:
-            self._trace([ws], _WRITING)
+            trace(self._parts, [ws], _WRITING)
         return ws
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
@@ -424,7 +435,7 @@ class SlotTable:
         got = self._acquire(_RESERVE, tag, timeout, "reserve")
         assert isinstance(got, Reservation)
         if self._sites is not None:
-            self._trace([got], _RESERVED)
+            trace(self._parts, [got], _RESERVED)
         return got
 
     def open_reserved(self, slot: int, generation: int) -> WriteSlot:
@@ -433,14 +444,14 @@ class SlotTable:
         self.layout.check_slot(slot)
         if type(generation) is not int or not 0 <= generation <= GEN_MASK:
             raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
-        ws = self._core.open_reserved(self, slot, generation)
+        ws = self._core.open_reserved(self._parts, slot, generation)
         if ws is None:
             raise OwnershipError(
                 f"slot {slot} generation {generation} is not reserved "
                 f"(it is {describe_word(self._own.word(slot))})"
             )
         if self._sites is not None:
-            self._trace([ws], _WRITING)
+            trace(self._parts, [ws], _WRITING)
         return ws
 
     def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
@@ -450,13 +461,13 @@ class SlotTable:
         if type(tag) is not int or not 0 <= tag <= _M64:  # the common case in one test
             _check_tag(tag)
         core = self._core
-        got = core.acquire(self, event, tag)
+        got = core.acquire(self._parts, event, tag)
         if got is not None:
             return got
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
         waited = self._wait(
-            lambda: core.acquire(self, event, tag),
+            lambda: core.acquire(self._parts, event, tag),
             (own.release_seq, own.claimers_waiting, own.claimers_until),
             timeout,
             self.reap,  # between naps: an owner may have died since the first reap
@@ -479,7 +490,7 @@ class SlotTable:
         """The oldest READY slot as a Lease, waiting up to `timeout` s (None: forever)."""
         if self._closed:
             self._check_open()
-        got = self._core.take(self)
+        got = self._core.take(self._parts)
         if got is not None and self._plain_take:  # taken, nothing to verify: most calls
             return got
         lease = self._settle(got)
@@ -491,7 +502,7 @@ class SlotTable:
                 timeout,
             )
         if lease is not None and self._sites is not None:
-            self._trace([lease], _HELD)
+            trace(self._parts, [lease], _HELD)
         return lease
 
     def poll(self, max_n: int) -> list[Lease]:
@@ -502,11 +513,11 @@ class SlotTable:
         """
         self._check_open()
         _check_count(max_n, "max_n")
-        leases = self._core.poll(self, max_n)
+        leases = self._core.poll(self._parts, max_n)
         if self._strict:
             self._verify_all(leases)
         if leases and self._sites is not None:
-            self._trace(leases, _HELD)
+            trace(self._parts, leases, _HELD)
         return leases
 
     def release_all(self, leases: Iterable[Lease]) -> None:
@@ -535,9 +546,9 @@ class SlotTable:
         _check_tag(tag)
         if self._rows.schema.has_handles:
             self._handles.collect_own()  # as claim: drop tensors whose consumers are done
-        claimed = self._core.claim_n(self, n, tag)
+        claimed = self._core.claim_n(self._parts, n, tag)
         if claimed and self._sites is not None:
-            self._trace(claimed, _WRITING)
+            trace(self._parts, claimed, _WRITING)
         return claimed
 
     def publish_all(self, write_slots: Iterable[WriteSlot], timeout: float = 1.0) -> None:
@@ -574,7 +585,7 @@ class SlotTable:
         """Say why item i of a batch was refused (nothing was done)."""
         item = items[i]
         where = f"{action}{'' if action in ('gather', 'scatter') else '_all'}: item {i}"
-        if not isinstance(item, kind) or item._table is not self:
+        if not isinstance(item, kind) or item._parts is not self._parts:
             raise InvalidArgument(
                 f"{where} is {item!r}, not a {kind.__name__} of table {self.name!r}; "
                 "nothing was done"
@@ -674,7 +685,9 @@ class SlotTable:
         """Verify every lease of a strict poll; on any failure none stays owned here."""
         bad = None
         try:
-            bad = next((x for x in leases if not self._row_intact(x.slot, x.generation)), None)
+            bad = next(
+                (x for x in leases if not self._parts.row_intact(x.slot, x.generation)), None
+            )
             if bad is not None:
                 raise CorruptTable(f"slot {bad.slot} row does not match its published checksum")
         except BaseException:
@@ -685,31 +698,14 @@ class SlotTable:
                     lease._hand_back(int(Event.REDELIVER))
             raise
 
-    def _trace(
-        self, handles: list[WriteSlot] | list[Reservation] | list[Lease], state: int
-    ) -> None:
-        """Record the caller as these new owners' call site.  Diagnostic data only: if an
-        interrupt lands here, the handles are handed back (leases queued again) before it
-        goes on, so it never leaves a slot owned without a handle."""
-        assert self._sites is not None
-        try:
-            self._sites.record([(h.slot, h.generation) for h in handles], state)
-        except BaseException:
-            for h in handles:
-                if isinstance(h, Lease):
-                    h._hand_back(_REDELIVER)
-                else:
-                    h.abort()
-            raise
-
     def _take_once(self) -> Lease | None:
-        return self._settle(self._core.take(self))
+        return self._settle(self._core.take(self._parts))
 
     def _settle(self, got: Lease | None) -> Lease | None:
         """What a take found: a Lease (verified on a strict table), or None."""
         if got is None:
             return None
-        if self._strict and not self._row_intact(got.slot, got.generation):
+        if self._strict and not self._parts.row_intact(got.slot, got.generation):
             got.abort()
             raise CorruptTable(f"slot {got.slot} row does not match its published checksum")
         return got
@@ -721,10 +717,6 @@ class SlotTable:
         process's progress for long."""
         self.reap()
         self._own.hot.requeue_stranded(STRANDED_AGE_NS)
-
-    def _row_intact(self, slot: int, generation: int) -> bool:
-        sealed_gen, sealed_crc = self._rows.sealed(slot)
-        return sealed_gen == generation and sealed_crc == self._rows.checksum(slot)
 
     def cancel(self, tag: int) -> int:
         """Abort READY slots with this tag (request cancelled before pickup); returns count.
