@@ -240,5 +240,9 @@ class LeaseCore(HandleBase):
 
 # -- module.c --------------------------------------------------------------------
 KILL_POINTS: dict[str, int]
+# what a handle's step returns (core.h): done, not this handle's slot, ready ring full
+STEP_DONE: int
+STEP_REFUSED: int
+STEP_QUEUE_FULL: int
 
 def _kill_at(point: int, /) -> None: ...

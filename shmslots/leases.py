@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ._core import HandleBase, HandleCore, LeaseCore, WatchedTensors, WriteSlotCore
+from ._core import (
+    STEP_QUEUE_FULL,
+    STEP_REFUSED,
+    HandleBase,
+    HandleCore,
+    LeaseCore,
+    WatchedTensors,
+    WriteSlotCore,
+)
 from .errors import (
     InvalidArgument,
     LeakedViewError,
@@ -56,8 +64,6 @@ _ABORT = int(Event.ABORT)
 _RELEASE = int(Event.RELEASE)
 _PUBLISH = int(Event.PUBLISH)
 _REDELIVER = int(Event.REDELIVER)
-_STEP_REFUSED = -1
-_STEP_QUEUE_FULL = -2
 
 
 def handle_core(
@@ -216,7 +222,7 @@ class _Handle(HandleBase):
 
     def _end_with(self, event: int, state: int) -> None:
         """The handle's last transition, and its end, in one compiled step."""
-        if self._hand_back(event) == _STEP_REFUSED:
+        if self._hand_back(event) == STEP_REFUSED:
             raise self._parts.own.not_mine(self.slot, self.generation, state)
 
     def _quarantine_from(self, state: int, window_ns: int) -> Quarantined:
@@ -417,11 +423,11 @@ class WriteSlot(_Handle, WriteSlotCore):
             raise parts.own.not_mine(self.slot, self.generation, _WRITING)
         self._opened = None  # loans: the reader's from now on
         deadline = time.monotonic() + timeout
-        while (result := self._hand_back(_PUBLISH)) == _STEP_QUEUE_FULL:
+        while (result := self._hand_back(_PUBLISH)) == STEP_QUEUE_FULL:
             if time.monotonic() >= deadline:
                 raise SlotsExhausted("ready queue full", parts.own.occupancy())
             time.sleep(0.0005)
-        if result == _STEP_REFUSED:
+        if result == STEP_REFUSED:
             raise parts.own.not_mine(self.slot, self.generation, _WRITING)
 
     def _check_written(self) -> None:

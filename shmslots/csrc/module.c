@@ -56,7 +56,10 @@ PyInit__core(void)
                   Py_BuildValue("{sisisisisi}", "QUARANTINED", KILL_QUARANTINED, "RECLAIMING",
                                 KILL_RECLAIMING, "PUBLISH_SEALED", KILL_PUBLISH_SEALED,
                                 "KEEP_SEALED", KILL_KEEP_SEALED, "KEEP_HELD",
-                                KILL_KEEP_HELD)) < 0) {
+                                KILL_KEEP_HELD)) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_DONE", STEP_DONE) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_REFUSED", STEP_REFUSED) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }
