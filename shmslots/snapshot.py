@@ -9,8 +9,10 @@ states.  Rows are decoded with struct, not torch, so the CLI starts at once.
 
 from __future__ import annotations
 
+import mmap
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -94,6 +96,29 @@ class DecodedRow:
     handles: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
 
 
+def read_slot(mm: mmap.mmap, lay: L.Layout, created_ns: int, slot: int) -> SlotSnapshot:
+    """One slot's entry as it is now, read without locks: a slot whose state word changed
+    while it was read, or holds no state this version knows, reads as changing (state None),
+    never as a mix of two states.  How a table is observed, by TableView and by a table's
+    own participant (SlotTable.overdue, holdings) alike."""
+    entry = lay.slot_entry(slot)
+    word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)
+    steady = struct.unpack_from("<Q", mm, entry)[0] == word
+    if stamp:
+        age = max(0, time.monotonic_ns() - stamp) / 1e9
+    else:  # never moved: in its first state since the table was made
+        age = max(0, time.time_ns() - created_ns) / 1e9
+    state = state_of(word) if steady and known(word) else None
+    site = site_of(mm, lay, slot, word) if state is not None else None
+    frees_in = None
+    if state is State.QUARANTINED:  # its deliveries word is its deadline (layout.py)
+        deadline, deliveries = deliveries, 0
+        frees_in = (deadline - time.monotonic_ns()) / 1e9 if deadline else None
+    return SlotSnapshot(
+        slot, state, generation_of(word), owner_of(word) - 1, tag, age, deliveries, site, frees_in
+    )
+
+
 class TableView:
     """A read-only mapping of one table."""
 
@@ -135,32 +160,7 @@ class TableView:
 
     def slot(self, slot: int) -> SlotSnapshot:
         self.layout.check_slot(slot)
-        entry = self.layout.slot_entry(slot)
-        mm = self._segment.mm
-        word, tag, stamp, _, deliveries = _ENTRY.unpack_from(mm, entry)
-        steady = self._u64(entry) == word
-        if stamp:
-            age = max(0, time.monotonic_ns() - stamp) / 1e9
-        else:  # never moved: in its first state since the table was made
-            age = max(0, time.time_ns() - self._header.created_ns) / 1e9
-        # a word of no state this version knows shows as changing, not as garbage
-        state = state_of(word) if steady and known(word) else None
-        site = site_of(mm, self.layout, slot, word) if state is not None else None
-        frees_in = None
-        if state is State.QUARANTINED:  # its deliveries word is its deadline (layout.py)
-            deadline, deliveries = deliveries, 0
-            frees_in = (deadline - time.monotonic_ns()) / 1e9 if deadline else None
-        return SlotSnapshot(
-            slot,
-            state,
-            generation_of(word),
-            owner_of(word) - 1,
-            tag,
-            age,
-            deliveries,
-            site,
-            frees_in,
-        )
+        return read_slot(self._segment.mm, self.layout, self._header.created_ns, slot)
 
     def snapshot(self) -> TableSnapshot:
         h = self._header
@@ -294,13 +294,18 @@ def oldest(snap: TableSnapshot) -> SlotSnapshot | None:
     return max(steady, key=lambda s: s.age_s, default=None)
 
 
-def snapshot_holdings(snap: TableSnapshot, older_than: float | None = None) -> list[Holding]:
+def slot_holdings(slots: Iterable[SlotSnapshot], older_than: float | None = None) -> list[Holding]:
     """Owned slots (at least `older_than` old) grouped by the call site that took them."""
     return holdings(
         (s.slot, s.state.name, s.owner, s.site, s.age_s)
-        for s in in_use(snap)
-        if s.state is not None and (older_than is None or s.age_s >= older_than)
+        for s in slots
+        if s.state not in (None, State.FREE) and (older_than is None or s.age_s >= older_than)
     )
+
+
+def snapshot_holdings(snap: TableSnapshot, older_than: float | None = None) -> list[Holding]:
+    """slot_holdings of a snapshot's slots."""
+    return slot_holdings(snap.slot_states, older_than)
 
 
 def quantile(counts: list[int], q: float) -> float | None:

@@ -44,6 +44,7 @@ from .parts import TableParts
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
+from .snapshot import SlotSnapshot, read_slot, slot_holdings
 from .states import (
     GEN_MASK,
     Event,
@@ -54,7 +55,7 @@ from .states import (
     owner_of,
     state_of,
 )
-from .tracing import Holding, SiteWriter, describe_holders, holdings, site_of, trace_from_env
+from .tracing import Holding, SiteWriter, describe_holders, trace_from_env
 from .validate import INIT_WAIT_S, read_schema, read_valid_header
 from .waiting import NAP_S, wait_for
 
@@ -783,33 +784,24 @@ class SlotTable:
     def overdue(self) -> list[SlotAge]:
         """Slots out of FREE for longer than `max_hold_s` (empty if it was not set)."""
         self._check_open()
-        limit = self._header.max_hold_ns
-        if not limit:
+        limit_s = self._header.max_hold_ns / 1e9
+        if not limit_s:
             return []
-        now = time.monotonic_ns()
-        late = []
-        for slot in range(self.slots):
-            entry = self._own.entry(slot)
-            word = self._atomics.load(entry)
-            age = now - self._atomics.load(entry + L.SLOT_STAMP)
-            if known(word) and state_of(word) != State.FREE and age > limit:
-                tag = self._atomics.load(entry + L.SLOT_TAG)
-                late.append(SlotAge(slot, state_of(word), owner_of(word) - 1, tag, age / 1e9))
-        return late
+        return [
+            SlotAge(s.slot, s.state, s.owner, s.tag, s.age_s)
+            for s in self._slots_now()
+            if s.state is not None and s.state is not State.FREE and s.age_s > limit_s
+        ]
 
     def holdings(self) -> list[Holding]:
         """Owned slots grouped by the call site that took them (empty if not traced)."""
         self._check_open()
-        now = time.monotonic_ns()
-        owned = []
-        for slot in range(self.slots):
-            entry = self._own.entry(slot)
-            word = self._atomics.load(entry)
-            site = site_of(self._mv, self.layout, slot, word)
-            if site is not None and known(word):
-                age = max(0, now - self._atomics.load(entry + L.SLOT_STAMP)) / 1e9
-                owned.append((slot, state_of(word).name, owner_of(word) - 1, site, age))
-        return holdings(owned)
+        return slot_holdings(self._slots_now())
+
+    def _slots_now(self) -> list[SlotSnapshot]:
+        """Every slot's entry, read as `shmslots inspect` reads it (snapshot.read_slot)."""
+        mm, lay, created_ns = self._segment.mm, self.layout, self._header.created_ns
+        return [read_slot(mm, lay, created_ns, slot) for slot in range(self.slots)]
 
     def participants(self) -> list[Participant]:
         self._check_open()
