@@ -4,6 +4,18 @@ Run from the repository root (inside the project's virtualenv, with the `bench` 
 `pip install -e '.[bench]'`, for iceoryx2 and matplotlib):
 
     python tools/bench.py [--quick] [--out bench-out] [--profile]
+    python tools/bench.py COMMAND [args]      (COMMAND --help says more)
+
+The one tool for every benchmark; its code is the package tools/benchkit/.  Without a
+command it runs the full comparison below.  The commands look closer at one thing:
+
+    ab       this checkout against another (--base PATH), the hot path alternated in one run
+    steps    the step timings of the busy round trip, batches and the loan
+    one      some sessions of the full run on their own
+    cli      the wall time of every CLI command, each a fresh process
+    trace    what call-site tracing costs
+    remote   remote writes through Mooncake and NIXL beside the local path
+    sglang   SGLang's own decode path on shmslots against its clone at commit
 
 Peers, all real: multiprocessing.Queue, multiprocessing.Pipe, a torch.multiprocessing queue
 passing tensors, iceoryx2 publish-subscribe (busy-polled, and blocking through its event
@@ -42,22 +54,16 @@ killed) before the script exits, even on errors.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
 
 EXTRAS = ("iceoryx2", "matplotlib")  # the `bench` extras of pyproject.toml
+COMMANDS = ("ab", "steps", "one", "cli", "trace", "remote", "sglang")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=(__doc__ or "").split("\n\n")[0],
-        epilog="The targets are those of docs/performance.md.",
-    )
-    parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
-    parser.add_argument("--out", default="bench-out", help="folder for bench.json/.md and plots")
-    parser.add_argument("--profile", action="store_true", help="also cProfile the round trip")
-    args = parser.parse_args(argv)
+def _extras_missing() -> bool:
     missing = [name for name in EXTRAS if importlib.util.find_spec(name) is None]
     if missing:
         print(
@@ -65,10 +71,30 @@ def main(argv: list[str] | None = None) -> int:
             "extras: pip install -e '.[bench]'",
             file=sys.stderr,
         )
-        return 2
-    import bench_run  # here, not at the top: it imports the extras (and torch)
+    return bool(missing)
 
-    return bench_run.run(args.quick, Path(args.out), args.profile)
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        # imported here, not at the top: most import the extras (and torch)
+        if argv[0] in ("ab", "one", "steps") and _extras_missing():
+            return 2
+        command = importlib.import_module(f"benchkit.{argv[0]}")
+        return int(command.main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=f"Commands: {', '.join(COMMANDS)}.  The targets are those of docs/performance.md.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
+    parser.add_argument("--out", default="bench-out", help="folder for bench.json/.md and plots")
+    parser.add_argument("--profile", action="store_true", help="also cProfile the round trip")
+    args = parser.parse_args(argv)
+    if _extras_missing():
+        return 2
+    from benchkit import run
+
+    return run.run(args.quick, Path(args.out), args.profile)
 
 
 if __name__ == "__main__":

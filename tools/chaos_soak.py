@@ -3,7 +3,7 @@
 Runs the same scenario as tests/test_recovery.py::test_chaos_sigkill_random_participants
 (workers/chaos.py) with your numbers and prints the summary.
 
-    python tools/chaos.py --rows 50000 --kills 100
+    python tools/chaos_soak.py --rows 50000 --kills 100
 """
 
 from __future__ import annotations

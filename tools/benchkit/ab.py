@@ -1,6 +1,6 @@
 """A/B: this checkout against another, on the hot path, alternated in one run.
 
-    python tools/bench_ab.py --base PATH [--rounds 5]
+    python tools/bench.py ab --base PATH [--rounds 5]
 
 PATH is another checkout of shmslots with its extensions built in place
 (`git worktree add PATH REV && cd PATH && python setup.py build_ext --inplace`).
@@ -16,26 +16,26 @@ of each side are in the same speed).  Used to check that a change does not slow 
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
-from checkouts import run_probe
+from . import command_parser
+from .checkouts import TOOLS, run_probe
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]  # this checkout
 
-# Runs in the checkout under test (its path first on sys.path); prints one JSON line.
+# Runs with the checkout under test first on sys.path, and this checkout's benchmark code (the
+# same code measures both); prints one JSON line.
 PROBE = """
 import json, signal, statistics, sys
 # SIGTERM unwinds (SystemExit), so the probe's tables are unlinked and its children joined.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-sys.path[:0] = [{root!r}, {root!r} + "/tools"]
+sys.path[:0] = [{root!r}, {tools!r}]
 import shmslots
 assert shmslots.__file__.startswith({root!r}), shmslots.__file__
-from bench_common import SMALL, pin_plan
-from bench_session import BY_NAME, SHM_BUSY, Plan, run_session
-from bench_shm import bench_one_process
+from benchkit.common import SMALL, pin_plan
+from benchkit.session import BY_NAME, SHM_BUSY, Plan, run_session
+from benchkit.shm import bench_one_process
 
 one = bench_one_process(200_000, 3)
 plan = Plan(warmup=2_000, trips=20_000, rtt_repeats=3, rtt_budget_s=10.0,
@@ -51,15 +51,15 @@ if __name__ == "__main__":
 
 
 def measure(root: Path) -> dict[str, float]:
-    result: dict[str, float] = run_probe(root, PROBE.format(root=str(root)), 600)
+    result: dict[str, float] = run_probe(root, PROBE.format(root=str(root), tools=str(TOOLS)), 600)
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("ab", __doc__)
     parser.add_argument("--base", required=True, type=Path, help="the other checkout")
     parser.add_argument("--rounds", type=int, default=5, help="A/B rounds (default 5)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs: dict[str, list[dict[str, float]]] = {"this": [], "base": []}
     for i in range(args.rounds):
         order = [("this", HERE), ("base", args.base.resolve())]
@@ -77,7 +77,3 @@ def main() -> int:
             cells.append(f"{this / 1000:.2f} µs | {base / 1000:.2f} µs | {this / base:.2f}")
         print(f"| {key} | {' | '.join(cells)} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Run a probe in a fresh interpreter that imports another checkout of shmslots first.
 
-The A/B benches (bench_ab.py, bench_remote.py --base) compare two checkouts in one run,
+The A/B benches (ab.py, remote.py --base) compare two checkouts in one run,
 each measured in a process of its own so that neither's extensions or imports leak into
 the other's figures.
 """
@@ -14,13 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+TOOLS = Path(__file__).resolve().parent.parent  # benchkit's folder: measures both alike
+
 
 def run_probe(root: Path, code: str, timeout_s: float) -> Any:
-    """Run `code` with `root` (and its tools/) first on the path, in `root`; returns the JSON
+    """Run `code` with `root` (and this checkout's tools/) first on the path, in `root`; returns
+    the JSON
     its last line of output printed.  An interrupt or a timeout lets the probe clean up
     (SIGTERM unwinds it, unlinking its tables) before it propagates."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = f"{root}:{root / 'tools'}"
+    env["PYTHONPATH"] = f"{root}:{TOOLS}"
     with subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

@@ -1,6 +1,6 @@
 """Wall time of one `shmslots` CLI call, against the target of 0.3 s (docs/performance.md).
 
-    python tools/bench_cli.py [--runs 10]
+    python tools/bench.py cli [--runs 10]
 
 Each command runs as a fresh process, as a user types it, on a table of 64
 EAGLE-sized slots that this script creates (and removes) with a few slots in
@@ -11,7 +11,6 @@ reports `ls` and `inspect` from the same functions.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -23,6 +22,8 @@ from contextlib import contextmanager
 from shmslots.workers import eagle
 
 from shmslots import SlotTable
+
+from . import command_parser
 
 TARGET_S = 0.3
 
@@ -71,10 +72,10 @@ def commands(name: str) -> dict[str, list[str]]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("cli", __doc__)
     parser.add_argument("--runs", type=int, default=10, help="calls per command (default: 10)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with sample_table() as name:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(
@@ -89,7 +90,3 @@ def main() -> int:
             met = "-" if label.startswith("python") else ("yes" if median <= TARGET_S else "no")
             print(f"| `{label}` | {median:.3f} | {max(times):.3f} | {met} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ STALL_S = 30.0  # a wait longer than this means the peer is gone: fail instead o
 JOIN_S = 10.0
 START_S = 120.0  # spawned children import torch; allow for a slow, loaded machine
 
-# Message ids below zero steer the echo process (see bench_session.py).
+# Message ids below zero steer the echo process (see session.py).
 STOP = -1  # end of the round-trip phase: echoed once more
 BATCH_END = -2  # end of one throughput batch: acknowledged
 QUIT = -3  # end of the session: acknowledged, then the echo process exits

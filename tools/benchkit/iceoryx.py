@@ -23,7 +23,8 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 import iceoryx2 as iox2
-from bench_common import (
+
+from .common import (
     CACHED_TOKENS,
     EAGLE,
     HIDDEN_BITS,

@@ -1,6 +1,6 @@
 """Some sessions of tools/bench.py on their own, to look at one transport closely.
 
-    python tools/bench_one.py "shmslots copying" small [more transport/kind pairs...]
+    python tools/bench.py one "shmslots copying" small [more transport/kind pairs...]
 
 Each pair runs the full bench's plan for its record kind (3 repeats) and prints the
 median round trip and one-way rate; for quick A/B checks of a change, not for the README.
@@ -8,19 +8,18 @@ median round trip and one-way rate; for quick A/B checks of a change, not for th
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
-from bench_common import KINDS, pin_plan, spread
-from bench_run import FULL
-from bench_session import BY_NAME, run_session
+
+from . import command_parser
+from .common import KINDS, pin_plan, spread
+from .run import FULL
+from .session import BY_NAME, run_session
 
 BY_KIND = {kind.name: kind for kind in KINDS}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser("one", __doc__)
     parser.add_argument("pairs", nargs="+", help="transport, then record kind, repeated")
     args = parser.parse_args(argv)
     if len(args.pairs) % 2:
@@ -39,7 +38,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{transport} / {kind}: round trip {rtt.median:.2f} us ({rtt.low:.2f}-"
               f"{rtt.high:.2f}), {rate.median:,.0f} rows/s")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

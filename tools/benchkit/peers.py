@@ -24,7 +24,8 @@ import numpy as np
 import posix_ipc
 import torch
 import torch.multiprocessing as torch_mp
-from bench_common import (
+
+from .common import (
     CACHED_TOKENS,
     CTX,
     EAGLE,

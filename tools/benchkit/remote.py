@@ -1,7 +1,7 @@
 """Remote writes through both engines (Mooncake over TCP, NIXL over UCX; loopback) beside
 the local path, the floor.
 
-    python tools/bench_remote.py [--rows 5000] [--repeat 3] [--out bench-out] [--base PATH]
+    python tools/bench.py remote [--rows 5000] [--repeat 3] [--out bench-out] [--base PATH]
 
 Every path moves the same EAGLE rows (bf16[4096] hidden state) into one table
 whose owner takes each row as soon as it is READY.  Reported: rows/s, and the
@@ -14,7 +14,7 @@ libibverbs1.
 
 --base PATH compares this checkout with another in one run (before/after), Mooncake
 paths only (older checkouts have no NIXL engine): PATH is a
-checkout with its extensions built in place, as for tools/bench_ab.py (`git worktree add
+checkout with its extensions built in place, as for `python tools/bench.py ab` (`git worktree add
 PATH 9e220a3 && cd PATH && python setup.py build_ext --inplace` gives the landing-cell
 design).  Each round runs every path in a fresh interpreter that imports this checkout,
 then one that imports PATH (the order alternating from round to round, so that the
@@ -28,12 +28,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from checkouts import run_probe
 from shmslots.workers import eagle
 from shmslots.workers.launcher import SPAWN
 from shmslots.workers.remote_flow import grant_batch, remote_writer
@@ -42,7 +40,10 @@ from shmslots.workers.transfer import TransferConfig, TransferReport, transfer_w
 from shmslots import SlotTable
 from shmslots.remote import RemoteServer, open_engine
 
-HERE = Path(__file__).resolve().parent.parent
+from . import command_parser
+from .checkouts import TOOLS, run_probe
+
+HERE = Path(__file__).resolve().parents[2]  # this checkout
 SLOTS = 128
 WINDOW = 64  # grants outstanding (remote) — the local writer is bounded by the slots
 STALL_S = 60.0
@@ -145,20 +146,21 @@ PATHS: dict[str, tuple[str, tuple[int | str, ...]]] = {
 # what an older checkout can run too
 AB_PATHS = {label: path for label, path in PATHS.items() if "nixl" not in path[1]}
 
-# Runs in the checkout under test (its path first on sys.path); prints one JSON line.
+# Runs with the checkout under test first on sys.path, and this checkout's benchmark code (the
+# same code measures both); prints one JSON line.
 PROBE = """
 import json, signal, sys
 # SIGTERM unwinds (SystemExit), so the probe's tables are unlinked and its children reaped.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-sys.path[:0] = [{root!r}, {root!r} + "/tools"]
+sys.path[:0] = [{root!r}, {tools!r}]
 import shmslots
 assert shmslots.__file__.startswith({root!r}), shmslots.__file__
 from dataclasses import asdict
-import bench_remote
+from benchkit import remote
 if __name__ == "__main__":
     runs = {{}}
     for i, (label, (path, args)) in enumerate({paths!r}.items()):
-        run = getattr(bench_remote, path)({rows}, {prefix!r} + str(i), *args)
+        run = getattr(remote, path)({rows}, {prefix!r} + str(i), *args)
         runs[label] = asdict(run)
     print(json.dumps(runs))
 """
@@ -174,7 +176,7 @@ def in_process(rows: int, prefix: str) -> dict[str, Run]:
 
 def probe(root: Path, rows: int, prefix: str) -> dict[str, Run]:
     """Every path once, in a fresh interpreter that imports the checkout at `root`."""
-    code = PROBE.format(root=str(root), paths=AB_PATHS, rows=rows, prefix=prefix)
+    code = PROBE.format(root=str(root), tools=str(TOOLS), paths=AB_PATHS, rows=rows, prefix=prefix)
     got = run_probe(root, code, 1200)
     return {label: Run(**run) for label, run in got.items()}
 
@@ -266,13 +268,13 @@ def measure_ab(args: argparse.Namespace, prefix: str) -> tuple[list[str], object
     return ab_table(args, runs), doc
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("remote", __doc__)
     parser.add_argument("--rows", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3, help="runs (rounds, with --base)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--base", type=Path, help="another checkout to compare with")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prefix = f"shmslots-bench-remote-{os.getpid()}"
     if args.base is None:
         lines, doc = measure_here(args, prefix)
@@ -286,7 +288,3 @@ def main() -> int:
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,8 +16,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from bench_common import KINDS, Spread, percentile, spread
-from bench_session import BY_NAME, SHM_BATCH, SHM_BLOCK, SHM_BUSY, SHM_COPYING, SHM_LOAN, Session
+
+from .common import KINDS, Spread, percentile, spread
+from .session import BY_NAME, SHM_BATCH, SHM_BLOCK, SHM_BUSY, SHM_COPYING, SHM_LOAN, Session
 
 BARE, QUEUE, ICEORYX = "bare ring", "mp.Queue", "iceoryx2 busy"
 CLI_MAX_S = 0.3  # one CLI call, spawn to exit

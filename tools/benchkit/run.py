@@ -15,12 +15,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import bench_cli
-import bench_iceoryx
-import bench_peers
-import bench_shm
 import torch
-from bench_common import (
+
+from . import cli, iceoryx, peers, shm
+from .common import (
     CTX,
     KINDS,
     SMALL,
@@ -36,7 +34,7 @@ from bench_common import (
     spread,
     unique_name,
 )
-from bench_session import (
+from .session import (
     BY_NAME,
     SHM_BATCH,
     SHM_BLOCK,
@@ -135,14 +133,14 @@ def measure_sessions(cfg: Config, pins: tuple[int, int] | None) -> list[Session]
 def measure_one_process(cfg: Config, pins: tuple[int, int] | None) -> dict[str, Spread]:
     """claim+abort and the full local cycle, in this process pinned to A's CPU."""
     with pinned(pins[0] if pins else None):
-        runs = bench_shm.bench_one_process(cfg.one_process_ops, cfg.repeats)
+        runs = shm.bench_one_process(cfg.one_process_ops, cfg.repeats)
     return {name: spread(values) for name, values in runs.items()}
 
 
 def measure_gather(cfg: Config, pins: tuple[int, int] | None) -> dict[str, Spread]:
     """µs per batch: gather of 64 EAGLE hidden states against cat and stack of clones."""
     with pinned(pins[0] if pins else None):
-        runs = bench_shm.bench_gather(cfg.one_process_ops // 20, cfg.repeats)
+        runs = shm.bench_gather(cfg.one_process_ops // 20, cfg.repeats)
     return {name: spread(values) for name, values in runs.items()}
 
 
@@ -150,12 +148,12 @@ def claims_per_second(cfg: Config, cpus: list[int | None]) -> Spread:
     """Total claims/s of one spawned contender per entry in `cpus`, all on one table."""
     barrier = CTX.Barrier(len(cpus))
     with (
-        bench_shm.created_table(unique_name("contend"), SMALL) as table,
+        shm.created_table(unique_name("contend"), SMALL) as table,
         results_queue() as out,
         spawned_all(
             [
                 (
-                    bench_shm.contend_main,
+                    shm.contend_main,
                     (table.name, cpu, cfg.contend_s, cfg.repeats, barrier, out),
                 )
                 for cpu in cpus
@@ -177,21 +175,21 @@ def measure_contention(cfg: Config, pins: tuple[int, int] | None) -> dict[str, S
 def measure_idle_cpu(cfg: Config) -> dict[str, Spread]:
     """% of a core used by readers blocked with nothing to read; the three run side by side."""
     with (
-        bench_shm.created_table(unique_name("idle"), SMALL) as table,
-        bench_iceoryx.scratch_place("idle") as place,
+        shm.created_table(unique_name("idle"), SMALL) as table,
+        iceoryx.scratch_place("idle") as place,
         results_queue() as shm_out,
         results_queue() as queue_out,
         results_queue() as iox_out,
         results_queue() as idle_queue,
         spawned_all(
             [
-                (bench_shm.blocked_reader_main, (table.name, cfg.idle_s, cfg.repeats, shm_out)),
+                (shm.blocked_reader_main, (table.name, cfg.idle_s, cfg.repeats, shm_out)),
                 (
-                    bench_peers.queue_blocked_reader_main,
+                    peers.queue_blocked_reader_main,
                     (idle_queue, cfg.idle_s, cfg.repeats, queue_out),
                 ),
                 (
-                    bench_iceoryx.blocked_listener_main,
+                    iceoryx.blocked_listener_main,
                     (place, cfg.idle_s, cfg.repeats, iox_out),
                 ),
             ]
@@ -231,10 +229,10 @@ CLI_CALLS = ("shmslots ls", "shmslots inspect NAME")
 
 
 def measure_cli(cfg: Config) -> dict[str, Spread]:
-    """Wall seconds of one CLI call, each a fresh process, on a live table (tools/bench_cli)."""
-    with bench_cli.sample_table() as name:
-        argv = bench_cli.commands(name)
-        return {label: spread(bench_cli.wall_s(argv[label], cfg.cli_runs)) for label in CLI_CALLS}
+    """Wall seconds of one CLI call, each a fresh process, on a live table (benchkit/cli.py)."""
+    with cli.sample_table() as name:
+        argv = cli.commands(name)
+        return {label: spread(cli.wall_s(argv[label], cfg.cli_runs)) for label in CLI_CALLS}
 
 
 def profile_round_trip(cfg: Config, pins: tuple[int, int] | None, out_dir: Path) -> list[str]:
@@ -273,7 +271,7 @@ def notes() -> list[str]:
         f"{SHM_COPYING}: code as a user first writes it: blocking take(timeout), "
         "lease.copy() of every field, release, and write() of those copies for the reply.",
         f"CLI: {', '.join(CLI_CALLS)} as fresh processes on a live 64-slot EAGLE table, "
-        "each timed from spawn to exit (tools/bench_cli.py has every command).",
+        "each timed from spawn to exit (`python tools/bench.py cli` has every command).",
         "Gather: 64 EAGLE rows' hidden bf16[4096] (512 KiB) into one tensor, one process; "
         "torch.cat reads the same bytes from 64 private (1, 4096) tensors; stack of clones "
         "is lease.copy per request, then torch.stack (SGLang's way).",
@@ -340,21 +338,21 @@ def write_outputs(r: dict[str, Any], sessions: list[Session], out_dir: Path) -> 
     """bench.json, bench.md and the two plots; returns the Markdown."""
     # Imported here, not at the top: spawned children re-import this module, and matplotlib
     # would add ~0.5 s to every one of them.
-    import bench_report
+    from . import report
 
-    figs = [bench_report.figures(s) for s in sessions]
+    figs = [report.figures(s) for s in sessions]
     r["sessions"] = [
-        {**asdict(f), "rtt_quantiles_us": bench_report.quantiles_us(s)}
+        {**asdict(f), "rtt_quantiles_us": report.quantiles_us(s)}
         for f, s in zip(figs, sessions, strict=True)
     ]
-    text = bench_report.markdown(r, figs)
+    text = report.markdown(r, figs)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(to_json(r), indent=1) + "\n")
     (out_dir / "bench.md").write_text(text)
     latency, throughput, gather = (out_dir / name for name in PLOTS)
-    bench_report.plot_latency(sessions, latency)
-    bench_report.plot_throughput(figs, throughput)
-    bench_report.plot_gather(r["gather"], gather)
+    report.plot_latency(sessions, latency)
+    report.plot_throughput(figs, throughput)
+    report.plot_gather(r["gather"], gather)
     return text
 
 

@@ -21,11 +21,10 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-import bench_iceoryx
-import bench_peers
-import bench_shm
 import torch
-from bench_common import (
+
+from . import iceoryx, peers, shm
+from .common import (
     BATCH_END,
     CTX,
     EAGLE,
@@ -47,7 +46,7 @@ from bench_common import (
 
 ROWS = (SMALL, EAGLE)
 SHM_BUSY, SHM_BLOCK = "shmslots busy", "shmslots blocking"
-SHM_BATCH = f"shmslots batch {bench_shm.BATCH}"  # claim_n/publish_all, poll/gather/release_all
+SHM_BATCH = f"shmslots batch {shm.BATCH}"  # claim_n/publish_all, poll/gather/release_all
 SHM_LOAN = "shmslots loan"  # tensors filled into ws.alloc, busy-polled
 SHM_COPYING = "shmslots copying"  # blocking take, lease.copy() of every field, write() them
 TENSORS = tuple(kind for kind in KINDS if kind.tensor)
@@ -66,21 +65,17 @@ class Transport:
 
 
 TRANSPORTS = (
-    Transport(SHM_BUSY, bench_shm.table_pair, bench_shm.open_busy, KINDS, True),
-    Transport(SHM_BLOCK, bench_shm.table_pair, bench_shm.open_blocking, KINDS, False),
-    Transport(SHM_BATCH, bench_shm.batch_pair, bench_shm.open_batch, ROWS, False),
-    Transport(SHM_LOAN, bench_shm.table_pair, bench_shm.open_loan, TENSORS, True),
-    Transport(SHM_COPYING, bench_shm.table_pair, bench_shm.open_copying, ROWS, False),
-    Transport("bare ring", bench_peers.bare_segment, bench_peers.open_bare, KINDS, True),
-    Transport("iceoryx2 busy", bench_iceoryx.service_pair, bench_iceoryx.open_busy, ROWS, True),
-    Transport(
-        "iceoryx2 blocking", bench_iceoryx.service_pair, bench_iceoryx.open_blocking, ROWS, False
-    ),
-    Transport("mp.Queue", bench_peers.queue_pair, bench_peers.open_queue, KINDS, False),
-    Transport("mp.Pipe", bench_peers.pipe_pair, bench_peers.open_pipe, ROWS, False),
-    Transport(
-        "torch.mp Queue", bench_peers.torch_queue_pair, bench_peers.open_torch_queue, KINDS, False
-    ),
+    Transport(SHM_BUSY, shm.table_pair, shm.open_busy, KINDS, True),
+    Transport(SHM_BLOCK, shm.table_pair, shm.open_blocking, KINDS, False),
+    Transport(SHM_BATCH, shm.batch_pair, shm.open_batch, ROWS, False),
+    Transport(SHM_LOAN, shm.table_pair, shm.open_loan, TENSORS, True),
+    Transport(SHM_COPYING, shm.table_pair, shm.open_copying, ROWS, False),
+    Transport("bare ring", peers.bare_segment, peers.open_bare, KINDS, True),
+    Transport("iceoryx2 busy", iceoryx.service_pair, iceoryx.open_busy, ROWS, True),
+    Transport("iceoryx2 blocking", iceoryx.service_pair, iceoryx.open_blocking, ROWS, False),
+    Transport("mp.Queue", peers.queue_pair, peers.open_queue, KINDS, False),
+    Transport("mp.Pipe", peers.pipe_pair, peers.open_pipe, ROWS, False),
+    Transport("torch.mp Queue", peers.torch_queue_pair, peers.open_torch_queue, KINDS, False),
 )
 BY_NAME = {t.name: t for t in TRANSPORTS}
 

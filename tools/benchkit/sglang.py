@@ -1,6 +1,6 @@
 """SGLang's decode-side commit path per request: shmslots' buffers against SGLang 0.5.23's own.
 
-    python tools/bench_sglang.py [--requests 20000] [--runs 5] [--hidden 4096]
+    python tools/bench.py sglang [--requests 20000] [--runs 5] [--hidden 4096]
 
 Needs SGLang 0.5.23 (`pip install --no-deps -r tests/sglang-0.5.23.txt`).  One request's
 metadata life on the decode side, as SGLang's scheduler calls it, the row already landed:
@@ -15,7 +15,6 @@ each run alternating; prints µs per request (median, min-max of the runs) and t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -26,7 +25,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from . import command_parser
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import sglang_env
 
 
@@ -71,13 +72,13 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = command_parser("sglang", __doc__)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=4096)
     args = parser.parse_args(argv)
     if sglang_env.SGLANG_MISSING:
-        print(f"tools/bench_sglang.py: {sglang_env.SGLANG_MISSING}", file=sys.stderr)
+        print(f"tools/bench.py sglang: {sglang_env.SGLANG_MISSING}", file=sys.stderr)
         return 2
     sglang_env.install_torchvision_stand_in()
     from sglang.srt.disaggregation import utils
@@ -98,7 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(theirs) / statistics.median(ours)
     print(f"SGLang / shmslots per request: {ratio:.2f}x (target >= 4x)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,10 @@ from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import torch
-from bench_common import (
+
+from shmslots import Field, Lease, SlotTable
+
+from .common import (
     CACHED_TOKENS,
     EAGLE,
     HIDDEN_BITS,
@@ -38,8 +41,6 @@ from bench_common import (
     touch,
     unique_name,
 )
-
-from shmslots import Field, Lease, SlotTable
 
 ARENA_PAGE = 16384
 BLOCK_S = 1.0  # one blocking take(); repeated until STALL_S

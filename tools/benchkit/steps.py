@@ -1,7 +1,7 @@
 """Where a row's time goes, step by step, in one process (no IPC wait): the measured answer
 to "why is this target missed".
 
-    python tools/bench_steps.py [--rounds N]
+    python tools/bench.py steps [--rounds N]
 
 Seven tables, each step timed on its own over N rounds (median per round, after a warmup):
 the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
@@ -15,7 +15,6 @@ write() makes on each tensor, and making a tensor.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import time
@@ -24,11 +23,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from bench_common import EAGLE, SMALL, TENSOR_1M, Kind, touch, unique_name
-from bench_shm import BATCH, created_table, id_field, record_values
 
 from shmslots import Lease, SlotTable, WriteSlot
 from shmslots.rows import RULES
+
+from . import command_parser
+from .common import EAGLE, SMALL, TENSOR_1M, Kind, touch, unique_name
+from .shm import BATCH, created_table, id_field, record_values
 
 NAMES = ("id", "ints", "vec")
 
@@ -76,7 +77,7 @@ def taken(table: SlotTable) -> Lease:
 
 
 def busy_round_trip(rounds: int) -> Steps:
-    """tools/bench_shm.ShmEnd's send, echo and recv, one step at a time."""
+    """benchkit/shm.py's ShmEnd's send, echo and recv, one step at a time."""
     values, s = record_values(SMALL), Steps()
     with two_tables() as (req, resp):
         for rid in range(rounds):
@@ -115,7 +116,7 @@ def busy_round_trip(rounds: int) -> Steps:
 
 
 def copying_round_trip(rounds: int) -> Steps:
-    """tools/bench_shm.CopyingEnd's echo and recv (A sends as above), one step at a time."""
+    """benchkit/shm.py's CopyingEnd's echo and recv (A sends as above), one step at a time."""
     values, s = record_values(SMALL), Steps()
     with two_tables() as (req, resp):
         for rid in range(rounds):
@@ -147,7 +148,7 @@ def copying_round_trip(rounds: int) -> Steps:
 
 
 def batch(rounds: int, kind: Kind, scattered: bool) -> Steps:
-    """tools/bench_shm.BatchEnd's flush and recv (`scattered`), or with a write() per row."""
+    """benchkit/shm.py's BatchEnd's flush and recv (`scattered`), or with a write() per row."""
     values, s, rid = record_values(kind), Steps(), id_field(kind)
     batches = {
         name: value.expand(BATCH, *value.shape).contiguous() for name, value in values.items()
@@ -179,7 +180,7 @@ def batch(rounds: int, kind: Kind, scattered: bool) -> Steps:
 
 
 def loaned_tensor(rounds: int) -> Steps:
-    """tools/bench_shm.LoanEnd's send of a 1 MiB tensor and ShmEnd's read of it."""
+    """benchkit/shm.py's LoanEnd's send of a 1 MiB tensor and ShmEnd's read of it."""
     payload, s = record_values(TENSOR_1M)["x"], Steps()
     with created_table(unique_name("steps-loan"), TENSOR_1M) as table:
         for rid in range(rounds):
@@ -233,10 +234,10 @@ def torch_costs() -> None:
         print(f"  {label:38} {best:7.0f} ns")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("steps", __doc__)
     parser.add_argument("--rounds", type=int, default=5000)
-    rounds = parser.parse_args().rounds
+    rounds = parser.parse_args(argv).rounds
     torch.set_num_threads(1)
     busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
@@ -249,7 +250,4 @@ def main() -> None:
         steps.print(f"a batch of {BATCH} {kind.name} rows, {how}", per=BATCH)
     loaned_tensor(max(1, rounds // 5)).print("a 1 MiB tensor through a loan (shmslots loan)")
     torch_costs()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

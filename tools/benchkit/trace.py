@@ -1,31 +1,30 @@
 """The cost of call-site tracing: the same one-process loops on an untraced and a traced table.
 
-    python tools/bench_trace.py [--ops 100000] [--rounds 5]
+    python tools/bench.py trace [--ops 100000] [--rounds 5]
 
 Runs claim+abort and the local cycle (claim -> write -> publish -> take -> read ->
-release of the small row, tools/bench_shm.py) on two tables made side by side, one
+release of the small row, benchkit/shm.py) on two tables made side by side, one
 with `trace=True`, alternating rounds so drift hits both alike; prints medians in ns
 and the difference per call.  The histograms are in both (they are always on): their
-cost is measured against a checkout without them by tools/bench_ab.py.
+cost is measured against a checkout without them by `python tools/bench.py ab`.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-
-from bench_common import SMALL, unique_name
-from bench_shm import fields_for, time_claim_abort, time_local_cycle
 
 from shmslots import SlotTable
 
+from . import command_parser
+from .common import SMALL, unique_name
+from .shm import fields_for, time_claim_abort, time_local_cycle
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("trace", __doc__)
     parser.add_argument("--ops", type=int, default=100_000, help="calls per measurement")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs: dict[tuple[str, bool], list[float]] = {}
     tables = {
         traced: SlotTable.create(
@@ -56,7 +55,3 @@ def main() -> int:
         on = statistics.median(runs[key, True])
         print(f"| {key} | {off / 1000:.2f} µs | {on / 1000:.2f} µs | {(on - off) / 1000:+.2f} µs |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
