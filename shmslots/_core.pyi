@@ -6,9 +6,9 @@ from typing import Any, Self
 import torch
 from typing_extensions import Buffer
 
-from .handles import Pin
 from .leases import Lease, WriteSlot
 from .parts import TableParts
+from .refs import Pin
 
 # -- atomic.c ----------------------------------------------------------------
 def load_acquire(buffer: Buffer, off: int, /) -> int: ...

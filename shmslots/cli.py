@@ -36,7 +36,7 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
   "header": {"version", "total_size", "slots", "row_size", "created_ns", "created"
   (ISO 8601, UTC), "creator_pid", "creator_uid", "strict", "on_consumer_death",
   "max_hold_s" (null if unset), "traced"},
-  "schema": [{"name", "kind" ("inline" or "handle"), "dtype", "shape": [..], "nbytes",
+  "schema": [{"name", "kind" ("inline" or "ref"), "dtype", "shape": [..], "nbytes",
               "item_len" (its bytes a row in its column: nbytes padded to 64)}],
   "participants": [{"index", "pid", "role", "name", "alive", "attach_ns", "attached_s",
   "last_seen_ns"}],
@@ -60,7 +60,7 @@ JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes
 * `inspect NAME --slot N --json`: S plus `"json_version", "table", "sealed_generation",
   "checksum_ok" (both read from the row as it is: they mean something only while the slot is
   READY or HELD), "fields": {FIELD: {"kind", "dtype", "shape", and "values" (nested lists;
-  inline fields) or "handle" (what the row points to, bytes as hex; handle fields)}}`.
+  inline fields) or "ref" (what the row points to, bytes as hex; ref fields)}}`.
   NaN and infinities are written as the strings "NaN", "Infinity", "-Infinity".
 """
 

@@ -367,26 +367,26 @@ def row_view(snap: TableSnapshot, s: SlotSnapshot, row: DecodedRow) -> Group:
         t.add_column(col)
     for f in snap.fields:
         value = (
-            handle_summary(row.handles[f.name])
-            if f.name in row.handles
+            ref_summary(row.refs[f.name])
+            if f.name in row.refs
             else values_summary(f, row.values[f.name])
         )
         t.add_row(Text(f.name), f.kind, f.dtype, str(f.shape), Text(value))
     return Group(head, seal, t)
 
 
-def handle_summary(handle: Mapping[str, Any]) -> str:
-    """What a handle field's row bytes point to (the tensor itself is not opened)."""
-    if "error" in handle:
-        return f"no handle: {handle['error']}"
-    what = f"{handle['b']} handle, {handle['dtype']} {tuple(handle['shape'])}"
-    if handle["b"] == "shm":
-        return f"{what} in arena {handle['arena']} at {handle['off']} ({handle['n']} bytes)"
-    return f"{what} on GPU {handle.get('uuid')} of pid {handle.get('pid')}"
+def ref_summary(ref: Mapping[str, Any]) -> str:
+    """What a ref field's row bytes point to (the tensor itself is not opened)."""
+    if "error" in ref:
+        return f"no ref: {ref['error']}"
+    what = f"{ref['b']} ref, {ref['dtype']} {tuple(ref['shape'])}"
+    if ref["b"] == "shm":
+        return f"{what} in arena {ref['arena']} at {ref['off']} ({ref['n']} bytes)"
+    return f"{what} on GPU {ref.get('uuid')} of pid {ref.get('pid')}"
 
 
 def _plain(value: Any) -> Any:
-    """A handle's msgpack values as JSON values (bytes as hex)."""
+    """A ref's msgpack values as JSON values (bytes as hex)."""
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, list | tuple):
@@ -398,8 +398,8 @@ def _plain(value: Any) -> Any:
 
 def field_doc(f: Field, row: DecodedRow) -> dict[str, Any]:
     doc: dict[str, Any] = {"kind": f.kind, "dtype": f.dtype, "shape": list(f.shape)}
-    if f.name in row.handles:
-        doc["handle"] = _plain(row.handles[f.name])
+    if f.name in row.refs:
+        doc["ref"] = _plain(row.refs[f.name])
     else:
         doc["values"] = _finite(nested(row.values[f.name], f.fixed_shape))
     return doc

@@ -42,7 +42,7 @@
           │               owns each page, 0 = free  (arena.py)            │
           ├──────────────────────────────────────────────────────────────┤ page aligned
           │ ARENA         arena_pages x arena_page_size: tensor data that │
-          │               rows refer to by handle                        │
+          │               ref fields refer to                            │
           └──────────────────────────────────────────────────────────────┘
 
 Everything is little-endian.  Regions start on 64-byte cache lines so that
@@ -68,6 +68,7 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
+# 10: ref fields are ref fields (kind "ref" in the schema);
 # 9: a QUARANTINED state (its deadline in the slot entry) and its two counters;
 # 8: a u64 sum of the observed nanoseconds after each histogram's buckets;
 # 7: one column per field (rows are addressed as SGLang's metadata buffers), seals beside
@@ -75,7 +76,7 @@ _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
 # 6: hold-time histograms, call-site tracing;
 # 5: publish turns READY before queueing, deliveries counted at take, waiters' deadlines;
 # 4: row checksum by wyhash; 3: a counter per cache line; 2: row_hash over crc32
-VERSION = 9
+VERSION = 10
 CACHE_LINE = 64
 PAGE = 4096
 

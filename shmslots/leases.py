@@ -51,9 +51,9 @@ from .rows import check_out, contiguous_strides
 from .states import Event, State
 
 if TYPE_CHECKING:
-    from .handles import Pin
     from .ownership import Ownership
     from .parts import TableParts
+    from .refs import Pin
     from .rows import Rows
 
 _WRITING = int(State.WRITING)
@@ -80,7 +80,7 @@ def handle_core(
         Lease,
         Reservation,
         nfields=len(rows.schema.slots),
-        plain_claim=not rows.schema.has_handles,
+        plain_claim=not rows.schema.has_refs,
         strict=strict,
         redeliver_dropped=redeliver_dropped,
         idle_every_ns=int(idle_every_s * 1e9),
@@ -151,7 +151,7 @@ class _Handle(HandleBase):
         return leaked
 
     def _moved_out(self) -> list[str]:
-        """Fields whose handed-out tensors (views, opened handles, loans) no longer show
+        """Fields whose handed-out tensors (views, opened refs, loans) no longer show
         the memory they were made over: moved out by share_memory_ or pickling, or
         pointed elsewhere."""
         moved = self._views().moved(self._viewed) if self._viewed else []
@@ -249,7 +249,7 @@ class WriteSlot(_Handle, WriteSlotCore):
     """A slot this process is filling; every field must be written before publish.
 
     `write(**fields)` copies values into the row; all are checked before any
-    byte changes.  A handle field's tensor is pinned (arena copy, or the CUDA
+    byte changes.  A ref field's tensor is pinned (arena copy, or the CUDA
     tensor kept referenced) until this slot's generation moves on.
     `publish(timeout=1.0)` seals the row (generation, checksum), queues it and
     makes it READY.  `abort()` hands the slot back unpublished.
@@ -262,21 +262,19 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_open("write")
         rows = self._parts.rows
         plan = rows.prepare(fields)
-        if rows.schema.has_handles:
-            handles = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_handle]
-            plan = self._pin_handles(plan, handles)
+        if rows.schema.has_refs:
+            refs = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_ref]
+            plan = self._pin_refs(plan, refs)
         rows.write(self.slot, plan)
         self._written.update(fields)
         return self
 
-    def _pin_handles(
-        self, plan: list[tuple[str, Any]], handles: list[int]
-    ) -> list[tuple[str, Any]]:
-        store = self._parts.handles
+    def _pin_refs(self, plan: list[tuple[str, Any]], refs: list[int]) -> list[tuple[str, Any]]:
+        store = self._parts.refs
         schema = self._parts.rows.schema
         encoded: dict[int, tuple[bytes, Pin]] = {}
         try:
-            for i in handles:
+            for i in refs:
                 name, tensor = plan[i]
                 encoded[i] = store.pin(self.slot, self.generation, schema.slots[name].field, tensor)
         except BaseException:
@@ -310,7 +308,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         return self._watched if self._watched is not None else self._parts.rows.views(self.slot)
 
     def alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor of the table's arena for handle field `name`, to fill in place: the loan
+        """A tensor of the table's arena for ref field `name`, to fill in place: the loan
         pattern for big CPU tensors, with no copy at all.  The row refers to it at once (it
         counts as written), and a reader opens the same pages zero-copy.  Fill it before
         publish; a loan kept past publish or abort is reported as a leaked view (it would
@@ -318,8 +316,8 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._check_open("alloc")
         parts = self._parts
         fs = parts.rows.schema.slots.get(name) if isinstance(name, str) else None
-        if fs is None or not fs.field.is_handle:
-            raise SchemaError(f"alloc loans handle fields; {name!r} is not one")
+        if fs is None or not fs.field.is_ref:
+            raise SchemaError(f"alloc loans ref fields; {name!r} is not one")
         f = fs.field
         got = tuple(shape) if isinstance(shape, (tuple, list)) else None
         if (
@@ -337,7 +335,7 @@ class WriteSlot(_Handle, WriteSlotCore):
             if parts.strict:
                 raise LeakedViewError(message)
             self._report([name], message)
-        store = parts.handles
+        store = parts.refs
         blob, pin = store.loan(self.slot, self.generation, f, got)
         try:
             parts.rows.write(self.slot, [(name, blob)])
@@ -371,8 +369,8 @@ class WriteSlot(_Handle, WriteSlotCore):
         if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 32):
             raise InvalidArgument(f"checksum must be a 32-bit unsigned int, got {checksum!r}")
         rows = self._parts.rows
-        if rows.schema.has_handles:
-            raise SchemaError("handle fields cannot be written by address")
+        if rows.schema.has_refs:
+            raise SchemaError("ref fields cannot be written by address")
         if checksum is not None and rows.checksum(self.slot) != checksum:
             raise RowRejected(
                 f"slot {self.slot} (generation {self.generation}): the row written in place "
@@ -552,7 +550,7 @@ class Lease(_Handle, LeaseCore):
         self._check_open("view")
         tensor = self._views().tensors.get(name)
         if tensor is None:
-            raise SchemaError(f"no inline field {name!r} (handle fields: tensor())")
+            raise SchemaError(f"no inline field {name!r} (ref fields: tensor())")
         self._viewed.add(name)
         return tensor
 
@@ -562,7 +560,7 @@ class Lease(_Handle, LeaseCore):
         if fs is None:
             raise SchemaError(f"no field {name!r}")
         f = fs.field
-        if f.is_handle or math.prod(f.fixed_shape) != 1:
+        if f.is_ref or math.prod(f.fixed_shape) != 1:
             raise SchemaError(
                 f"item() reads inline fields of one element; {name!r} is {f.kind} of shape "
                 f"{f.shape}"
@@ -571,15 +569,15 @@ class Lease(_Handle, LeaseCore):
         return value
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The field as a tensor, inline or handle; zero copy, valid while the lease is held.
+        """The field as a tensor, inline or ref; zero copy, valid while the lease is held.
 
-        A handle is opened once per lease: an arena view, or the CUDA tensor
+        A ref is opened once per lease: an arena view, or the CUDA tensor
         rebuilt on this process's device with the same UUID.
         """
         fs = self._parts.rows.schema.slots.get(name)
-        if fs is None or not fs.field.is_handle:
+        if fs is None or not fs.field.is_ref:
             return self.view(name)
-        self._check_open("open a handle of")
+        self._check_open("open a ref of")
         if self._opened is None:
             self._opened = {}
         if name not in self._opened:  # watched on its own, so its counts are taken at rest
@@ -589,7 +587,7 @@ class Lease(_Handle, LeaseCore):
     def _open_handle(self, name: str) -> torch.Tensor:
         parts = self._parts
         raw = parts.rows.field_bytes(self.slot, name)
-        return parts.handles.open(raw, self.slot, self.generation, name)
+        return parts.refs.open(raw, self.slot, self.generation, name)
 
     def copy(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """An owned copy of the field that outlives the lease, returned.
@@ -612,7 +610,7 @@ class Lease(_Handle, LeaseCore):
         if fs is None:
             raise SchemaError(f"no field {name!r}")
         f = fs.field
-        if f.is_handle:
+        if f.is_ref:
             tensor = self._open_handle(name)
             if out is None:
                 return tensor.clone()
@@ -656,7 +654,7 @@ class Lease(_Handle, LeaseCore):
         )
 
     def _end(self, event: int, action: str, check_views: bool = True) -> None:
-        """release() or abort() with views or handles to check, and every error of them."""
+        """release() or abort() with views or opened refs to check, and every error of them."""
         if self._parts.closed or not self._open:
             self._check_open(action)
         if not check_views:

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._core import HandleCore
-    from .handles import HandleStore
     from .ownership import Ownership
+    from .refs import RefStore
     from .rows import Rows
     from .tracing import SiteWriter
 
 
 class TableParts:
-    """One table's rows, steps, handle-field store and call-site record, for its handles."""
+    """One table's rows, steps, ref-field store and call-site record, for its handles."""
 
-    __slots__ = ("_idle", "core", "handles", "name", "own", "rows", "sites", "strict")
+    __slots__ = ("_idle", "core", "name", "own", "refs", "rows", "sites", "strict")
 
     def __init__(
         self,
@@ -31,7 +31,7 @@ class TableParts:
         strict: bool,
         rows: Rows,
         own: Ownership,
-        handles: HandleStore,
+        refs: RefStore,
         sites: SiteWriter | None,
         core: HandleCore,
         idle: Callable[[], None],
@@ -40,7 +40,7 @@ class TableParts:
         self.strict = strict
         self.rows = rows
         self.own = own
-        self.handles = handles
+        self.refs = refs
         self.sites = sites
         self.core = core
         # weak: the table holds its parts, and a table nobody holds must still be collected

@@ -169,7 +169,7 @@ class Rows:
                         self._pin, self.item(slot, name), fs.field.torch_dtype, fs.field.fixed_shape
                     )
                     for name, fs in self.schema.slots.items()
-                    if not fs.field.is_handle
+                    if not fs.field.is_ref
                 }
             )
         return cached
@@ -204,7 +204,7 @@ class Rows:
         return self._codec is not None and self._codec.write(slot, values)
 
     def write(self, slot: int, plan: list[tuple[str, Any]]) -> None:
-        """Copy a checked plan in; handle fields must already be encoded to bytes."""
+        """Copy a checked plan in; ref fields must already be encoded to bytes."""
         for name, value in plan:
             off = self.item(slot, name)
             if type(value) is bytes:
@@ -216,7 +216,7 @@ class Rows:
                     raise SchemaError(refusal(f, value, code))
 
     def field_bytes(self, slot: int, name: str) -> bytes:
-        """A copy of the field's bytes in the row (handles are decoded from these)."""
+        """A copy of the field's bytes in the row (refs are decoded from these)."""
         off = self.item(slot, name)
         return bytes(self._mv[off : off + self.schema.slots[name].field.nbytes])
 
@@ -263,9 +263,9 @@ class Rows:
 
 # how RowCodec reads a field of one element as a number, and writes one of shape () from
 # one (the rest it reads only), as csrc/rowcodec.c exports them
-_CODEC_ITEMS = {name: kind for name, kind in SCALARS.items() if name != "handle"}
+_CODEC_ITEMS = {name: kind for name, kind in SCALARS.items() if name != "ref"}
 _CODEC_SCALARS = {name: _CODEC_ITEMS[name] for name in NUMBER_WRITES}
-_CODEC_HANDLE = SCALARS["handle"]
+_CODEC_REF = SCALARS["ref"]
 
 
 def _codec_specs(
@@ -279,8 +279,8 @@ def _codec_specs(
     specs = []
     for name, fs in schema.slots.items():
         f = fs.field
-        if f.is_handle:
-            kind = item = _CODEC_HANDLE
+        if f.is_ref:
+            kind = item = _CODEC_REF
         else:
             kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
             item = _CODEC_ITEMS.get(f.dtype, 0) if math.prod(f.fixed_shape) == 1 else 0
@@ -290,7 +290,7 @@ def _codec_specs(
 
 
 def _spec(f: Field) -> tuple[Field, Callable[[Any], Any] | None]:
-    return f, _packer(f) if f.shape == () and not f.is_handle else None
+    return f, _packer(f) if f.shape == () and not f.is_ref else None
 
 
 def _packer(f: Field) -> Callable[[Any], Any]:
@@ -311,12 +311,12 @@ def admit(f: Field, value: Any) -> torch.Tensor:
     """The tensor whose bytes go into field `f` for `value`: the value itself, or the plain
     copy torch makes of it (strided, negated, a subclass, an inline field's CUDA tensor).
 
-    Whether it passes is RULES.check's to say; a refusal raises SchemaError.  A handle's
-    CUDA tensor stays on its GPU, and a handle's tensor must be contiguous.
+    Whether it passes is RULES.check's to say; a refusal raises SchemaError.  A ref field's
+    CUDA tensor stays on its GPU, and a ref field's tensor must be contiguous.
     """
-    keep = _ON_GPU if f.is_handle else PLAIN
+    keep = _ON_GPU if f.is_ref else PLAIN
     code = RULES.check(value, f.torch_dtype, f.shape)
-    if code < 0 or (f.is_handle and code & _STRIDED):
+    if code < 0 or (f.is_ref and code & _STRIDED):
         raise SchemaError(refusal(f, value, code))
     if code & ~keep:
         value = _plain_copy(f, value, f.shape, keep)
@@ -328,7 +328,7 @@ def _plain_copy(
     f: Field, value: torch.Tensor, shape: tuple[int | None, ...], keep: int, what: str = ""
 ) -> torch.Tensor:
     """The plain copy torch makes of `value`, which RULES admitted with codes beyond `keep`
-    (_ON_GPU: a handle's CUDA tensor stays on its GPU), checked again; with no autograd, and
+    (_ON_GPU: a ref field's CUDA tensor stays on its GPU), checked again; with no autograd, and
     neither a subclass nor a mode answering in place of the tensor."""
     with torch.no_grad(), torch._C.DisableTorchFunction():
         plain = torch.empty(
@@ -405,7 +405,7 @@ def _refusal(f: Field, value: Any, code: int) -> str:
     name = f.name
     if code == _NOT_TENSOR:
         number = ""
-        if f.shape == () and not f.is_handle:
+        if f.shape == () and not f.is_ref:
             number = " or a Python bool" if f.dtype == "bool" else " or a Python number"
         return (
             f"field {name!r} takes {_a_tensor_of(f)} shape {f.shape}{number}, "
@@ -425,8 +425,8 @@ def _refusal(f: Field, value: Any, code: int) -> str:
         )
     if code == _TOO_BIG:
         return f"field {name!r}: a tensor of shape {tuple(value.shape)} has too many bytes"
-    if f.is_handle and code & _STRIDED:
-        return f"field {name!r}: handle tensors must be contiguous"
+    if f.is_ref and code & _STRIDED:
+        return f"field {name!r}: ref fields' tensors must be contiguous"
     return f"field {name!r}: torch made no plain copy of the tensor (a dispatch mode?)"
 
 

@@ -47,9 +47,9 @@ MAX_ROW_SIZE = 64 * 1024 * 1024
 MAX_ELEMENTS = MAX_ROW_SIZE  # per field: 64 Mi elements
 MAX_FIELDS = 64
 MAX_NAME = 64
-DEFAULT_HANDLE_BUDGET = 512
-MIN_HANDLE_BUDGET = 64
-MAX_HANDLE_BUDGET = 4096
+DEFAULT_REF_BUDGET = 512
+MIN_REF_BUDGET = 64
+MAX_REF_BUDGET = 4096
 
 
 def dtype_name(dtype: object) -> str | None:
@@ -71,9 +71,10 @@ class Field:
     """One named tensor in every row.
 
     kind="inline": a fixed-shape tensor stored in the row itself.
-    kind="handle": a tensor that stays in the producer's memory (CUDA) or in
-    the table's arena (CPU); the row stores a handle to it, at most `budget`
-    bytes. A handle field's shape may have one variable dimension (None).
+    kind="ref": a tensor that stays in the producer's memory (CUDA) or in
+    the table's arena (CPU); the row stores a reference to it (its CUDA IPC or
+    arena description), at most `budget` bytes. A ref field's shape may have
+    one variable dimension (None).
     `dtype` is a name ("bfloat16") or a torch dtype (torch.bfloat16); it is
     kept as the name.
     """
@@ -90,7 +91,7 @@ class Field:
         dtype: str | torch.dtype,
         shape: tuple[int | None, ...] = (),
         kind: str = "inline",
-        budget: int = DEFAULT_HANDLE_BUDGET,
+        budget: int = DEFAULT_REF_BUDGET,
     ) -> None:
         given = dtype_name(dtype)
         for attr, value in (
@@ -116,10 +117,12 @@ class Field:
             raise SchemaError(
                 f"field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPE_SIZES)}"
             )
-        if self.kind not in ("inline", "handle"):
-            raise SchemaError(f"field {self.name!r}: kind must be 'inline' or 'handle'")
+        if self.kind == "handle":  # ref fields' old name: say what it is called now
+            raise SchemaError(f"field {self.name!r}: kind 'handle' is now called 'ref'")
+        if self.kind not in ("inline", "ref"):
+            raise SchemaError(f"field {self.name!r}: kind must be 'inline' or 'ref'")
         shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else None
-        free = 1 if self.kind == "handle" else 0
+        free = 1 if self.kind == "ref" else 0
         if (
             shape is None
             or len(shape) > MAX_DIMS
@@ -136,12 +139,11 @@ class Field:
                 f"field {self.name!r}: shape {self.shape!r} has {elements:,} elements; "
                 f"a field has at most {MAX_ELEMENTS:,} (64 Mi)"
             )
-        if self.kind == "handle" and not (
-            _is_dim(self.budget) and MIN_HANDLE_BUDGET <= self.budget <= MAX_HANDLE_BUDGET
+        if self.kind == "ref" and not (
+            _is_dim(self.budget) and MIN_REF_BUDGET <= self.budget <= MAX_REF_BUDGET
         ):
             raise SchemaError(
-                f"field {self.name!r}: handle budget must be "
-                f"{MIN_HANDLE_BUDGET}..{MAX_HANDLE_BUDGET} bytes"
+                f"field {self.name!r}: ref budget must be {MIN_REF_BUDGET}..{MAX_REF_BUDGET} bytes"
             )
         object.__setattr__(self, "shape", shape)
 
@@ -158,13 +160,13 @@ class Field:
         return DTYPE_SIZES[self.dtype]
 
     @property
-    def is_handle(self) -> bool:
-        return self.kind == "handle"
+    def is_ref(self) -> bool:
+        return self.kind == "ref"
 
     @property
     def nbytes(self) -> int:
         """Bytes the field takes in the row."""
-        if self.is_handle:
+        if self.is_ref:
             return self.budget
         return math.prod(d or 1 for d in self.shape) * self.itemsize
 
@@ -226,7 +228,7 @@ class RowSchema:
             slots[f.name] = FieldSlot(f, before, f.item_len)
             before += f.item_len
         self.row_size = before
-        self.has_handles = any(f.is_handle for f in self.fields)
+        self.has_refs = any(f.is_ref for f in self.fields)
         if self.row_size > MAX_ROW_SIZE:
             raise SchemaError(f"row of {self.row_size} bytes exceeds the {MAX_ROW_SIZE} limit")
         self.slots = slots

@@ -21,8 +21,8 @@ from . import layout as L
 from . import validate
 from ._core import row_hash
 from .errors import CorruptTable
-from .handle_codec import decode as decode_handle
 from .participants import Participant, RegistryReader
+from .ref_codec import decode as decode_ref
 from .schema import DTYPE_CODES, Field, RowSchema
 from .segment import Segment
 from .states import State, generation_of, known, owner_of, state_of
@@ -92,8 +92,8 @@ class DecodedRow:
     values: dict[str, list[int] | list[float]]  # inline fields, flat, in row order
     sealed_generation: int
     checksum_ok: bool
-    # handle fields: the decoded handle (backend, shape, dtype, ...) or {"error": why}
-    handles: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
+    # ref fields: the decoded ref (backend, shape, dtype, ...) or {"error": why}
+    refs: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
 
 
 def read_slot(mm: mmap.mmap, lay: L.Layout, created_ns: int, slot: int) -> SlotSnapshot:
@@ -215,19 +215,19 @@ class TableView:
         self.layout.check_slot(slot)
         mm = self._segment.mm
         values: dict[str, list[int] | list[float]] = {}
-        handles: dict[str, dict[str, Any]] = {}
+        refs: dict[str, dict[str, Any]] = {}
         for name, fs in self.schema.slots.items():
             f = fs.field
             start = self.layout.column(fs.before) + fs.item_len * slot
-            if f.is_handle:
+            if f.is_ref:
                 try:
-                    handles[name] = decode_handle(bytes(mm[start : start + f.nbytes]))
+                    refs[name] = decode_ref(bytes(mm[start : start + f.nbytes]))
                 except CorruptTable as exc:
-                    handles[name] = {"error": str(exc)}
+                    refs[name] = {"error": str(exc)}
                 continue
             values[name] = _decode(f, mm, start)
         generation, ok = self.seal(slot)
-        return DecodedRow(slot, values, generation, ok, handles)
+        return DecodedRow(slot, values, generation, ok, refs)
 
     def seal(self, slot: int) -> tuple[int, bool]:
         """(the generation a row was sealed at, whether its bytes hash to its seal)."""

@@ -35,12 +35,12 @@ from .errors import (
     TableNotFound,
     TableNotReady,
 )
-from .handles import HandleStore
 from .leases import Lease, Reservation, WriteSlot, handle_core, trace
 from .membership import Membership
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, describe_word, hot_path
 from .participants import Participant, hold_gate, release_gate
 from .parts import TableParts
+from .refs import RefStore
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
@@ -166,7 +166,7 @@ class Stats:
     overdue: int
     arena_bytes_used: int = 0
     arena_blocks: int = 0
-    pinned_here: int = 0  # handles this process keeps alive until their slot moves on
+    pinned_here: int = 0  # refs this process keeps alive until their slot moves on
 
     @property
     def owned(self) -> int:
@@ -214,7 +214,7 @@ class SlotTable:
             self._inline = {  # what gather allocates: (dtype, shape) of each inline field
                 n: (fs.field.torch_dtype, fs.field.fixed_shape)
                 for n, fs in schema.slots.items()
-                if not fs.field.is_handle
+                if not fs.field.is_ref
             }
             # the compiled handle steps
             self._core = handle_core(
@@ -224,13 +224,13 @@ class SlotTable:
                 not self.drop_on_consumer_death,
                 STRANDED_CHECK_S,
             )
-            self._handles = HandleStore(self._own, member.arena, segment.mm, segment.name)
+            self._refs = RefStore(self._own, member.arena, segment.mm, segment.name)
             self._parts = TableParts(
                 segment.name,
                 self._strict,
                 self._rows,
                 self._own,
-                self._handles,
+                self._refs,
                 self._sites,
                 self._core,
                 self._idle,
@@ -274,7 +274,7 @@ class SlotTable:
         `max_hold_s` makes slots out of FREE for longer show up in `overdue()`
         (reported, never reclaimed: a leak on an abort path becomes visible).
         `arena_bytes` reserves an arena (pages of `arena_page` bytes) for the
-        CPU tensors of handle fields.
+        CPU tensors of ref fields.
         `trace` makes every new owner record its call site in the table (None: as the
         SHMSLOTS_TRACE environment variable says), for `shmslots inspect --by-site` and
         SlotsExhausted; each participant keeps up to `trace_sites` distinct sites.
@@ -423,7 +423,7 @@ class SlotTable:
         if ws is None:
             if self._closed:
                 self._check_open()
-            self._handles.collect_own()  # drop tensors whose consumers are done
+            self._refs.collect_own()  # drop tensors whose consumers are done
             got = self._acquire(_CLAIM, tag, timeout, "claim")
             assert isinstance(got, WriteSlot)
             ws = got
@@ -545,8 +545,8 @@ class SlotTable:
         self._check_open()
         _check_count(n, "n")
         _check_tag(tag)
-        if self._rows.schema.has_handles:
-            self._handles.collect_own()  # as claim: drop tensors whose consumers are done
+        if self._rows.schema.has_refs:
+            self._refs.collect_own()  # as claim: drop tensors whose consumers are done
         claimed = self._core.claim_n(self._parts, n, tag)
         if claimed and self._sites is not None:
             trace(self._parts, claimed, _WRITING)
@@ -646,7 +646,7 @@ class SlotTable:
             self._refuse_item(items, got, WriteSlot, "scatter")
         name = str.__str__(field) if isinstance(field, str) else None  # an exact str
         fs = self.schema.slots.get(name) if name is not None else None
-        if fs is None or fs.field.is_handle:
+        if fs is None or fs.field.is_ref:
             raise self._not_inline(field, "scatter writes")
         plain = admit_batch(fs.field, values, (len(items), *fs.field.fixed_shape), "scatter")
         # The copy in one compiled call here too, with no torch-function mode on: row by row
@@ -661,9 +661,9 @@ class SlotTable:
 
     def _not_inline(self, field: object, action: str = "gather reads") -> SchemaError:
         fs = self.schema.slots.get(field) if isinstance(field, str) else None
-        kind = "a handle field: open each with lease.tensor()" if fs else "not a field"
+        kind = "a ref field: open each with lease.tensor()" if fs else "not a field"
         if fs and action.startswith("scatter"):
-            kind = "a handle field: write each with ws.write() or ws.alloc()"
+            kind = "a ref field: write each with ws.write() or ws.alloc()"
         return SchemaError(f"{action} inline fields; {field!r} is {kind}")
 
     def _gather_refused(
@@ -675,7 +675,7 @@ class SlotTable:
         if type(got) is int:
             self._refuse_item(items, got, Lease, "gather")
         fs = self.schema.slots.get(field) if isinstance(field, str) else None
-        if fs is None or fs.field.is_handle:
+        if fs is None or fs.field.is_ref:
             raise self._not_inline(field)
         check_out("gather", fs.field, out, (len(items), *fs.field.fixed_shape))
         assert isinstance(out, torch.Tensor)
@@ -736,9 +736,9 @@ class SlotTable:
         return dict(self._member.reap())
 
     def collect(self) -> int:
-        """Let go of handle tensors and arena pages whose slot has moved on; returns how many."""
+        """Let go of ref tensors and arena pages whose slot has moved on; returns how many."""
         self._check_open()
-        return self._handles.collect()
+        return self._refs.collect()
 
     def peers(self) -> list[Participant]:
         """The other participants attached now and alive (by their kernel-held locks)."""
@@ -778,7 +778,7 @@ class SlotTable:
             overdue=len(self.overdue()),
             arena_bytes_used=pages * self.layout.arena_page_size,
             arena_blocks=blocks,
-            pinned_here=self._handles.pinned()[0],
+            pinned_here=self._refs.pinned()[0],
         )
 
     def overdue(self) -> list[SlotAge]:
@@ -845,7 +845,7 @@ class SlotTable:
         self._wake_waiters()
         self._member.drop_lock()
         leaked = self._rows.close()
-        self._handles.drop_mapping()
+        self._refs.drop_mapping()
         self._mv.release()
         self._atomics.release()
         self._own.hot.release()

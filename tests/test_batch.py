@@ -164,7 +164,7 @@ def test_an_error_part_way_leaves_done_items_done_and_says_so(name: str) -> None
 
 
 def test_gather_checks_field_and_out_and_writes_nothing_when_wrong(name: str) -> None:
-    fields = (*SMALL, Field("blob", "float32", (None,), kind="handle"))
+    fields = (*SMALL, Field("blob", "float32", (None,), kind="ref"))
     with SlotTable.create(name, fields, slots=4, arena_bytes=1 << 16) as t:
         for i, ws in enumerate(t.claim_n(3)):
             ws.write(**small_row(i), blob=torch.zeros(3))
@@ -185,7 +185,7 @@ def test_gather_checks_field_and_out_and_writes_nothing_when_wrong(name: str) ->
                 t.gather(leases, "p", out)  # type: ignore[arg-type]
             if before is not None:
                 assert isinstance(out, torch.Tensor) and torch.equal(out, before)
-        for field, match in (("blob", "handle field"), ("nope", "not a field")):
+        for field, match in (("blob", "ref field"), ("nope", "not a field")):
             with pytest.raises(SchemaError, match=match):
                 t.gather(leases, field)
             with pytest.raises(SchemaError, match=match):
@@ -238,7 +238,7 @@ def test_scatter_writes_a_batch_field_by_field(name: str) -> None:
 
 
 def test_scatter_refuses_bad_input_and_writes_nothing(name: str) -> None:
-    fields = (*SMALL, Field("blob", "float32", (None,), kind="handle"))
+    fields = (*SMALL, Field("blob", "float32", (None,), kind="ref"))
     with SlotTable.create(name, fields, slots=4, arena_bytes=1 << 16) as t:
         slots = t.claim_n(3, tag=1)
         done = t.claim(tag=2)
@@ -252,7 +252,7 @@ def test_scatter_refuses_bad_input_and_writes_nothing(name: str) -> None:
             (slots, "p", "nope", SchemaError, "got 'nope'"),
             (slots, "p", short, SchemaError, "storage no longer holds"),
             (slots, "id", [1, 2, 2**70], SchemaError, "int64 tensor"),
-            (slots, "blob", torch.zeros(3, 4), SchemaError, "handle field"),
+            (slots, "blob", torch.zeros(3, 4), SchemaError, "ref field"),
             (slots, "nope", torch.zeros(3, 4), SchemaError, "not a field"),
             ([*slots[:2], slots[0]], "p", torch.zeros(3, 4), InvalidArgument, "item 0 again"),
             ([*slots[:2], done], "p", torch.zeros(3, 4), StaleLeaseError, "handed back"),

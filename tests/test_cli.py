@@ -218,18 +218,18 @@ def test_inspect_checks_every_published_rows_seal_and_names_a_bad_one(
     assert cli("inspect", name).returncode == 0
 
 
-def test_inspect_slot_shows_what_a_handle_field_points_to(name: str) -> None:
-    fields = (Field("id", "int64"), Field("blob", "float32", (None,), kind="handle"))
+def test_inspect_slot_shows_what_a_ref_field_points_to(name: str) -> None:
+    fields = (Field("id", "int64"), Field("blob", "float32", (None,), kind="ref"))
     with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 20) as table:
         table.claim(tag=7).write(id=7, blob=torch.arange(10, dtype=torch.float32)).publish()
         r = cli("inspect", name, "--slot", "0", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["checksum_ok"] and doc["fields"]["id"]["values"] == 7
-        handle = doc["fields"]["blob"]["handle"]
-        assert (handle["b"], handle["dtype"], handle["shape"]) == ("shm", "float32", [10])
+        ref = doc["fields"]["blob"]["ref"]
+        assert (ref["b"], ref["dtype"], ref["shape"]) == ("shm", "float32", [10])
         text = cli("inspect", name, "--slot", "0")
-        assert text.returncode == 0 and "shm handle, float32 (10,)" in text.stdout
+        assert text.returncode == 0 and "shm ref, float32 (10,)" in text.stdout
 
 
 # -- watch and metrics -------------------------------------------------------------------

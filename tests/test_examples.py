@@ -37,8 +37,8 @@ def test_reservation(name: str) -> None:
     assert "stale reservation refused: slot 0 generation 0 is not reserved" in out
 
 
-def test_handle_fields(name: str) -> None:
-    out = run_example(ROOT / "examples/handle_fields.py", name)
+def test_ref_fields(name: str) -> None:
+    out = run_example(ROOT / "examples/ref_fields.py", name)
     assert out == "id 1: hidden (100, 4096), sum 409600\n"
 
 

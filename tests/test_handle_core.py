@@ -270,9 +270,9 @@ def test_cycles_through_handles_are_collected(name: str) -> None:
 
 
 def test_aliases_of_one_storage_are_watched_apart() -> None:
-    from shmslots.handles import alias
+    from shmslots.refs import alias
 
-    shared = torch.arange(8.0)  # one producer allocation, two handle fields
+    shared = torch.arange(8.0)  # one producer allocation, two ref fields
     first = WatchedTensors({"k": alias(shared[:4])})
     second = WatchedTensors({"v": alias(shared[4:])})
     assert first.leaked(["k"]) == [] and second.leaked(["v"]) == []
@@ -493,7 +493,7 @@ def test_a_handle_recast_as_a_lease_cannot_reach_bad_views(name: str) -> None:
 
 
 def test_alias_accepts_tensors_that_require_grad() -> None:
-    from shmslots.handles import alias
+    from shmslots.refs import alias
 
     x = torch.ones(3, requires_grad=True)
     a = alias(x)
@@ -605,8 +605,8 @@ def test_with_blocks_hand_back_their_slot_when_a_warning_is_an_error(name: str) 
         assert t.slot_info(0)[0] is State.FREE
 
 
-def test_a_kept_handle_tensor_is_reported_once(name: str) -> None:
-    fields = (Field("id", "int64"), Field("x", "float32", (None,), kind="handle"))
+def test_a_kept_ref_tensor_is_reported_once(name: str) -> None:
+    fields = (Field("id", "int64"), Field("x", "float32", (None,), kind="ref"))
     with SlotTable.create(name, fields, slots=1, arena_bytes=1 << 16) as t:
         t.claim().write(id=1, x=torch.ones(4)).publish()
         lease = t.take()

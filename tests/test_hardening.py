@@ -346,7 +346,7 @@ _dims = (
     | _anything
 )
 _shapes = st.lists(_dims, max_size=6) | _anything
-_kinds = st.sampled_from(["inline", "handle", "remote"]) | _anything
+_kinds = st.sampled_from(["inline", "ref", "handle", "remote"]) | _anything
 _budgets = st.integers(-(1 << 63), (1 << 64) - 1) | st.sampled_from([0, 63, 4097]) | _anything
 # What may stand at each position of a [name, dtype, shape, kind, budget] entry.
 _POSITIONS = (_names, _dtypes, _shapes, _kinds, _budgets)
@@ -356,7 +356,7 @@ _valid_fields = st.lists(
         st.from_regex(r"[a-z_][a-z0-9_]{0,20}", fullmatch=True),
         st.sampled_from(sorted(DTYPE_SIZES)),
         st.lists(st.integers(1, 16), max_size=4).map(tuple),
-        st.sampled_from(["inline", "handle"]),
+        st.sampled_from(["inline", "ref"]),
         st.integers(64, 4096),
     ),
     min_size=1,

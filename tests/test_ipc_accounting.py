@@ -1,9 +1,9 @@
-"""Each IPC share of a handle's tensor is released exactly once, by its producer.
+"""Each IPC share of a ref field's tensor is released exactly once, by its producer.
 
 torch's CUDA IPC counts references: a share the producer makes stays counted
 (its block kept from reuse) until someone releases it.  These tests drive the
-real pin / unpin / collect / open flow of HandleStore through every fate a
-handle can have — aborted, overwritten, cancelled, never opened, opened in the
+real pin / unpin / collect / open flow of RefStore through every fate a
+ref can have — aborted, overwritten, cancelled, never opened, opened in the
 producer, opened twice by another process, redelivered after its reader died,
 or its table closed — and count shares and releases on IpcLedger.
 
@@ -33,7 +33,7 @@ from shmslots import Field, SlotTable, State
 from shmslots.cuda_ipc import IpcLedger
 from shmslots.torch_dtypes import DTYPE_NAMES, DTYPES
 
-FIELDS = (Field("id", "int64"), Field("blob", "float32", (None,), kind="handle"))
+FIELDS = (Field("id", "int64"), Field("blob", "float32", (None,), kind="ref"))
 
 
 class ShmIpc:
@@ -69,8 +69,8 @@ class ShmIpc:
 
 
 def _shm_ipc(table: SlotTable) -> IpcLedger:
-    """Stand ShmIpc in for torch's calls in this table's HandleStore."""
-    ledger = table._handles.ipc = IpcLedger(ShmIpc(table.name))
+    """Stand ShmIpc in for torch's calls in this table's RefStore."""
+    ledger = table._refs.ipc = IpcLedger(ShmIpc(table.name))
     return ledger
 
 
@@ -85,10 +85,10 @@ def _blob(tag: int) -> torch.Tensor:
 def _released_once(t: SlotTable, ledger: IpcLedger) -> None:
     t.collect()
     assert ledger.released == ledger.shared and not _shares_left(t.name)
-    assert t._handles.pinned() == (0, 0)
+    assert t._refs.pinned() == (0, 0)
 
 
-def test_every_share_is_released_once_whatever_becomes_of_the_handle(name: str) -> None:
+def test_every_share_is_released_once_whatever_becomes_of_the_ref(name: str) -> None:
     with SlotTable.create(name, FIELDS, slots=4) as t:
         ledger = _shm_ipc(t)
 
@@ -96,7 +96,7 @@ def test_every_share_is_released_once_whatever_becomes_of_the_handle(name: str) 
         _released_once(t, ledger)
 
         ws = t.claim(tag=2).write(id=2, blob=_blob(0))
-        ws.write(blob=_blob(2))  # the first handle, overwritten, is let go at once
+        ws.write(blob=_blob(2))  # the first ref, overwritten, is let go at once
         assert (ledger.shared, ledger.released) == (3, 2)
         ws.publish()
         assert t.cancel(2) == 1  # cancelled before anyone took it
@@ -137,7 +137,7 @@ def _open_twice_and_release(name: str, opened: Queue[float]) -> None:
         lease = t.take(timeout=30)
         assert lease is not None
         first = float(lease.tensor("blob")[0])
-        again = float(lease.copy("blob")[0])  # a second open of the same handle
+        again = float(lease.copy("blob")[0])  # a second open of the same ref
         lease.release()
         assert (reader.shared, reader.released) == (0, 0)  # a consumer releases nothing
         opened.put(first + again)
@@ -172,7 +172,7 @@ def test_readers_in_other_processes_release_nothing(name: str, children: Childre
         t.reap()
         lease = t.take()
         assert lease is not None and lease.deliveries == 1
-        assert float(lease.tensor("blob")[0]) == 6.0  # the redelivered handle, opened again
+        assert float(lease.tensor("blob")[0]) == 6.0  # the redelivered ref, opened again
         lease.release()
         assert [t.slot_info(s)[0] for s in range(2)] == [State.FREE, State.FREE]
         _released_once(t, ledger)
@@ -181,9 +181,9 @@ def test_readers_in_other_processes_release_nothing(name: str, children: Childre
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_handles_give_their_memory_back_whatever_becomes_of_them(name: str) -> None:
+def test_cuda_refs_give_their_memory_back_whatever_becomes_of_them(name: str) -> None:
     """torch keeps a shared block out of reuse while its counter is above 0: once every
-    handle is let go and the tensor dropped, what it took must be free again."""
+    ref is let go and the tensor dropped, what it took must be free again."""
     with SlotTable.create(name, FIELDS, slots=2) as t:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -199,7 +199,7 @@ def test_cuda_handles_give_their_memory_back_whatever_becomes_of_them(name: str)
         t.claim(tag=3).write(id=3, blob=x).publish()
         assert t.cancel(3) == 1
         t.collect()
-        assert t._handles.ipc.shared == t._handles.ipc.released == 4
+        assert t._refs.ipc.shared == t._refs.ipc.released == 4
         del x
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before

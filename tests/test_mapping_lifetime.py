@@ -75,7 +75,7 @@ def _keep_past_close(name: str, kind: str, results: Queue[str]) -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # the leaks are the point: each is reported as it happens
-    fields = [Field("h", "float32", (4,)), Field("big", "float32", (None,), kind="handle")]
+    fields = [Field("h", "float32", (4,)), Field("big", "float32", (None,), kind="ref")]
     table = SlotTable.create(name, fields, slots=2, arena_bytes=1 << 20)
     ws = table.claim()
     ws.write(h=torch.full((4,), 3.0))
@@ -87,7 +87,7 @@ def _keep_past_close(name: str, kind: str, results: Queue[str]) -> None:
     kept = {
         "view reported at release": lambda: lease.view("h"),
         "loan kept past publish": lambda: loan,
-        "handle opened on a lease open at close": lambda: lease.tensor("big"),
+        "ref opened on a lease open at close": lambda: lease.tensor("big"),
     }[kind]()
     if kind == "view reported at release":
         lease.release()  # reported as leaked, and dropped from the cache close() checks
@@ -102,7 +102,7 @@ def _keep_past_close(name: str, kind: str, results: Queue[str]) -> None:
     [
         "view reported at release",
         "loan kept past publish",
-        "handle opened on a lease open at close",
+        "ref opened on a lease open at close",
     ],
 )
 def test_a_tensor_kept_past_close_keeps_its_mapping(

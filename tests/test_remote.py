@@ -225,7 +225,7 @@ def test_a_slow_peer_cannot_hold_accept_past_its_deadline() -> None:
 def test_handle_fields_cannot_be_written_remotely(
     name: str, engines: tuple[Engine, Engine]
 ) -> None:
-    fields = [Field("x", "float32", (None,), kind="handle")]
+    fields = [Field("x", "float32", (None,), kind="ref")]
     with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 16) as table:
         with pytest.raises(SchemaError, match="handles"):
             RemoteServer(table, engines[0])

@@ -266,7 +266,7 @@ def test_the_python_path_refuses_a_storage_resized_after_the_check(name: str) ->
 
 
 def test_the_arena_path_refuses_a_storage_resized_down(name: str) -> None:
-    blob = Field("blob", "float32", (None,), kind="handle")
+    blob = Field("blob", "float32", (None,), kind="ref")
     with SlotTable.create(name, (blob,), slots=1, arena_bytes=1 << 20) as table:
         ws = table.claim()
         with pytest.raises(SchemaError, match="no longer holds its elements"):
@@ -275,8 +275,8 @@ def test_the_arena_path_refuses_a_storage_resized_down(name: str) -> None:
         plan = table._rows.prepare({"blob": value})  # admitted, then resized under the copy
         value.untyped_storage().resize_(16)
         with pytest.raises(SchemaError, match="no longer holds its elements"):
-            table._handles.pin(ws.slot, ws.generation, blob, plan[0][1])
-        assert table.stats().arena_bytes_used == 0 and table._handles.pinned() == (0, 0)
+            table._refs.pin(ws.slot, ws.generation, blob, plan[0][1])
+        assert table.stats().arena_bytes_used == 0 and table._refs.pinned() == (0, 0)
         ws.abort()
 
 

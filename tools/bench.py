@@ -25,7 +25,7 @@ floor). shmslots runs busy (take(0), write() of private tensors, views), blockin
 release_all), with loaned tensors (ws.alloc) and as a user first writes it (blocking take,
 lease.copy() of every field). Records: the small row (id, int64[5], float32[64]), the EAGLE
 metadata row (output id, cached tokens, top-k p float32[16], top-k index int64[16], hidden
-bf16[4096]), and 1 MiB and 64 MiB CPU tensors (shmslots: a handle field in the table's
+bf16[4096]), and 1 MiB and 64 MiB CPU tensors (shmslots: a ref field in the table's
 arena, read with lease.tensor).
 
 Measured, each repeated (3 runs unless said) and reported as median and lowest-highest:

@@ -1,7 +1,7 @@
-"""Hand 64 MiB CUDA tensors from one process to another by IPC handle; report GB/s.
+"""Hand 64 MiB CUDA tensors from one process to another through a ref field; report GB/s.
 
 The producer keeps each tensor alive until the consumer releases its slot;
-the consumer opens the handle and reduces the tensor on the GPU (so the
+the consumer opens the ref and reduces the tensor on the GPU (so the
 bytes are really read).  Run by tools/gpu_check.sh on a GPU machine.
 """
 
@@ -18,7 +18,7 @@ from shmslots import Field, SlotTable
 N = 40
 MiB = 1 << 20
 SIZE = 64 * MiB
-FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="handle"))
+FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="ref"))
 
 
 def produce(name: str) -> None:
@@ -56,7 +56,7 @@ def main() -> None:
             if proc.is_alive():
                 proc.kill()
     print(
-        f"{N - 1} x 64 MiB CUDA tensors by handle: {(N - 1) / seconds:.1f} tensors/s, "
+        f"{N - 1} x 64 MiB CUDA tensors by ref: {(N - 1) / seconds:.1f} tensors/s, "
         f"{(N - 1) * SIZE / seconds / 1e9:.1f} GB/s read on {torch.cuda.get_device_name(0)}"
     )
 

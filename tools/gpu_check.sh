@@ -2,8 +2,8 @@
 # CUDA-IPC checks for a machine with a GPU (under 5 minutes):
 #   1. the CUDA tests (pytest -m cuda): a CUDA tensor written by one spawned process and read
 #      by another, keep-alive until release, device matched by UUID, and the memory of every
-#      handle given back (each IPC share released once);
-#   2. a bandwidth figure: 64 MiB CUDA tensors handed over by handle and read on the GPU.
+#      ref given back (each IPC share released once);
+#   2. a bandwidth figure: 64 MiB CUDA tensors handed over through a ref field and read on the GPU.
 # Usage, from the repository root: bash tools/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +13,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader || true
-timeout 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_handles.py tests/test_ipc_accounting.py
+timeout 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_refs.py tests/test_ipc_accounting.py
 timeout 120 python tools/cuda_bandwidth.py

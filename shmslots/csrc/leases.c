@@ -433,7 +433,7 @@ typedef struct {
     PyObject_HEAD
     char ready;       /* __init__ succeeded: every field below is set */
     char closed;
-    char plain_claim; /* no handle fields: a claim has no pins to collect first */
+    char plain_claim; /* no ref fields: a claim has no pins to collect first */
     char strict;      /* views are also checked for in-place changes, in Python */
     char redeliver_dropped; /* a lease collected unreleased goes back to READY (else FREE) */
     long long idle_every_ns;   /* how often a reader finding nothing runs parts.idle() */
@@ -1120,7 +1120,7 @@ core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* claim(parts, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
- * closed table, a tag that is not a plain int, handle fields): Python's claim takes over. */
+ * closed table, a tag that is not a plain int, ref fields): Python's claim takes over. */
 static PyObject *
 core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1548,7 +1548,7 @@ static PyMemberDef handle_members[] = {
     MEMBER("tag", T_OBJECT, tag, READONLY),
     MEMBER("_open", T_BOOL, open, 0),
     /* tensors handed out beside the row's views, each watched on its own: a Lease's opened
-     * handle fields, a WriteSlot's loaned arena tensors */
+     * ref fields, a WriteSlot's loaned arena tensors */
     MEMBER("_opened", T_OBJECT, opened, 0),
     {NULL, 0, 0, 0, NULL},
 };

@@ -6,7 +6,7 @@
  * once) and makes the common write fast.  `write(slot, fields)` copies a dict of values into
  * a row when every value is the plain case (a tensor the rules call plain, or a Python number
  * for a scalar int or float32 field), checking all of them before the first byte moves.  For
- * anything else (an unknown name, a refused tensor, a handle field, one torch must first
+ * anything else (an unknown name, a refused tensor, a ref field, one torch must first
  * copy, a number that does not fit) it writes nothing and returns False, and rows.py takes
  * its checked path, which raises the error or handles the case.
  *
@@ -26,7 +26,7 @@
 /* How a field is written from a Python number (`scalar`) and read as one (`item`); the
  * 16-bit floats are read only. */
 enum scalar {
-    NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, HANDLE, S_FLOAT16, S_BFLOAT16,
+    NO_SCALAR = 0, S_INT64, S_INT32, S_UINT8, S_FLOAT32, REF, S_FLOAT16, S_BFLOAT16,
     S_UINT64, S_INT16, S_INT8, S_BOOL
 };
 /* The kinds a field of shape () is written in from a Python number (write_scalar's cases):
@@ -38,14 +38,14 @@ static const struct {
     int kind;
 } scalar_kinds[] = {
     {"int64", S_INT64}, {"int32", S_INT32}, {"uint8", S_UINT8}, {"float32", S_FLOAT32},
-    {"handle", HANDLE}, {"float16", S_FLOAT16}, {"bfloat16", S_BFLOAT16}, {"uint64", S_UINT64},
+    {"ref", REF}, {"float16", S_FLOAT16}, {"bfloat16", S_BFLOAT16}, {"uint64", S_UINT64},
     {"int16", S_INT16}, {"int8", S_INT8}, {"bool", S_BOOL},
 };
 
 /* -- the rules ------------------------------------------------------------------------------
  *
  * What a tensor must be before its bytes are copied into shared memory, written once: the
- * compiled write below, rows.py's checked path, the arena copy of a handle field and every
+ * compiled write below, rows.py's checked path, the arena copy of a ref field and every
  * copy rows.py makes all ask check() (rows.py only words the refusals).  A tensor passes when
  * it has the field's dtype and shape, lives on the CPU or a CUDA GPU, has strided storage,
  * and that storage holds every element its sizes, strides and storage offset reach (a storage
@@ -620,7 +620,7 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
             }
             elements *= dim;
         }
-        if (s->scalar != HANDLE && (elements > PY_SSIZE_T_MAX / s->itemsize ||
+        if (s->scalar != REF && (elements > PY_SSIZE_T_MAX / s->itemsize ||
                                     s->nbytes != elements * s->itemsize)) {
             PyErr_SetString(PyExc_ValueError, "a field's bytes are not its dtype times its shape");
             goto fail;
@@ -788,7 +788,7 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         total += s->nbytes;
         PyObject *v = held[j];
         int ok;
-        if (s->scalar == HANDLE)
+        if (s->scalar == REF)
             ok = 0;
         else if (Py_TYPE(v) == (PyTypeObject *)r->rules->tensor_type) {
             Py_ssize_t nbytes; /* the shape fixes it to c->nbytes */
@@ -927,7 +927,7 @@ plain_rows(RowCodec *r, Spec *s, PyObject *t, Py_ssize_t n, int batched, char **
 }
 
 /* The spec of field `name` if it may be copied in or out here: 1 (*spec set), 0 (no such
- * field, a handle field, or a torch-function mode on: the tensor calls would run Python,
+ * field, a ref field, or a torch-function mode on: the tensor calls would run Python,
  * so the caller's own path copies), -1 (error set). */
 static int
 plain_field(RowCodec *r, PyObject *name, Spec **spec)
@@ -940,7 +940,7 @@ plain_field(RowCodec *r, PyObject *name, Spec **spec)
     if (!i)
         return PyErr_Occurred() ? -1 : 0;
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-    if (s->scalar == HANDLE)
+    if (s->scalar == REF)
         return 0;
     PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
     if (!on)
@@ -1034,7 +1034,7 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
 /* One field of the given slots moved between the rows and one plain tensor `t` (n, *shape)
  * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
  * them (scatter).  True having moved every row; False having moved nothing (no such field,
- * a handle field, a torch-function mode on, or `t` not plain: the caller's path). */
+ * a ref field, a torch-function mode on, or `t` not plain: the caller's path). */
 PyObject *
 codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, int out)
 {
@@ -1076,7 +1076,7 @@ rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     return codec_move(r, args[0], args[1], args[2], 0);
 }
 
-/* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a handle field,
+/* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a ref field,
  * no such field, a torch-function mode on, or a tensor torch.empty made that the rules
  * refuse: the caller's own path handles and words those).  One call where copy() made a
  * tensor, checked it as `out` and copied into it. */
@@ -1236,7 +1236,7 @@ static PyMethodDef module_methods[] = {
 
 /* The enums, exported so that rows.py names them from here instead of copying them:
  * REASONS (reason codes of Rules.check), SCALARS (how a field of one element is written or
- * read, by dtype name; "handle" for a handle field) and NUMBER_WRITES (the dtypes whose
+ * read, by dtype name; "ref" for a ref field) and NUMBER_WRITES (the dtypes whose
  * kind is WRITTEN_FROM_NUMBERS). */
 static int
 add_enums(PyObject *m)

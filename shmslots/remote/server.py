@@ -90,8 +90,10 @@ class RemoteServer:
         late_write_window_s: float = 10.0,
     ) -> None:
         schema = table.schema
-        if schema.has_handles:
-            raise SchemaError("remote writers can fill inline fields only; this schema has handles")
+        if schema.has_refs:
+            raise SchemaError(
+                "remote writers can fill inline fields only; this schema has ref fields"
+            )
         if engine.served_by is not None:
             raise InvalidArgument("this engine already serves a table: one RemoteServer per Engine")
         self._quarantine = Quarantine(late_write_window_s)  # checks the window first

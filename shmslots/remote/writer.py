@@ -31,8 +31,10 @@ class RemoteWriter:
     """
 
     def __init__(self, engine: Engine, schema: RowSchema, *, batch: int = 64) -> None:
-        if schema.has_handles:
-            raise SchemaError("remote writers can fill inline fields only; this schema has handles")
+        if schema.has_refs:
+            raise SchemaError(
+                "remote writers can fill inline fields only; this schema has ref fields"
+            )
         if not 1 <= batch <= MAX_BATCH:
             raise InvalidArgument(f"batch must be in 1..{MAX_BATCH}, got {batch}")
         self.engine = engine

@@ -3,7 +3,7 @@ and the measurements only shmslots has (claim cost, contention, an idle blocked 
 
 Process A claims, writes and publishes into table REQ; B takes, reads and releases, and
 answers through table RESP. Rows are read through zero-copy views; tensor payloads go
-through a handle field in the table's arena and are opened with `lease.tensor` (zero copy).
+through a ref field in the table's arena and are opened with `lease.tensor` (zero copy).
 Not run on its own; see tools/bench.py.
 """
 
@@ -54,7 +54,7 @@ EAGLE_FIELDS = (
     Field("topk_index", "int64", (16,)),
     Field("hidden", "bfloat16", (4096,)),
 )
-TENSOR_FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="handle"))
+TENSOR_FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="ref"))
 
 
 def fields_for(kind: Kind) -> tuple[Field, ...]:

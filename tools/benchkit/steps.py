@@ -188,7 +188,7 @@ def loaned_tensor(rounds: int) -> Steps:
             ws = table.claim(tag=1)
             s.mark("claim (frees the last loan's pages)")
             loan = ws.alloc("x", tuple(payload.shape))
-            s.mark("alloc (arena pages, handle, tensor)")
+            s.mark("alloc (arena pages, ref, tensor)")
             ctypes.memmove(loan.data_ptr(), payload.data_ptr(), payload.nbytes)
             del loan
             s.mark("fill: memmove of 1 MiB")
@@ -199,7 +199,7 @@ def loaned_tensor(rounds: int) -> Steps:
             lease = taken(table)
             s.mark("take")
             x = lease.tensor("x")
-            s.mark("tensor (open the handle)")
+            s.mark("tensor (open the ref)")
             touch(x)
             del x
             s.mark("touch: a byte per 4 KiB page")

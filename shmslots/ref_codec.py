@@ -1,7 +1,7 @@
-"""The bytes of a handle field: a length-prefixed msgpack description of the tensor.
+"""The bytes of a ref field: a length-prefixed msgpack description of the tensor.
 
-Decoding needs no torch, so the CLI can show what a row's handle points to
-without loading it; handles.py opens the tensors.
+Decoding needs no torch, so the CLI can show what a row's ref points to
+without loading it; refs.py opens the tensors.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ _MAX_DIMS = 8
 
 
 def decode(raw: bytes) -> dict[str, Any]:
-    """Parse a handle from row bytes; anything malformed is CorruptTable."""
+    """Parse a ref from row bytes; anything malformed is CorruptTable."""
     (length,) = LENGTH.unpack_from(raw)
     if length == 0 or LENGTH.size + length > len(raw):
-        raise CorruptTable("row holds no valid handle (never written, or overwritten)")
+        raise CorruptTable("row holds no valid ref (never written, or overwritten)")
     try:
         d = msgpack.unpackb(raw[LENGTH.size : LENGTH.size + length], raw=False, max_array_len=64)
     except Exception as exc:
-        raise CorruptTable(f"handle is not valid msgpack: {exc}") from None
+        raise CorruptTable(f"ref is not valid msgpack: {exc}") from None
     ok = isinstance(d, dict) and d.get("b") in ("shm", "cuda")
     ok = ok and d.get("dtype") in DTYPE_SIZES and _is_shape(d.get("shape"))
     if ok and d["b"] == "shm":
         ok = all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("off", "n"))
         ok = ok and isinstance(d.get("arena"), str)
     if not ok:
-        raise CorruptTable(f"malformed handle {d!r}")
+        raise CorruptTable(f"malformed ref {d!r}")
     result: dict[str, Any] = d
     return result
 

@@ -1,5 +1,5 @@
-# python examples/handle_fields.py [TABLE]
-"""A handle field: a big tensor of variable length, copied once into the arena, read zero copy."""
+# python examples/ref_fields.py [TABLE]
+"""A ref field: a big tensor of variable length, copied once into the arena, read zero copy."""
 
 import multiprocessing as mp
 import sys
@@ -8,7 +8,7 @@ import torch
 
 from shmslots import Field, SlotTable
 
-FIELDS = [Field("id", "int64"), Field("hidden", "bfloat16", (None, 4096), kind="handle")]
+FIELDS = [Field("id", "int64"), Field("hidden", "bfloat16", (None, 4096), kind="ref")]
 
 
 def reader(name: str) -> None:

@@ -1,13 +1,13 @@
-"""Handle fields: tensors that stay out of the row, kept alive until the slot moves on.
+"""Ref fields: tensors that stay out of the row, kept alive until the slot moves on.
 
 A CPU tensor is copied once into arena pages (arena.py) owned by the write
 slot's (slot, generation); a CUDA tensor stays where it is and travels as a
 CUDA IPC description (cuda_ipc.py).  Either way the row holds a small
-msgpack handle, and the producer keeps what the handle points to — the
+msgpack ref, and the producer keeps what the ref points to — the
 pages, or a reference to the CUDA tensor and its IPC share — until it sees
-the slot's generation advance (release, abort or reclaim), or the handle is
+the slot's generation advance (release, abort or reclaim), or the ref is
 overwritten before publish; then it lets go, releasing the share.  Readers
-open shm handles as zero-copy views of the arena.
+open shm refs as zero-copy views of the arena.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from torch.utils.dlpack import from_dlpack
 from . import cuda_ipc
 from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
-from .handle_codec import LENGTH, decode
 from .ownership import Ownership
+from .ref_codec import LENGTH, decode
 from .rows import PLAIN, RULES, UNPINNED, contiguous_strides, mapped_tensor, refusal
 from .schema import Field
 from .torch_dtypes import DTYPE_NAMES, DTYPES
 
 
-@dataclass(eq=False)  # one pin is one handle: compared by identity, never by tensors
+@dataclass(eq=False)  # one pin is one ref: compared by identity, never by tensors
 class Pin:
-    """What one handed-out handle keeps alive in the producer."""
+    """What one handed-out ref keeps alive in the producer."""
 
     slot: int
     generation: int
@@ -46,7 +46,7 @@ class Pin:
     release: Callable[[], object] | None = None  # of its IPC share (runs once)
 
 
-class HandleStore:
+class RefStore:
     def __init__(self, own: Ownership, arena: Arena | None, mm: mmap.mmap, table: str) -> None:
         self._own = own
         self._arena = arena
@@ -74,23 +74,23 @@ class HandleStore:
             if code != PLAIN:  # resized by another thread since it was admitted (rows.admit)
                 self._let_go(pin)
                 raise SchemaError(refusal(f, tensor, code))
-            description = self._arena_handle(pin, tensor.dtype, shape)
+            description = self._arena_ref(pin, tensor.dtype, shape)
         return self._kept(f, pin, description), pin
 
     def loan(
         self, slot: int, generation: int, f: Field, shape: tuple[int, ...]
     ) -> tuple[bytes, Pin]:
         """Arena pages of (slot, generation) for a tensor of `shape` that the producer fills
-        in place (no copy): its handle and its pin (`loaned` makes the tensor)."""
+        in place (no copy): its ref and its pin (`loaned` makes the tensor)."""
         pin = self._arena_pin(slot, generation, f, math.prod(shape) * f.itemsize)
-        return self._kept(f, pin, self._arena_handle(pin, f.torch_dtype, shape)), pin
+        return self._kept(f, pin, self._arena_ref(pin, f.torch_dtype, shape)), pin
 
     def loaned(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor over a loan's pages."""
         assert pin.offset is not None
         return mapped_tensor(self._pin, pin.offset, f.torch_dtype, shape)
 
-    def _arena_handle(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
+    def _arena_ref(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
         return {
             "b": "shm",
             "arena": self._table,
@@ -102,12 +102,12 @@ class HandleStore:
         }
 
     def _kept(self, f: Field, pin: Pin, description: dict[str, Any]) -> bytes:
-        """The handle's bytes for the row, with the pin kept; over budget, let go and refused."""
+        """The ref's bytes for the row, with the pin kept; over budget, let go and refused."""
         blob: bytes = msgpack.packb(description)
         if LENGTH.size + len(blob) > f.budget:
             self._let_go(pin)
             raise SchemaError(
-                f"field {f.name!r}: handle of {len(blob)} bytes exceeds its {f.budget}-byte budget"
+                f"field {f.name!r}: ref of {len(blob)} bytes exceeds its {f.budget}-byte budget"
             )
         self._pins.append(pin)
         return LENGTH.pack(len(blob)) + blob
@@ -141,7 +141,7 @@ class HandleStore:
         return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
 
     def unpin(self, pin: Pin) -> None:
-        """Let go of a pin now (a handle overwritten before publish)."""
+        """Let go of a pin now (a ref overwritten before publish)."""
         self._let_go(pin)
         if pin in self._pins:
             self._pins.remove(pin)
@@ -175,7 +175,7 @@ class HandleStore:
         return dropped
 
     def pinned(self) -> tuple[int, int]:
-        """(handles, bytes) this process keeps alive."""
+        """(refs, bytes) this process keeps alive."""
         size = 0
         for pin in self._pins:
             size += pin.nbytes or (
@@ -185,7 +185,7 @@ class HandleStore:
 
     # -- reader side --------------------------------------------------------------------
     def open(self, raw: bytes, slot: int, generation: int, name: str) -> torch.Tensor:
-        """The tensor a row's handle refers to (zero copy for the arena)."""
+        """The tensor a row's ref refers to (zero copy for the arena)."""
         d = decode(raw)
         if d["b"] == "cuda":
             if d["pid"] == os.getpid():  # opening in the producer: the local tensor
@@ -196,14 +196,14 @@ class HandleStore:
             return alias(self.ipc.open(d))
         arena = self._arena
         if arena is None or d["arena"] != self._table:
-            raise CorruptTable(f"handle of {name!r} refers to arena {d['arena']!r}, not ours")
+            raise CorruptTable(f"ref of {name!r} refers to arena {d['arena']!r}, not ours")
         start, end = d["off"], d["off"] + d["n"]
         first = self._own.layout.arena
         if not first <= start <= end <= first + arena.pages * arena.page_size:
-            raise CorruptTable(f"handle of {name!r} points outside the arena")
+            raise CorruptTable(f"ref of {name!r} points outside the arena")
         dtype = DTYPES[d["dtype"]]
         if d["n"] != _numel(d["shape"]) * dtype.itemsize:
-            raise CorruptTable(f"handle of {name!r}: {d['n']} bytes for shape {d['shape']}")
+            raise CorruptTable(f"ref of {name!r}: {d['n']} bytes for shape {d['shape']}")
         return mapped_tensor(self._pin, start, dtype, tuple(d["shape"]))
 
 
@@ -212,7 +212,7 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
 
     Tensors opened from one producer allocation share one storage in this
     process (torch caches IPC mappings), and so would their use counts: each
-    opened handle's leak check would count the others' views.
+    opened ref's leak check would count the others' views.
     """
     return from_dlpack(tensor.detach())  # dlpack refuses tensors that require grad
 

@@ -1,4 +1,4 @@
-"""Handle fields: CPU tensors through the arena, CUDA tensors by IPC, alive until release."""
+"""Ref fields: CPU tensors through the arena, CUDA tensors by IPC, alive until release."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from shmslots import (
     SlotTable,
     State,
 )
-from shmslots.handle_codec import decode
+from shmslots.ref_codec import decode
 
 MiB = 1 << 20
 HIDDEN = 4096
 FIELDS = (
     Field("id", "int64"),
-    Field("blob", "float32", (None,), kind="handle"),
-    Field("hidden", "bfloat16", (None, HIDDEN), kind="handle"),
+    Field("blob", "float32", (None,), kind="ref"),
+    Field("hidden", "bfloat16", (None, HIDDEN), kind="ref"),
 )
 
 
@@ -47,15 +47,17 @@ def _table(name: str, **kw: object) -> SlotTable:
     return SlotTable.create(name, FIELDS, slots=4, arena_bytes=8 * MiB, **kw)  # type: ignore[arg-type]
 
 
-def test_handle_fields_validate_their_declaration() -> None:
+def test_ref_fields_validate_their_declaration() -> None:
     with pytest.raises(SchemaError, match="at most one None"):
-        Field("h", "float32", (None, None), kind="handle")
+        Field("h", "float32", (None, None), kind="ref")
     with pytest.raises(SchemaError, match="positive ints"):
         Field("h", "float32", (None, 4))  # inline fields have fixed shapes
     with pytest.raises(SchemaError, match="budget"):
-        Field("h", "float32", (4,), kind="handle", budget=8)
+        Field("h", "float32", (4,), kind="ref", budget=8)
     with pytest.raises(SchemaError, match="kind"):
         Field("h", "float32", (4,), kind="pointer")
+    with pytest.raises(SchemaError, match="kind 'handle' is now called 'ref'"):  # its old name
+        Field("h", "float32", (4,), kind="handle")
 
 
 def test_cpu_tensor_travels_zero_copy_and_is_pinned_until_release(name: str) -> None:
@@ -69,7 +71,7 @@ def test_cpu_tensor_travels_zero_copy_and_is_pinned_until_release(name: str) -> 
         got = lease.tensor("blob")
         assert torch.equal(got, blob(1)) and lease.tensor("hidden").shape == (3, HIDDEN)
         assert torch.equal(lease.tensor("hidden"), hidden(1, 3))
-        again = t._handles.open(t._rows.field_bytes(lease.slot, "blob"), lease.slot, 0, "blob")
+        again = t._refs.open(t._rows.field_bytes(lease.slot, "blob"), lease.slot, 0, "blob")
         again[0] = -5.0  # same memory: zero copy
         assert got[0] == -5.0
         del got, again
@@ -96,7 +98,7 @@ def test_abort_frees_the_block_too(name: str, where: str) -> None:
         assert t.stats().arena_bytes_used == 0
 
 
-def test_overwriting_a_handle_before_publish_frees_the_old_block(name: str) -> None:
+def test_overwriting_a_ref_before_publish_frees_the_old_block(name: str) -> None:
     with _table(name) as t:
         ws = t.claim()
         ws.write(blob=blob(1))
@@ -106,7 +108,7 @@ def test_overwriting_a_handle_before_publish_frees_the_old_block(name: str) -> N
         ws.abort()
 
 
-def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
+def test_leaked_ref_view_is_caught_in_strict_mode(name: str) -> None:
     with _table(name, strict=True) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
         lease = t.take()
@@ -119,7 +121,7 @@ def test_leaked_handle_view_is_caught_in_strict_mode(name: str) -> None:
 
 
 @pytest.mark.parametrize("kept_first", ["blob", "hidden"])
-def test_opening_a_second_handle_keeps_watching_the_first(name: str, kept_first: str) -> None:
+def test_opening_a_second_ref_keeps_watching_the_first(name: str, kept_first: str) -> None:
     other = "hidden" if kept_first == "blob" else "blob"
     with _table(name, strict=True) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
@@ -143,7 +145,7 @@ def test_opening_a_second_handle_keeps_watching_the_first(name: str, kept_first:
         (torch.zeros(16 * MiB // 4), SchemaError, "whole arena"),
     ],
 )
-def test_bad_handle_tensors_change_nothing(
+def test_bad_ref_tensors_change_nothing(
     name: str, value: torch.Tensor, error: type[Exception], message: str
 ) -> None:
     with _table(name) as t:
@@ -170,7 +172,7 @@ def test_a_full_arena_is_backpressure_not_corruption(name: str) -> None:
         held[1].abort()
 
 
-def test_tables_without_an_arena_refuse_cpu_handles(name: str) -> None:
+def test_tables_without_an_arena_refuse_cpu_refs(name: str) -> None:
     with (
         SlotTable.create(name, FIELDS, slots=1) as t,
         t.claim() as ws,
@@ -179,15 +181,15 @@ def test_tables_without_an_arena_refuse_cpu_handles(name: str) -> None:
         ws.write(blob=blob(1))
 
 
-def test_handle_over_budget_is_refused(name: str) -> None:
-    fields = (Field("b", "float32", (None, 3, 3, 3), kind="handle", budget=64),)
+def test_ref_over_budget_is_refused(name: str) -> None:
+    fields = (Field("b", "float32", (None, 3, 3, 3), kind="ref", budget=64),)
     with SlotTable.create(name, fields, slots=1, arena_bytes=MiB) as t, t.claim() as ws:
         with pytest.raises(SchemaError, match="budget"):
             ws.write(b=torch.zeros(100, 3, 3, 3))
         assert t.stats().arena_bytes_used == 0
 
 
-def test_corrupt_handles_are_refused_not_followed(name: str) -> None:
+def test_corrupt_refs_are_refused_not_followed(name: str) -> None:
     with _table(name) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
         lease = t.take()
@@ -213,7 +215,7 @@ def test_corrupt_handles_are_refused_not_followed(name: str) -> None:
         lease.release()
 
 
-def test_cuda_handle_description_round_trips_through_the_row_format() -> None:
+def test_cuda_ref_description_round_trips_through_the_row_format() -> None:
     description = {
         "b": "cuda",
         "pid": 1,
@@ -240,7 +242,7 @@ def test_cuda_handle_description_round_trips_through_the_row_format() -> None:
             open_tensor(description)
 
 
-def produce_handles(name: str, n: int, done: Queue[int]) -> None:
+def produce_refs(name: str, n: int, done: Queue[int]) -> None:
     with SlotTable.attach(name, "producer") as t:
         for tag in range(1, n + 1):
             t.claim(tag=tag, timeout=10).write(
@@ -252,10 +254,10 @@ def produce_handles(name: str, n: int, done: Queue[int]) -> None:
         done.put(t.stats().arena_bytes_used)
 
 
-def test_handles_across_spawned_processes(name: str, children: Children) -> None:
+def test_refs_across_spawned_processes(name: str, children: Children) -> None:
     done: Queue[int] = SPAWN.Queue()
     with _table(name) as t:
-        children.start(produce_handles, name, 12, done)
+        children.start(produce_refs, name, 12, done)
         for _ in range(12):
             lease = t.take(timeout=30)
             assert lease is not None
@@ -321,7 +323,7 @@ def test_cuda_tensor_between_spawned_processes(name: str, children: Children) ->
 
         assert desc["uuid"] == device_uuid(got.device.index or 0)
         del got
-        assert t._handles.pinned() == (0, 0)
+        assert t._refs.pinned() == (0, 0)
         lease.release()
         release_seen.put(1)
         assert ready.get(timeout=60) == 0  # the producer dropped its pin after the release
@@ -329,15 +331,15 @@ def test_cuda_tensor_between_spawned_processes(name: str, children: Children) ->
 
 
 PAIR = (
-    Field("k", "float32", (None,), kind="handle"),
-    Field("v", "float32", (None,), kind="handle"),
+    Field("k", "float32", (None,), kind="ref"),
+    Field("v", "float32", (None,), kind="ref"),
 )
 
 
 def _cuda_pair_producer(name: str, ready: Queue[int], done: Queue[int]) -> None:
     with SlotTable.attach(name, "producer") as t:
         kv = torch.arange(2 * 4096, device="cuda", dtype=torch.float32).view(2, 4096)
-        for _ in range(2):  # two rows, all four handles into one allocation
+        for _ in range(2):  # two rows, all four refs into one allocation
             t.claim().write(k=kv[0], v=kv[1]).publish()
         ready.put(1)
         done.get(timeout=60)
@@ -345,7 +347,7 @@ def _cuda_pair_producer(name: str, ready: Queue[int], done: Queue[int]) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_handles_into_one_allocation_are_watched_apart(name: str, children: Children) -> None:
+def test_cuda_refs_into_one_allocation_are_watched_apart(name: str, children: Children) -> None:
     ready: Queue[int] = SPAWN.Queue()
     done: Queue[int] = SPAWN.Queue()
     with SlotTable.create(name, PAIR, slots=2, strict=True) as t:
