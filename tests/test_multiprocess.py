@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import SPAWN, Children
-from shmslots.workers.stress import SCHEMA, ConsumerReport, ProducerReport, consume, produce
+from stress import SCHEMA, ConsumerReport, ProducerReport, consume, produce
 
 from shmslots import SlotTable
 

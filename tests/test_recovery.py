@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from chaos import run_chaos
 from conftest import SMALL, SPAWN, Children, small_row
-from shmslots.workers.chaos import run_chaos
 
 from shmslots import RegistryFull, SlotTable, State
 from shmslots import layout as L

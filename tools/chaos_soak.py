@@ -1,7 +1,7 @@
 """Chaos driver: SIGKILL random producers and consumers for a while, then audit.
 
 Runs the same scenario as tests/test_recovery.py::test_chaos_sigkill_random_participants
-(workers/chaos.py) with your numbers and prints the summary.
+(tests/chaos.py, a test scenario, not part of the package) with your numbers and prints the summary.
 
     python tools/chaos_soak.py --rows 50000 --kills 100
 """
@@ -16,7 +16,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from shmslots.workers.chaos import run_chaos
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from chaos import run_chaos
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 Every row's payload is derived from its tag, so a consumer proves on its own
 that what it read is what was written for that tag — no side channel.
-Used by the multiprocess tests and by the chaos run (workers/chaos.py, tools/chaos_soak.py).
+Used by the multiprocess tests and by the chaos run (tests/chaos.py, tools/chaos_soak.py).
 """
 
 from __future__ import annotations

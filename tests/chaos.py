@@ -29,10 +29,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
+from stress import SCHEMA, expected_payload
 
 from shmslots import SlotTable
-
-from .stress import SCHEMA, expected_payload
 
 CHUNK = 2000  # tags per producer process
 ABORT_P = 0.05
@@ -143,7 +142,9 @@ def run_chaos(
 ) -> ChaosReport:
     """Run 2 producers and 2 consumers until `rows` are handled and `kills` were made."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["shmslots.workers.chaos"])
+    # torch and shmslots, not this module: on 3.11 the fork server imports its preloads on
+    # its own sys.path, where the tests' folder is not (children get the parent's path)
+    ctx.set_forkserver_preload(["torch", "shmslots"])
     rng = random.Random(seed)
     stop = ctx.RawValue(ctypes.c_byte, 0)
     report = ChaosReport()
