@@ -9,6 +9,7 @@ FLAGS = [
     "-Wextra",
     "-Wno-missing-field-initializers",
     "-Wno-unused-parameter",
+    "-fvisibility=hidden",  # one exported symbol, PyInit__core: core.h's names stay inside
 ]
 FILES = ["module", "atomic", "hotpath", "rowcodec", "leases"]
 

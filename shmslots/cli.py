@@ -28,11 +28,11 @@ Errors are one line on stderr, `shmslots: error: ...`.
 
 JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes):
 
-* `ls --json`: `{"json_version": 1, "tables": [T...], "skipped": [{"name", "reason"}]}`
+* `ls --json`: `{"json_version": 2, "tables": [T...], "skipped": [{"name", "reason"}]}`
   with T = `{"name", "total_size", "slots", "states": {STATE: n}, "queued",
   "participants_alive", "participants_dead", "dead_owned_slots", "creator_pid",
   "creator_uid", "created_ns"}`.
-* `inspect NAME --json`: `{"json_version": 1, "name",
+* `inspect NAME --json`: `{"json_version": 2, "name",
   "header": {"version", "total_size", "slots", "row_size", "created_ns", "created"
   (ISO 8601, UTC), "creator_pid", "creator_uid", "strict", "on_consumer_death",
   "max_hold_s" (null if unset), "traced"},

@@ -34,7 +34,8 @@ from .states import State
 from .tracing import CallSite
 from .units import fmt_bytes, fmt_duration
 
-JSON_VERSION = 1
+# 2: ref fields (a schema entry's kind "ref", a slot's field key "ref"; both were "handle")
+JSON_VERSION = 2
 # What each rate of `watch` adds up.
 RATES: dict[str, tuple[str, ...]] = {
     "claims": ("claims",),

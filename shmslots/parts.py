@@ -1,9 +1,10 @@
-"""What a table's handles use of it, in one small object: handles never see the table.
+"""What a table's handles use of it, in one small object.
 
-A SlotTable makes one TableParts when it joins and hands it to the handles it makes (the
-compiled steps keep it as the handle's `_parts`).  leases.py reads only this, so it imports
+A SlotTable makes one TableParts when it joins and gives it to its HandleCore, which gives it
+to every handle it makes (the handle's `_parts`).  leases.py reads only this, so it imports
 nothing from table.py, and a handle reaches its rows, its participant's steps and its call
-sites, not the table's other state.
+sites, not the table's other state.  (A handle also holds the table itself, unseen, so that
+a table whose caller dropped it lives on while a handle of it does.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -94,6 +94,19 @@ class DecodedRow:
     checksum_ok: bool
     # ref fields: the decoded ref (backend, shape, dtype, ...) or {"error": why}
     refs: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
+
+
+def owned_slots(mm: mmap.mmap, lay: L.Layout) -> Iterator[int]:
+    """The slots whose ownership bit is set: every slot not FREE, but one being claimed or
+    freed at this instant.  Read 64 slots a word, so a big table's FREE slots cost nothing."""
+    words = struct.unpack_from(f"<{lay.bitmap_words}Q", mm, lay.bitmap)
+    for index, bits in enumerate(words):
+        while bits:
+            low = bits & -bits
+            slot = 64 * index + low.bit_length() - 1
+            if slot < lay.slots:
+                yield slot
+            bits ^= low
 
 
 def read_slot(mm: mmap.mmap, lay: L.Layout, created_ns: int, slot: int) -> SlotSnapshot:

@@ -44,7 +44,7 @@ from .refs import RefStore
 from .rows import Rows, admit_batch, check_out
 from .schema import Field, RowSchema
 from .segment import Segment
-from .snapshot import SlotSnapshot, read_slot, slot_holdings
+from .snapshot import SlotSnapshot, owned_slots, read_slot, slot_holdings
 from .states import (
     GEN_MASK,
     Event,
@@ -235,6 +235,7 @@ class SlotTable:
                 self._core,
                 self._idle,
             )
+            self._core.parts = self._parts  # what every handle of this table is given
             self._closed = False
             self.reap()
         except BaseException:
@@ -419,7 +420,7 @@ class SlotTable:
     # -- writer side ------------------------------------------------------------------
     def claim(self, tag: int = 0, timeout: float = 1.0) -> WriteSlot:
         """A FREE slot to write; waits up to `timeout` s, then raises SlotsExhausted."""
-        ws = self._core.claim(self._parts, tag)  # the plain case: a slot free now, a plain tag
+        ws = self._core.claim(self, tag)  # the plain case: a slot free now, a plain tag
         if ws is None:
             if self._closed:
                 self._check_open()
@@ -445,7 +446,7 @@ class SlotTable:
         self.layout.check_slot(slot)
         if type(generation) is not int or not 0 <= generation <= GEN_MASK:
             raise OwnershipError(f"generation {generation!r} is not a 32-bit generation")
-        ws = self._core.open_reserved(self._parts, slot, generation)
+        ws = self._core.open_reserved(self, slot, generation)
         if ws is None:
             raise OwnershipError(
                 f"slot {slot} generation {generation} is not reserved "
@@ -462,13 +463,13 @@ class SlotTable:
         if type(tag) is not int or not 0 <= tag <= _M64:  # the common case in one test
             _check_tag(tag)
         core = self._core
-        got = core.acquire(self._parts, event, tag)
+        got = core.acquire(self, event, tag)
         if got is not None:
             return got
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
         waited = self._wait(
-            lambda: core.acquire(self._parts, event, tag),
+            lambda: core.acquire(self, event, tag),
             (own.release_seq, own.claimers_waiting, own.claimers_until),
             timeout,
             self.reap,  # between naps: an owner may have died since the first reap
@@ -491,7 +492,7 @@ class SlotTable:
         """The oldest READY slot as a Lease, waiting up to `timeout` s (None: forever)."""
         if self._closed:
             self._check_open()
-        got = self._core.take(self._parts)
+        got = self._core.take(self)
         if got is not None and self._plain_take:  # taken, nothing to verify: most calls
             return got
         lease = self._settle(got)
@@ -514,7 +515,7 @@ class SlotTable:
         """
         self._check_open()
         _check_count(max_n, "max_n")
-        leases = self._core.poll(self._parts, max_n)
+        leases = self._core.poll(self, max_n)
         if self._strict:
             self._verify_all(leases)
         if leases and self._sites is not None:
@@ -547,7 +548,7 @@ class SlotTable:
         _check_tag(tag)
         if self._rows.schema.has_refs:
             self._refs.collect_own()  # as claim: drop tensors whose consumers are done
-        claimed = self._core.claim_n(self._parts, n, tag)
+        claimed = self._core.claim_n(self, n, tag)
         if claimed and self._sites is not None:
             trace(self._parts, claimed, _WRITING)
         return claimed
@@ -700,7 +701,7 @@ class SlotTable:
             raise
 
     def _take_once(self) -> Lease | None:
-        return self._settle(self._core.take(self._parts))
+        return self._settle(self._core.take(self))
 
     def _settle(self, got: Lease | None) -> Lease | None:
         """What a take found: a Lease (verified on a strict table), or None."""
@@ -799,9 +800,9 @@ class SlotTable:
         return slot_holdings(self._slots_now())
 
     def _slots_now(self) -> list[SlotSnapshot]:
-        """Every slot's entry, read as `shmslots inspect` reads it (snapshot.read_slot)."""
+        """The entries of the slots not FREE, read as `shmslots inspect` reads them."""
         mm, lay, created_ns = self._segment.mm, self.layout, self._header.created_ns
-        return [read_slot(mm, lay, created_ns, slot) for slot in range(self.slots)]
+        return [read_slot(mm, lay, created_ns, slot) for slot in owned_slots(mm, lay)]
 
     def participants(self) -> list[Participant]:
         self._check_open()

@@ -226,15 +226,15 @@ def test_leak_warning_from_a_with_block_points_at_the_block(name: str) -> None:
 
 
 def test_handles_need_a_ready_core_and_leases_come_from_take(name: str) -> None:
-    class NotParts:
-        closed = False
-        core = HandleCore.__new__(HandleCore)
+    class NotATable:
+        _closed = False
+        _core = HandleCore.__new__(HandleCore)
 
     with pytest.raises(TypeError, match="initialized HandleCore"):
-        WriteSlot(NotParts(), 0, 0, 0)  # type: ignore[arg-type]
+        WriteSlot(NotATable(), 0, 0, 0)  # type: ignore[arg-type]
     with SlotTable.create(name, SMALL, slots=1) as t:
         with pytest.raises(TypeError, match=r"take\(\) or table\.poll"):
-            Lease(t._parts, 0, 0, 0)
+            Lease(t, 0, 0, 0)
         assert t.slot_info(0)[0] is State.FREE
 
 
@@ -378,7 +378,7 @@ def test_half_made_watched_tensors_and_views_are_refused(name: str) -> None:
         taken.release()
         lease = Lease.__new__(Lease)
         with pytest.raises(TypeError, match="take"):
-            HandleBase.__init__(lease, t._parts, 0, 1, 0)
+            HandleBase.__init__(lease, t, 0, 1, 0)
 
 
 def test_a_weak_reference_to_a_view_is_a_leak(name: str) -> None:

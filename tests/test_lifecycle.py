@@ -14,11 +14,13 @@ from shmslots import (
     Field,
     LeakedViewError,
     LeakedViewWarning,
+    Lease,
     OwnershipError,
     SlotsExhausted,
     SlotTable,
     StaleLeaseError,
     State,
+    WriteSlot,
 )
 
 
@@ -212,6 +214,28 @@ def test_strict_take_refuses_a_corrupted_row(name: str) -> None:
         with pytest.raises(CorruptTable):
             t.take()
         assert t.slot_info(0)[0] is State.FREE  # aborted, not delivered
+
+
+def test_a_handle_keeps_its_table_alive(name: str) -> None:
+    """A handle holds its table: a caller that keeps only the handle (the table made in a
+    helper and dropped) still publishes, and still reads its lease, instead of finding the
+    table closed under it and its slot handed back."""
+
+    def claimed() -> WriteSlot:
+        return SlotTable.attach(name, "writer").claim(tag=1)
+
+    def taken() -> Lease | None:
+        return SlotTable.attach(name, "reader").take(timeout=5.0)
+
+    with SlotTable.create(name, SMALL, slots=1) as t, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the dropped tables, collected
+        ws = claimed()
+        ws.write(**small_row(1)).publish()
+        del ws
+        lease = taken()
+        assert lease is not None and lease.item("id") == 1 and lease.verify()
+        lease.release()
+        assert t.stats().counters["releases"] == 1 and t.stats().owned == 0
 
 
 def test_handles_are_single_use(name: str) -> None:

@@ -222,14 +222,12 @@ def test_a_slow_peer_cannot_hold_accept_past_its_deadline() -> None:
 # -- one process, two real engines -------------------------------------------------------
 
 
-def test_handle_fields_cannot_be_written_remotely(
-    name: str, engines: tuple[Engine, Engine]
-) -> None:
+def test_ref_fields_cannot_be_written_remotely(name: str, engines: tuple[Engine, Engine]) -> None:
     fields = [Field("x", "float32", (None,), kind="ref")]
     with SlotTable.create(name, fields, slots=2, arena_bytes=1 << 16) as table:
-        with pytest.raises(SchemaError, match="handles"):
+        with pytest.raises(SchemaError, match="ref fields"):
             RemoteServer(table, engines[0])
-        with pytest.raises(SchemaError, match="handles"):
+        with pytest.raises(SchemaError, match="ref fields"):
             RemoteWriter(engines[1], table.schema)
 
 

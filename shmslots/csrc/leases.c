@@ -441,6 +441,7 @@ typedef struct {
     Py_ssize_t nfields;
     HotPath *hot;                            /* this participant's steps */
     RowCodec *codec;                         /* the table's row copies */
+    PyObject *parts;                         /* the table's TableParts, set once it exists */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
 } Core;
@@ -492,7 +493,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 
 /* Every reference a core holds, for traverse, clear and dealloc alike. */
 #define CORE_REFS(c)                                                                          \
-    {(PyObject **)&(c)->hot, (PyObject **)&(c)->codec, &(c)->views,                           \
+    {(PyObject **)&(c)->hot, (PyObject **)&(c)->codec, &(c)->parts, &(c)->views,              \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
      (PyObject **)&(c)->reservation}
 #define COUNT(a) (sizeof(a) / sizeof(*(a)))
@@ -530,6 +531,7 @@ typedef struct {
     PyObject_HEAD
     Core *core;
     PyObject *parts; /* the table's TableParts (parts.py): all a handle uses of it */
+    PyObject *owner; /* the table, held only so that it lives while a handle of it does */
     PyObject *slot, *generation, *tag, *deliveries; /* ints */
     char open;
     char listed; /* set while a batch call checks its list: a handle listed twice is refused */
@@ -539,14 +541,15 @@ typedef struct {
 } Handle;
 
 static Handle *
-new_handle(PyTypeObject *type, Core *core, PyObject *parts, PyObject *slot, PyObject *generation,
+new_handle(PyTypeObject *type, Core *core, PyObject *owner, PyObject *slot, PyObject *generation,
            PyObject *tag)
 {
     Handle *h = (Handle *)type->tp_alloc(type, 0);
     if (!h)
         return NULL;
     h->core = (Core *)Py_NewRef(core);
-    h->parts = Py_NewRef(parts);
+    h->parts = Py_NewRef(core->parts);
+    h->owner = Py_NewRef(owner);
     h->slot = Py_NewRef(slot);
     h->generation = Py_NewRef(generation);
     h->tag = Py_NewRef(tag);
@@ -554,11 +557,11 @@ new_handle(PyTypeObject *type, Core *core, PyObject *parts, PyObject *slot, PyOb
     return h;
 }
 
-/* Handle(parts, slot, generation, tag): for the rare handles made in Python. */
+/* Handle(table, slot, generation, tag): for the rare handles made in Python. */
 static int
 handle_init(Handle *h, PyObject *args, PyObject *kwds)
 {
-    PyObject *parts, *slot, *generation, *tag;
+    PyObject *table, *slot, *generation, *tag;
     if (PyObject_TypeCheck(h, &LeaseType)) { /* HandleBase.__init__ called on a Lease */
         PyErr_SetString(PyExc_TypeError, "a Lease comes from table.take() or table.poll()");
         return -1;
@@ -567,19 +570,20 @@ handle_init(Handle *h, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "handle already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!", &parts, &PyLong_Type, &slot, &PyLong_Type, &generation,
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &table, &PyLong_Type, &slot, &PyLong_Type, &generation,
                           &PyLong_Type, &tag))
         return -1;
-    PyObject *core = PyObject_GetAttr(parts, s_core);
+    PyObject *core = PyObject_GetAttr(table, s_core);
     if (!core)
         return -1;
-    if (!PyObject_TypeCheck(core, &CoreType) || !((Core *)core)->ready) {
+    if (!PyObject_TypeCheck(core, &CoreType) || !((Core *)core)->ready || !((Core *)core)->parts) {
         Py_DECREF(core);
-        PyErr_SetString(PyExc_TypeError, "parts.core is not an initialized HandleCore");
+        PyErr_SetString(PyExc_TypeError, "table._core is not an initialized HandleCore");
         return -1;
     }
     h->core = (Core *)core;
-    h->parts = Py_NewRef(parts);
+    h->parts = Py_NewRef(((Core *)core)->parts);
+    h->owner = Py_NewRef(table);
     h->slot = Py_NewRef(slot);
     h->generation = Py_NewRef(generation);
     h->tag = Py_NewRef(tag);
@@ -588,7 +592,7 @@ handle_init(Handle *h, PyObject *args, PyObject *kwds)
 }
 
 #define HANDLE_REFS(h)                                                                        \
-    {(PyObject **)&(h)->core, &(h)->parts, &(h)->slot, &(h)->generation, &(h)->tag,            \
+    {(PyObject **)&(h)->core, &(h)->parts, &(h)->owner, &(h)->slot, &(h)->generation, &(h)->tag, \
      &(h)->deliveries, &(h)->viewed, &(h)->written, &(h)->watched, &(h)->pins, &(h)->opened}
 
 static int
@@ -936,7 +940,7 @@ ws_keep(Handle *h, PyObject *unused)
         return code == STEP_ERROR ? NULL : Py_NewRef(Py_None);
     h->open = 0;
     kill_point(KILL_KEEP_HELD);
-    Handle *lease = new_handle(c->lease, c, h->parts, h->slot, h->generation, h->tag);
+    Handle *lease = new_handle(c->lease, c, h->owner, h->slot, h->generation, h->tag);
     PyObject *before = lease ? PyLong_FromLong(0) : NULL;
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
         PyObject *type, *value, *tb;
@@ -1057,12 +1061,12 @@ undo(Core *c, Py_ssize_t slot, uint64_t gen, int state)
 
 /* A handle of `type` for a slot just acquired, or NULL with the slot handed back. */
 static PyObject *
-own(Core *c, PyTypeObject *type, PyObject *parts, Py_ssize_t slot, uint64_t gen, uint64_t tag,
+own(Core *c, PyTypeObject *type, PyObject *owner, Py_ssize_t slot, uint64_t gen, uint64_t tag,
     int state)
 {
     PyObject *slot_o = PyLong_FromSsize_t(slot), *gen_o = PyLong_FromUnsignedLongLong(gen);
     PyObject *tag_o = PyLong_FromUnsignedLongLong(tag);
-    Handle *h = slot_o && gen_o && tag_o ? new_handle(type, c, parts, slot_o, gen_o, tag_o)
+    Handle *h = slot_o && gen_o && tag_o ? new_handle(type, c, owner, slot_o, gen_o, tag_o)
                                          : NULL;
     Py_XDECREF(slot_o);
     Py_XDECREF(gen_o);
@@ -1075,7 +1079,7 @@ own(Core *c, PyTypeObject *type, PyObject *parts, Py_ssize_t slot, uint64_t gen,
 /* A handle for a slot acquired by `event` (E_CLAIM: WriteSlot, E_RESERVE: Reservation)
  * carrying `tag`, Py_None if no slot is FREE, or NULL with an error. */
 static PyObject *
-acquire_one(Core *c, PyObject *parts, int event, uint64_t tag)
+acquire_one(Core *c, PyObject *table, int event, uint64_t tag)
 {
     Py_ssize_t slot;
     uint64_t gen;
@@ -1083,7 +1087,7 @@ acquire_one(Core *c, PyObject *parts, int event, uint64_t tag)
     if (got <= 0)
         return got < 0 ? NULL : Py_NewRef(Py_None);
     int reserve = event == E_RESERVE;
-    return own(c, reserve ? c->reservation : c->write_slot, parts, slot, gen, tag,
+    return own(c, reserve ? c->reservation : c->write_slot, table, slot, gen, tag,
                reserve ? S_RESERVED : S_WRITING);
 }
 
@@ -1095,16 +1099,16 @@ tag_arg(PyObject *o, uint64_t *tag)
     return !(*tag == (uint64_t)-1 && PyErr_Occurred());
 }
 
-/* acquire(parts, event, tag) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None (none FREE).
+/* acquire(table, event, tag) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None (none FREE).
  * The tag must already be checked (Python words its errors). */
 static PyObject *
 core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "acquire(parts, event, tag)");
+        PyErr_SetString(PyExc_TypeError, "acquire(table, event, tag)");
         return NULL;
     }
-    if (!c->ready || c->closed) {
+    if (!c->ready || c->closed || !c->parts) {
         PyErr_SetString(PyExc_ValueError, "the table is closed");
         return NULL;
     }
@@ -1119,17 +1123,17 @@ core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return acquire_one(c, args[0], (int)event, tag);
 }
 
-/* claim(parts, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
+/* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
  * closed table, a tag that is not a plain int, ref fields): Python's claim takes over. */
 static PyObject *
 core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "claim(parts, tag)");
+        PyErr_SetString(PyExc_TypeError, "claim(table, tag)");
         return NULL;
     }
     PyObject *tag = args[1];
-    if (!c->ready || c->closed || !c->plain_claim || !PyLong_CheckExact(tag))
+    if (!c->ready || c->closed || !c->parts || !c->plain_claim || !PyLong_CheckExact(tag))
         Py_RETURN_NONE;
     uint64_t number;
     if (!tag_arg(tag, &number)) { /* negative or over 64 bits: Python's check words the error */
@@ -1139,15 +1143,15 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return acquire_one(c, args[0], E_CLAIM, number);
 }
 
-/* open_reserved(parts, slot, generation) -> WriteSlot | None (not reserved at generation). */
+/* open_reserved(table, slot, generation) -> WriteSlot | None (not reserved at generation). */
 static PyObject *
 core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "open_reserved(parts, slot, generation)");
+        PyErr_SetString(PyExc_TypeError, "open_reserved(table, slot, generation)");
         return NULL;
     }
-    if (!c->ready || c->closed) {
+    if (!c->ready || c->closed || !c->parts) {
         PyErr_SetString(PyExc_ValueError, "the table is closed");
         return NULL;
     }
@@ -1165,7 +1169,7 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
  * NULL with an error.  The Lease is made in the same call that takes the slot; the slot's
  * views join it if they exist already (Python makes them on first use, never here). */
 static PyObject *
-take_one(Core *c, PyObject *parts)
+take_one(Core *c, PyObject *table)
 {
     Py_ssize_t slot;
     uint64_t gen, tag, before;
@@ -1173,7 +1177,7 @@ take_one(Core *c, PyObject *parts)
     if (took <= 0)
         return took < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *deliveries = PyLong_FromUnsignedLongLong(before);
-    Handle *h = deliveries ? (Handle *)own(c, c->lease, parts, slot, gen, tag, S_HELD) : NULL;
+    Handle *h = deliveries ? (Handle *)own(c, c->lease, table, slot, gen, tag, S_HELD) : NULL;
     if (!h) {
         if (!deliveries)
             undo(c, slot, gen, S_HELD);
@@ -1189,7 +1193,7 @@ take_one(Core *c, PyObject *parts)
  * processes may have left undone (`parts.idle()`), so the check costs a reader that busy-polls
  * one clock read per empty poll, not a Python call.  0, or -1 with an error set. */
 static int
-idle(Core *c, PyObject *parts)
+idle(Core *c)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1197,7 +1201,7 @@ idle(Core *c, PyObject *parts)
     if (now < c->idle_due_ns)
         return 0;
     c->idle_due_ns = now + c->idle_every_ns;
-    PyObject *r = PyObject_CallMethodNoArgs(parts, s_idle);
+    PyObject *r = PyObject_CallMethodNoArgs(c->parts, s_idle);
     Py_XDECREF(r);
     return r ? 0 : -1;
 }
@@ -1205,24 +1209,24 @@ idle(Core *c, PyObject *parts)
 static int
 open_core(Core *c)
 {
-    if (c->ready && !c->closed)
+    if (c->ready && !c->closed && c->parts)
         return 1;
     PyErr_SetString(PyExc_ValueError, "the table is closed");
     return 0;
 }
 
-/* take(parts) -> Lease | None (nothing queued). */
+/* take(table) -> Lease | None (nothing queued). */
 static PyObject *
 core_take(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "take(parts)");
+        PyErr_SetString(PyExc_TypeError, "take(table)");
         return NULL;
     }
     if (!open_core(c))
         return NULL;
     PyObject *lease = take_one(c, args[0]);
-    if (lease == Py_None && idle(c, args[0]) < 0)
+    if (lease == Py_None && idle(c) < 0)
         Py_CLEAR(lease);
     return lease;
 }
@@ -1243,13 +1247,13 @@ hand_back_all(PyObject *one, PyObject *list, int event)
     PyErr_Restore(type, value, tb);
 }
 
-/* poll(parts, max_n) -> [Lease, ...]: up to max_n READY slots in one call.  If the list cannot
+/* poll(table, max_n) -> [Lease, ...]: up to max_n READY slots in one call.  If the list cannot
  * be grown, every lease taken is handed back unread before the error is raised. */
 static PyObject *
 core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "poll(parts, max_n)");
+        PyErr_SetString(PyExc_TypeError, "poll(table, max_n)");
         return NULL;
     }
     Py_ssize_t max_n = PyLong_AsSsize_t(args[1]);
@@ -1260,7 +1264,7 @@ core_poll(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyObject *lease = take_one(c, args[0]);
         if (lease == Py_None) {
             Py_DECREF(lease);
-            if (!k && idle(c, args[0]) < 0)
+            if (!k && idle(c) < 0)
                 Py_CLEAR(leases);
             break;
         }
@@ -1393,14 +1397,14 @@ core_publish_all(Core *c, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* claim_n(parts, n, tag) -> [WriteSlot, ...]: up to n FREE slots claimed now, in one call.
+/* claim_n(table, n, tag) -> [WriteSlot, ...]: up to n FREE slots claimed now, in one call.
  * The tag must already be checked.  If the list cannot be grown, every slot claimed is
  * aborted before the error is raised. */
 static PyObject *
 core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "claim_n(parts, n, tag)");
+        PyErr_SetString(PyExc_TypeError, "claim_n(table, n, tag)");
         return NULL;
     }
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
@@ -1506,17 +1510,41 @@ core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
 
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef core_methods[] = {
-    FAST("claim", core_claim, "claim(parts, tag) -> WriteSlot | None"),
-    FAST("acquire", core_acquire, "acquire(parts, event, tag) -> WriteSlot | Reservation | None"),
-    FAST("open_reserved", core_open_reserved, "open_reserved(parts, slot, gen) -> WriteSlot | None"),
-    FAST("take", core_take, "take(parts) -> Lease | None"),
-    FAST("poll", core_poll, "poll(parts, max_n) -> [Lease, ...]"),
-    FAST("claim_n", core_claim_n, "claim_n(parts, n, tag) -> [WriteSlot, ...]"),
+    FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
+    FAST("acquire", core_acquire, "acquire(table, event, tag) -> WriteSlot | Reservation | None"),
+    FAST("open_reserved", core_open_reserved, "open_reserved(table, slot, gen) -> WriteSlot | None"),
+    FAST("take", core_take, "take(table) -> Lease | None"),
+    FAST("poll", core_poll, "poll(table, max_n) -> [Lease, ...]"),
+    FAST("claim_n", core_claim_n, "claim_n(table, n, tag) -> [WriteSlot, ...]"),
     FAST("end_all", core_end_all, "end_all(leases, release) -> None | index refused"),
     FAST("publish_all", core_publish_all, "publish_all(write_slots, timeout) -> None | index"),
     FAST("gather", core_gather, "gather(leases, name, out) -> True | False | index refused"),
     FAST("scatter", core_scatter, "scatter(write_slots, name, values) -> True | False | index"),
     {NULL, NULL, 0, NULL},
+};
+
+/* parts: the table's TableParts, which every handle of it is given; set once, by the table
+ * that made both (handles made before would keep another). */
+static PyObject *
+core_get_parts(Core *c, void *unused)
+{
+    return Py_NewRef(c->parts ? c->parts : Py_None);
+}
+
+static int
+core_set_parts(Core *c, PyObject *parts, void *unused)
+{
+    if (c->parts || !parts || parts == Py_None) {
+        PyErr_SetString(PyExc_AttributeError, "a HandleCore's parts are set once");
+        return -1;
+    }
+    c->parts = Py_NewRef(parts);
+    return 0;
+}
+
+static PyGetSetDef core_getset[] = {
+    {"parts", (getter)core_get_parts, (setter)core_set_parts, "the table's TableParts", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMemberDef core_members[] = {
@@ -1538,6 +1566,7 @@ static PyTypeObject CoreType = {
     .tp_free = PyObject_GC_Del,
     .tp_methods = core_methods,
     .tp_members = core_members,
+    .tp_getset = core_getset,
 };
 
 #define MEMBER(name, type, field, flags) {name, type, offsetof(Handle, field), flags, NULL}
@@ -1662,7 +1691,7 @@ leases_add(PyObject *m)
 {
     struct { PyObject **at; const char *text; } names[] = {
         {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_data_ptr, "data_ptr"},
-        {&s_core, "core"},
+        {&s_core, "_core"},
         {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_end, "_end"},

@@ -9,8 +9,16 @@ from typing import Any
 
 import msgpack
 
-from ..errors import ShmSlotsError
-from ..schema import MAX_FIELDS, MAX_ROW_SIZE
+from ..errors import SchemaError, ShmSlotsError
+from ..schema import MAX_FIELDS, MAX_ROW_SIZE, RowSchema
+
+
+def require_inline(schema: RowSchema) -> None:
+    """A remote writer fills a row's items in place by address; a ref field's tensor lives
+    outside the row, where no engine write can put it."""
+    if schema.has_refs:
+        raise SchemaError("remote writers can fill inline fields only; this schema has ref fields")
+
 
 _U64 = 2**64
 _U32 = 2**32

@@ -29,12 +29,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgument, OwnershipError, RowRejected, SchemaError, TableClosed
+from ..errors import InvalidArgument, OwnershipError, RowRejected, TableClosed
 from ..leases import Reservation, WriteSlot
 from ..quarantine import Quarantine
 from ..table import SlotTable
 from .engine import Engine
-from .grant import COMMIT, Grant, parse_commit
+from .grant import COMMIT, Grant, parse_commit, require_inline
 
 
 @dataclass
@@ -90,10 +90,7 @@ class RemoteServer:
         late_write_window_s: float = 10.0,
     ) -> None:
         schema = table.schema
-        if schema.has_refs:
-            raise SchemaError(
-                "remote writers can fill inline fields only; this schema has ref fields"
-            )
+        require_inline(schema)
         if engine.served_by is not None:
             raise InvalidArgument("this engine already serves a table: one RemoteServer per Engine")
         self._quarantine = Quarantine(late_write_window_s)  # checks the window first

@@ -13,7 +13,7 @@ from ..errors import InvalidArgument, SchemaError
 from ..rows import ColumnBlock, Rows
 from ..schema import RowSchema
 from .engine import Engine, address_of
-from .grant import COMMIT, Grant, GrantError
+from .grant import COMMIT, Grant, GrantError, require_inline
 
 GrantedRow = tuple[Grant, Mapping[str, Any]]
 # keeps a batch's commit message (48 bytes a row at most) below the engine's notify limit
@@ -31,10 +31,7 @@ class RemoteWriter:
     """
 
     def __init__(self, engine: Engine, schema: RowSchema, *, batch: int = 64) -> None:
-        if schema.has_refs:
-            raise SchemaError(
-                "remote writers can fill inline fields only; this schema has ref fields"
-            )
+        require_inline(schema)
         if not 1 <= batch <= MAX_BATCH:
             raise InvalidArgument(f"batch must be in 1..{MAX_BATCH}, got {batch}")
         self.engine = engine

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shmslots import Field, Lease, SlotTable
+from shmslots import Field, Lease, SchemaError, SlotTable
 
 from .common import (
     CACHED_TOKENS,
@@ -54,7 +54,18 @@ EAGLE_FIELDS = (
     Field("topk_index", "int64", (16,)),
     Field("hidden", "bfloat16", (4096,)),
 )
-TENSOR_FIELDS = (Field("id", "int64"), Field("x", "uint8", (None,), kind="ref"))
+
+
+def _ref_field(name: str) -> Field:
+    """A ref field of variable length, in this checkout's spelling or in that of one before
+    ref fields had their name (`tools/bench.py ab --base` runs this code against those)."""
+    try:
+        return Field(name, "uint8", (None,), kind="ref")
+    except SchemaError:
+        return Field(name, "uint8", (None,), kind="handle")
+
+
+TENSOR_FIELDS = (Field("id", "int64"), _ref_field("x"))
 
 
 def fields_for(kind: Kind) -> tuple[Field, ...]:
