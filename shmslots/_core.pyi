@@ -242,6 +242,9 @@ class LeaseCore(HandleBase):
 
 # -- module.c --------------------------------------------------------------------
 KILL_POINTS: dict[str, int]
+# the slot word's and the ready ring cell's bits (core.h, their one definition)
+WORD_BITS: dict[str, int]
+CELL_BITS: dict[str, int]
 # what a handle's step returns (core.h): done, not this handle's slot, ready ring full
 STEP_DONE: int
 STEP_REFUSED: int

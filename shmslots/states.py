@@ -1,10 +1,7 @@
 """The slot state machine: the one place that says which transition is legal.
 
-A slot's state lives in one 64-bit word, changed only by compare-and-swap::
-
-    bits 63..32  generation  (bumped each time the slot returns to FREE)
-    bits 31..16  owner       (participant index + 1; 0 = nobody)
-    bits 15..0   state
+A slot's state lives in one 64-bit word, changed only by compare-and-swap: generation,
+owner and state, whose bits csrc/core.h defines (docs/protocol.md draws them).
 
 Who may move a word on, the bitmap rule and every ordering: docs/protocol.md.
 """
@@ -13,6 +10,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from ._core import WORD_BITS
 from .errors import OwnershipError
 
 
@@ -80,11 +78,11 @@ _ACQUIRING = frozenset({Event.CLAIM, Event.TAKE, Event.CANCEL})
 # slots too.
 _TAKEOVER = frozenset({Event.OPEN_RESERVED, Event.RECLAIM, Event.REDELIVER, Event.EXPIRE})
 
-_STATE_MASK = 0xFFFF
-_OWNER_SHIFT = 16
-_OWNER_MASK = 0xFFFF
-_GEN_SHIFT = 32
-GEN_MASK = 0xFFFF_FFFF
+# The word's bits, as csrc/core.h defines them (the one definition, C and Python alike).
+_OWNER_SHIFT = WORD_BITS["OWNER_SHIFT"]
+_GEN_SHIFT = WORD_BITS["GEN_SHIFT"]
+_STATE_MASK = _OWNER_MASK = (1 << WORD_BITS["FIELD_BITS"]) - 1
+GEN_MASK = (1 << WORD_BITS["GEN_BITS"]) - 1
 
 
 def pack(generation: int, owner: int, state: int) -> int:

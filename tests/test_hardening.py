@@ -60,6 +60,7 @@ from shmslots import (
     TableNotFound,
     TableNotReady,
     TablePermissionError,
+    _core,
     validate,
 )
 from shmslots import layout as L
@@ -210,8 +211,8 @@ def _value_for(code: str, original: int | bytes) -> st.SearchStrategy[Any]:
     return st.integers(0, top) | near | st.sampled_from([0, 1, 64, top, top // 2 + 1])
 
 
-# A ready-ring cell is empty for position p when it holds p << 21 (see csrc/hotpath.c).
-_RING_POS_SHIFT = 21
+# A ready-ring cell is empty for position p when it holds p << POS_SHIFT (csrc/core.h).
+_RING_POS_SHIFT = _core.CELL_BITS["POS_SHIFT"]
 
 
 def _forge(name: str, blob: bytes, row_size: int = 64) -> None:

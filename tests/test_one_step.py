@@ -22,7 +22,7 @@ from conftest import SMALL, SPAWN, Children, small_row
 from shmslots import CorruptTable, SchemaError, SlotTable, State
 from shmslots import layout as L
 from shmslots.states import Event as Transition
-from shmslots.states import next_word
+from shmslots.states import generation_of, next_word, state_of
 
 
 def _reserve_forever(name: str, ready: Event, stop: Event) -> None:
@@ -41,9 +41,9 @@ def _open_forever(name: str, ready: Event, stop: Event) -> None:
         ready.set()
         while not stop.is_set():
             word = t._own.word(0)
-            if word & 0xFFFF == State.RESERVED:
+            if state_of(word) == State.RESERVED:
                 try:
-                    t.open_reserved(0, word >> 32).abort()
+                    t.open_reserved(0, generation_of(word)).abort()
                 except Exception:
                     continue
 
@@ -60,7 +60,7 @@ def test_a_reservation_cannot_be_opened_before_it_is_set_up(name: str, children:
         lost = 0
         while time.monotonic() < deadline:
             word = t._own.word(0)
-            lost += word & 0xFFFF == State.FREE and t._own.bit(0) and t._own.word(0) == word
+            lost += state_of(word) == State.FREE and t._own.bit(0) and t._own.word(0) == word
             time.sleep(0.001)
         stop.set()
         children.join_all(timeout=30)

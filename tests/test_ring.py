@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import SMALL, small_row
 
-from shmslots import SlotTable
+from shmslots import SlotTable, _core
 from shmslots import layout as L
 from shmslots.states import Event, next_word
 
-_POS_SHIFT = 21  # a cell: position << 21 | full (bit 20) | slot (docs/protocol.md)
-_FULL = 1 << 20
+# a cell: position << POS_SHIFT | full | slot (csrc/core.h; docs/protocol.md draws it)
+_POS_SHIFT = _core.CELL_BITS["POS_SHIFT"]
+_FULL = 1 << _core.CELL_BITS["FULL_BIT"]
 
 
 def _push_and_stop_before_tail(t: SlotTable, tag: int) -> int:

@@ -6,9 +6,10 @@
  * leases.c calls the other two through the functions declared here, C to C: a handle's step
  * makes no Python call between two compiled steps.
  *
- * The slot word and the ring cell are defined here and nowhere else in C; states.py is their
- * Python home, and ownership.py checks at import that STATES and EVENTS (exported from
- * hotpath.c) number them as states.py does.  docs/protocol.md states the rules.
+ * The slot word and the ring cell are defined here and nowhere else: the module exports their
+ * bits (WORD_BITS, CELL_BITS), from which states.py builds the word's Python accessors, and
+ * ownership.py checks at import that STATES and EVENTS (exported from hotpath.c) number the
+ * states and events as states.py does.  docs/protocol.md states the rules.
  */
 #ifndef SHMSLOTS_CORE_H
 #define SHMSLOTS_CORE_H
@@ -25,26 +26,33 @@ enum {
     E_REDELIVER, E_FINISH, E_CANCEL, E_KEEP, E_QUARANTINE, E_EXPIRE, E_COUNT
 };
 
-static inline unsigned state_of(uint64_t word) { return (unsigned)(word & 0xFFFF); }
-static inline uint64_t owner_of(uint64_t word) { return (word >> 16) & 0xFFFF; }
-static inline uint64_t generation_of(uint64_t word) { return word >> 32; }
+#define OWNER_SHIFT 16
+#define GEN_SHIFT 32
+#define FIELD_MASK UINT64_C(0xFFFF)    /* state, owner */
+#define GEN_MASK UINT64_C(0xFFFFFFFF)
+
+static inline unsigned state_of(uint64_t word) { return (unsigned)(word & FIELD_MASK); }
+static inline uint64_t owner_of(uint64_t word) { return (word >> OWNER_SHIFT) & FIELD_MASK; }
+static inline uint64_t generation_of(uint64_t word) { return word >> GEN_SHIFT; }
 static inline uint64_t owned_word(uint64_t gen, uint64_t owner, unsigned state)
 {
-    return ((gen & 0xFFFFFFFFu) << 32) | (owner << 16) | state;
+    return ((gen & GEN_MASK) << GEN_SHIFT) | (owner << OWNER_SHIFT) | state;
 }
 
 /* -- the ready ring's cell: position (43 bits) | full (1) | slot (20) ----------------------- */
 
-#define POS_BITS 43
+#define POS_SHIFT 21
+#define POS_BITS (64 - POS_SHIFT)
 #define POS_MASK ((UINT64_C(1) << POS_BITS) - 1)
-#define FULL (UINT64_C(1) << 20)
+#define FULL (UINT64_C(1) << (POS_SHIFT - 1))
 #define SLOT_MASK (FULL - 1)
 
-static inline uint64_t empty_cell(uint64_t pos) { return (pos & POS_MASK) << 21; }
+static inline uint64_t empty_cell(uint64_t pos) { return (pos & POS_MASK) << POS_SHIFT; }
 static inline uint64_t full_cell(uint64_t pos, uint64_t slot)
 {
-    return ((pos & POS_MASK) << 21) | FULL | slot;
+    return ((pos & POS_MASK) << POS_SHIFT) | FULL | slot;
 }
+static inline uint64_t cell_pos(uint64_t cell) { return cell >> POS_SHIFT; }
 
 /* -- test-only kill points: SIGKILL inside a step (_kill_at, KILL_POINTS) ------------------- */
 

@@ -131,11 +131,11 @@ transition(HotPath *h, uint64_t word, int event, uint64_t actor, uint64_t *out)
         return -1;
     unsigned target = h->next[state][event];
     if (target == S_FREE)
-        *out = ((gen + 1) & 0xFFFFFFFFu) << 32;
+        *out = owned_word(gen + 1, 0, S_FREE);
     else if (target == S_READY)
-        *out = (gen << 32) | target;
+        *out = owned_word(gen, 0, target);
     else
-        *out = (gen << 32) | (actor << 16) | target;
+        *out = owned_word(gen, actor, target);
     return 0;
 }
 
@@ -188,7 +188,7 @@ help_head(HotPath *h, uint64_t head)
 {
     uint64_t value = cell_at(h, head);
     uint64_t next_lap = (head + (uint64_t)h->ring_cap) & POS_MASK;
-    if (value == empty_cell(head + (uint64_t)h->ring_cap) || (value >> 21) == next_lap) {
+    if (value == empty_cell(head + (uint64_t)h->ring_cap) || cell_pos(value) == next_lap) {
         cas(h, h->head, head, head + 1);
         return 1;
     }
@@ -220,7 +220,7 @@ ring_push(HotPath *h, Py_ssize_t slot)
                 cas(h, h->tail, tail, tail + 1);
                 return (int64_t)tail;
             }
-        } else if (((value & FULL) && (value >> 21) == (tail & POS_MASK)) ||
+        } else if (((value & FULL) && cell_pos(value) == (tail & POS_MASK)) ||
                    value == empty_cell(tail + cap)) {
             cas(h, h->tail, tail, tail + 1); /* a pusher stopped before moving tail */
         }
@@ -235,7 +235,7 @@ ring_peek(HotPath *h, uint64_t *pos, Py_ssize_t *slot)
     for (long attempt = 0; attempt < RING_RETRIES; attempt++) {
         uint64_t head = ld(h, h->head);
         uint64_t value = cell_at(h, head);
-        if ((value & FULL) && (value >> 21) == (head & POS_MASK)) {
+        if ((value & FULL) && cell_pos(value) == (head & POS_MASK)) {
             *pos = head;
             *slot = (Py_ssize_t)(value & SLOT_MASK);
             return 0;
@@ -504,7 +504,7 @@ in_range(HotPath *h, Py_ssize_t slot)
 static int
 generation_fits(uint64_t gen)
 {
-    if (gen > 0xFFFFFFFFu) {
+    if (gen > GEN_MASK) {
         PyErr_SetString(PyExc_OverflowError, "generation is 32 bits");
         return 0;
     }
@@ -1147,7 +1147,7 @@ hp_transition(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long actor = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
     uint64_t out;
-    if (transition(h, (uint64_t)word, event, (uint64_t)actor & 0xFFFF, &out) != 0)
+    if (transition(h, (uint64_t)word, event, (uint64_t)actor & FIELD_MASK, &out) != 0)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(out);
 }
@@ -1226,7 +1226,7 @@ hp_init(HotPath *h, PyObject *args, PyObject *kwds)
     memcpy(h->bounds, bound, sizeof(bound));
     h->nbounds = (int)nbounds;
     h->tail_mask = tail_mask;
-    h->me = me & 0xFFFF;
+    h->me = me & FIELD_MASK;
     h->owner_checked = owner_checked;
     if (h->held) {
         PyBuffer_Release(&h->buf);

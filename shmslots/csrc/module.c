@@ -59,7 +59,13 @@ PyInit__core(void)
                                 KILL_KEEP_HELD)) < 0 ||
         PyModule_AddIntConstant(m, "STEP_DONE", STEP_DONE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REFUSED", STEP_REFUSED) < 0 ||
-        PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0) {
+        PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0 ||
+        add_owned(m, "WORD_BITS",
+                  Py_BuildValue("{sisisisi}", "OWNER_SHIFT", OWNER_SHIFT, "GEN_SHIFT", GEN_SHIFT,
+                                "FIELD_BITS", 16, "GEN_BITS", 32)) < 0 ||
+        add_owned(m, "CELL_BITS",
+                  Py_BuildValue("{sisisi}", "POS_SHIFT", POS_SHIFT, "POS_BITS", POS_BITS,
+                                "FULL_BIT", POS_SHIFT - 1)) < 0) {
         Py_DECREF(m);
         return NULL;
     }
