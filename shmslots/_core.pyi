@@ -172,8 +172,9 @@ class WatchedTensors:
 class HandleCore:
     """What one table's handles share: its compiled steps, rows and closed flag."""
 
-    closed: bool
-    parts: TableParts | None  # set once, by the table
+    @property
+    def closed(self) -> bool: ...
+    parts: TableParts | None  # set once, by the table; let go by close()
     def __init__(
         self,
         hot: HotPath,
@@ -203,10 +204,13 @@ class HandleCore:
     def scatter(
         self, write_slots: Sequence[WriteSlot], name: str, values: object, /
     ) -> bool | int: ...
+    def close(self) -> None: ...
 
 class HandleBase:
     @property
     def _parts(self) -> TableParts: ...
+    @property
+    def _owner(self) -> object: ...
     @property
     def slot(self) -> int: ...
     @property

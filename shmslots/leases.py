@@ -237,7 +237,7 @@ class _Handle(HandleBase):
         self._open = False
         if parts.sites is not None:  # diagnostic only: whatever happens here, it stays closed
             parts.sites.record([(self.slot, self.generation)], _QUARANTINED)
-        return Quarantined(parts, self.slot, self.generation, self.tag, deadline_ns)
+        return Quarantined(parts, self._owner, self.slot, self.generation, self.tag, deadline_ns)
 
     def __repr__(self) -> str:
         status = "open" if self._open else "closed"
@@ -695,12 +695,19 @@ class Quarantined:
     closed); a reaper frees it at once if this process dies.  Why: docs/protocol.md
     (Quarantine)."""
 
-    __slots__ = ("_parts", "deadline_ns", "generation", "slot", "tag")
+    __slots__ = ("_owner", "_parts", "deadline_ns", "generation", "slot", "tag")
 
     def __init__(
-        self, parts: TableParts, slot: int, generation: int, tag: int, deadline_ns: int
+        self,
+        parts: TableParts,
+        owner: object,
+        slot: int,
+        generation: int,
+        tag: int,
+        deadline_ns: int,
     ) -> None:
         self._parts = parts
+        self._owner = owner  # the table, kept alive as the handle did: its close would free us
         self.slot = slot
         self.generation = generation
         self.tag = tag

@@ -842,7 +842,8 @@ class SlotTable:
         if self._closed:
             return
         self._member.leave()  # one compiled step, not repeated by a retried close()
-        self._closed = self._core.closed = True
+        self._closed = True
+        self._core.close()
         self._wake_waiters()
         self._member.drop_lock()
         leaked = self._rows.close()
@@ -955,7 +956,8 @@ class SlotTable:
         """
         if not self._closed:
             self._member.drop_lock()
-            self._closed = self._forked = self._core.closed = True
+            self._closed = self._forked = True
+            self._core.close()
 
     def __repr__(self) -> str:
         return (

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -236,6 +238,21 @@ def test_a_handle_keeps_its_table_alive(name: str) -> None:
         assert lease is not None and lease.item("id") == 1 and lease.verify()
         lease.release()
         assert t.stats().counters["releases"] == 1 and t.stats().owned == 0
+
+
+def test_a_closed_table_lets_go_of_its_parts_without_a_collection(name: str) -> None:
+    """Its rows, steps and ref-field store (and the tensors that keeps) go with the table, not
+    with the next cyclic collection, which under gc.freeze() may never come."""
+    gc.disable()
+    try:
+        t = SlotTable.create(name, SMALL, slots=1)
+        refs = weakref.ref(t._refs)
+        t.close()
+        t.unlink()
+        del t
+        assert refs() is None
+    finally:
+        gc.enable()
 
 
 def test_handles_are_single_use(name: str) -> None:

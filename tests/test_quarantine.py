@@ -21,6 +21,7 @@ from shmslots import (
     LeakedViewError,
     OwnershipError,
     Quarantine,
+    Quarantined,
     SlotsExhausted,
     SlotTable,
     StaleLeaseError,
@@ -126,6 +127,20 @@ def test_closing_the_owner_frees_its_quarantined_slots(name: str) -> None:
             held = owner.reserve().quarantine(3600.0)
         assert not held.held and not held.end()
         assert t.stats().states["FREE"] == 1
+
+
+def test_a_quarantine_keeps_its_table_alive(name: str) -> None:
+    """As a handle does: a caller that keeps only the quarantine (the table made in a helper
+    and dropped) does not see the slot freed by the table's close, window or no window."""
+
+    def quarantined() -> Quarantined:
+        return SlotTable.attach(name, "owner").reserve(tag=1).quarantine(3600.0)
+
+    with SlotTable.create(name, SMALL, slots=1) as t, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the dropped table, when collected
+        held = quarantined()
+        assert held.held and t.slot_info(0)[0] is State.QUARANTINED
+        assert held.end() and t.slot_info(0)[0] is State.FREE
 
 
 def test_bad_quarantines_change_nothing(name: str) -> None:

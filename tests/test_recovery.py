@@ -253,6 +253,19 @@ def test_overdue_slots_are_reported_not_reclaimed(name: str) -> None:
         assert t.overdue() == []
 
 
+def test_overdue_reads_the_state_words_not_the_bitmap(name: str) -> None:
+    """A claimer stopped between its CAS and setting its ownership bit owns a slot that the
+    bitmap does not show yet: overdue (and holdings) still report it."""
+    with SlotTable.create(name, SMALL, slots=2, max_hold_s=0.05) as t:
+        ws = t.claim(tag=11)
+        bitmap = t.layout.bitmap + 8 * (ws.slot // 64)
+        t._atomics.fetch_and(bitmap, ~(1 << (ws.slot % 64)) & (1 << 64) - 1)  # as if not set yet
+        time.sleep(0.1)
+        assert [(a.slot, a.tag) for a in t.overdue()] == [(ws.slot, 11)]
+        t._atomics.fetch_or(bitmap, 1 << (ws.slot % 64))
+        ws.abort()
+
+
 @pytest.mark.timeout(300)
 def test_chaos_sigkill_random_participants(name: str, tmp_path: Path) -> None:
     report = run_chaos(name, tmp_path, rows=20_000, kills=24, seed=7, max_seconds=240)

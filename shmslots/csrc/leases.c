@@ -1508,6 +1508,16 @@ core_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return r;
 }
 
+/* close(): the table is closing; its handles go stale, and the core lets go of the parts
+ * (which hold it: the cycle goes with the table, not with the next collection). */
+static PyObject *
+core_close(Core *c, PyObject *unused)
+{
+    c->closed = 1;
+    Py_CLEAR(c->parts);
+    Py_RETURN_NONE;
+}
+
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef core_methods[] = {
     FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
@@ -1520,6 +1530,7 @@ static PyMethodDef core_methods[] = {
     FAST("publish_all", core_publish_all, "publish_all(write_slots, timeout) -> None | index"),
     FAST("gather", core_gather, "gather(leases, name, out) -> True | False | index refused"),
     FAST("scatter", core_scatter, "scatter(write_slots, name, values) -> True | False | index"),
+    {"close", (PyCFunction)core_close, METH_NOARGS, "close(): the table closes"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1534,8 +1545,8 @@ core_get_parts(Core *c, void *unused)
 static int
 core_set_parts(Core *c, PyObject *parts, void *unused)
 {
-    if (c->parts || !parts || parts == Py_None) {
-        PyErr_SetString(PyExc_AttributeError, "a HandleCore's parts are set once");
+    if (c->parts || c->closed || !parts || parts == Py_None) {
+        PyErr_SetString(PyExc_AttributeError, "a HandleCore's parts are set once, while open");
         return -1;
     }
     c->parts = Py_NewRef(parts);
@@ -1548,7 +1559,8 @@ static PyGetSetDef core_getset[] = {
 };
 
 static PyMemberDef core_members[] = {
-    {"closed", T_BOOL, offsetof(Core, closed), 0, "set when the table closes; handles go stale"},
+    {"closed", T_BOOL, offsetof(Core, closed), READONLY,
+     "set by close(), when the table closes: its handles go stale"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1572,6 +1584,8 @@ static PyTypeObject CoreType = {
 #define MEMBER(name, type, field, flags) {name, type, offsetof(Handle, field), flags, NULL}
 static PyMemberDef handle_members[] = {
     MEMBER("_parts", T_OBJECT, parts, READONLY),
+    /* what a Quarantined made from the handle keeps alive, as the handle did */
+    MEMBER("_owner", T_OBJECT, owner, READONLY),
     MEMBER("slot", T_OBJECT, slot, READONLY),
     MEMBER("generation", T_OBJECT, generation, READONLY),
     MEMBER("tag", T_OBJECT, tag, READONLY),
