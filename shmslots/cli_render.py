@@ -28,7 +28,7 @@ from .snapshot import (
     in_use,
     oldest,
     quantile,
-    snapshot_holdings,
+    slot_holdings,
 )
 from .states import State
 from .tracing import CallSite
@@ -232,7 +232,7 @@ def holdings_table(snap: TableSnapshot, only_older: float | None) -> Table | Tex
             f"{snap.name} is not traced: create it with trace=True (or SHMSLOTS_TRACE=1 in the "
             "creator's environment) to see the call sites of owners"
         )
-    found = snapshot_holdings(snap, only_older)
+    found = slot_holdings(snap.slot_states, only_older)
     if not found:
         return Text("no owned slot has a recorded call site")
     parts = by_index(snap)
@@ -461,7 +461,7 @@ def holdings_doc(snap: TableSnapshot, only_older: float | None) -> list[dict[str
                 for o in sorted(h.owners)
             ],
         }
-        for h in snapshot_holdings(snap, only_older)
+        for h in slot_holdings(snap.slot_states, only_older)
     ]
 
 

@@ -68,7 +68,7 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
-# 10: ref fields are ref fields (kind "ref" in the schema);
+# 10: handle fields renamed ref fields (the schema stores kind "ref");
 # 9: a QUARANTINED state (its deadline in the slot entry) and its two counters;
 # 8: a u64 sum of the observed nanoseconds after each histogram's buckets;
 # 7: one column per field (rows are addressed as SGLang's metadata buffers), seals beside

@@ -581,10 +581,10 @@ class Lease(_Handle, LeaseCore):
         if self._opened is None:
             self._opened = {}
         if name not in self._opened:  # watched on its own, so its counts are taken at rest
-            self._opened[name] = WatchedTensors({name: self._open_handle(name)})
+            self._opened[name] = WatchedTensors({name: self._open_ref(name)})
         return self._opened[name].tensors[name]
 
-    def _open_handle(self, name: str) -> torch.Tensor:
+    def _open_ref(self, name: str) -> torch.Tensor:
         parts = self._parts
         raw = parts.rows.field_bytes(self.slot, name)
         return parts.refs.open(raw, self.slot, self.generation, name)
@@ -611,7 +611,7 @@ class Lease(_Handle, LeaseCore):
             raise SchemaError(f"no field {name!r}")
         f = fs.field
         if f.is_ref:
-            tensor = self._open_handle(name)
+            tensor = self._open_ref(name)
             if out is None:
                 return tensor.clone()
             if not isinstance(out, torch.Tensor) or (out.dtype, out.shape) != (

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import layout as L
 from .errors import ShmSlotsError
-from .snapshot import SlotSnapshot, TableSnapshot, TableView, oldest, snapshot_holdings
+from .snapshot import SlotSnapshot, TableSnapshot, TableView, oldest, slot_holdings
 
 COUNTER_HELP = {
     "claims": "Slots claimed for writing (FREE -> WRITING).",
@@ -105,7 +105,7 @@ def families(
         dead.add_metric([t], len(dead_slots))
         s = oldest(snap)
         age.add_metric([t], s.age_s if s else 0.0)
-        for h in snapshot_holdings(snap):
+        for h in slot_holdings(snap.slot_states):
             site = [t, h.site.file, str(h.site.line), h.site.function]
             by_site.add_metric(site, len(h.slots))
             site_age.add_metric(site, h.oldest_s)

@@ -317,11 +317,6 @@ def slot_holdings(slots: Iterable[SlotSnapshot], older_than: float | None = None
     )
 
 
-def snapshot_holdings(snap: TableSnapshot, older_than: float | None = None) -> list[Holding]:
-    """slot_holdings of a snapshot's slots."""
-    return slot_holdings(snap.slot_states, older_than)
-
-
 def quantile(counts: list[int], q: float) -> float | None:
     """The q-quantile in seconds of a histogram's bucket counts, interpolated inside its
     bucket as Prometheus' histogram_quantile does; None if empty.  Past the last bound it

@@ -1076,6 +1076,23 @@ own(Core *c, PyTypeObject *type, PyObject *owner, Py_ssize_t slot, uint64_t gen,
     return (PyObject *)h;
 }
 
+/* Whether the core may make handles: initialized, its table open and its parts given. */
+static int
+usable_core(Core *c)
+{
+    return c->ready && !c->closed && c->parts;
+}
+
+/* usable_core, or 0 with the error every call that needs an open table raises. */
+static int
+open_core(Core *c)
+{
+    if (usable_core(c))
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "the table is closed");
+    return 0;
+}
+
 /* A handle for a slot acquired by `event` (E_CLAIM: WriteSlot, E_RESERVE: Reservation)
  * carrying `tag`, Py_None if no slot is FREE, or NULL with an error. */
 static PyObject *
@@ -1108,19 +1125,14 @@ core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "acquire(table, event, tag)");
         return NULL;
     }
-    if (!c->ready || c->closed || !c->parts) {
-        PyErr_SetString(PyExc_ValueError, "the table is closed");
+    if (!open_core(c))
         return NULL;
-    }
     long event = PyLong_AsLong(args[1]);
     uint64_t tag;
     if ((event == -1 && PyErr_Occurred()) || !tag_arg(args[2], &tag))
         return NULL;
-    if (event != E_CLAIM && event != E_RESERVE) {
-        PyErr_SetString(PyExc_ValueError, "acquire takes CLAIM or RESERVE");
-        return NULL;
-    }
-    return acquire_one(c, args[0], (int)event, tag);
+    /* out of int's range: a number hot_acquire refuses, never one wrapped into its range */
+    return acquire_one(c, args[0], event < 0 || event > E_COUNT ? -1 : (int)event, tag);
 }
 
 /* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
@@ -1133,7 +1145,7 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *tag = args[1];
-    if (!c->ready || c->closed || !c->parts || !c->plain_claim || !PyLong_CheckExact(tag))
+    if (!usable_core(c) || !c->plain_claim || !PyLong_CheckExact(tag))
         Py_RETURN_NONE;
     uint64_t number;
     if (!tag_arg(tag, &number)) { /* negative or over 64 bits: Python's check words the error */
@@ -1151,10 +1163,8 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "open_reserved(table, slot, generation)");
         return NULL;
     }
-    if (!c->ready || c->closed || !c->parts) {
-        PyErr_SetString(PyExc_ValueError, "the table is closed");
+    if (!open_core(c))
         return NULL;
-    }
     Py_ssize_t slot = PyLong_AsSsize_t(args[1]);
     uint64_t gen, tag;
     if ((slot == -1 && PyErr_Occurred()) || !tag_arg(args[2], &gen))
@@ -1204,15 +1214,6 @@ idle(Core *c)
     PyObject *r = PyObject_CallMethodNoArgs(c->parts, s_idle);
     Py_XDECREF(r);
     return r ? 0 : -1;
-}
-
-static int
-open_core(Core *c)
-{
-    if (c->ready && !c->closed && c->parts)
-        return 1;
-    PyErr_SetString(PyExc_ValueError, "the table is closed");
-    return 0;
 }
 
 /* take(table) -> Lease | None (nothing queued). */

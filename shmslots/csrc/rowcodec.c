@@ -1056,24 +1056,27 @@ codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, 
     Py_RETURN_TRUE;
 }
 
+/* gather(slots, name, out) and scatter(slots, name, values): codec_move. */
+static PyObject *
+move_call(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, int out, const char *usage)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    return codec_move(r, args[0], args[1], args[2], out);
+}
+
 static PyObject *
 rc_gather(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "gather(slots, name, out)");
-        return NULL;
-    }
-    return codec_move(r, args[0], args[1], args[2], 1);
+    return move_call(r, args, nargs, 1, "gather(slots, name, out)");
 }
 
 static PyObject *
 rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter(slots, name, values)");
-        return NULL;
-    }
-    return codec_move(r, args[0], args[1], args[2], 0);
+    return move_call(r, args, nargs, 0, "scatter(slots, name, values)");
 }
 
 /* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a ref field,
