@@ -1,6 +1,6 @@
 """The compiled core (shmslots/csrc): one extension, four files."""
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -108,20 +108,21 @@ SCALARS: dict[str, int]
 NUMBER_WRITES: tuple[str, ...]
 
 def row_hash(items: Sequence[Buffer], /) -> int: ...
+def mapped(
+    buffer: Buffer, offset: int, dtype: torch.dtype, shape: tuple[int, ...], /
+) -> torch.Tensor:
+    """A contiguous CPU tensor over buffer[offset:], with a storage of its own and no base.
+
+    Its own storage, so the storage's use count tells whether a slice of it is alive; no
+    base, because a base tensor would be a second way to the memory that no count sees.  It
+    holds an export of `buffer` (a memoryview of the mapping), which keeps the mapping from
+    being unmapped (`Segment.close` waits) while the tensor lives.
+    """
 
 class Rules:
     """The checks on a tensor before its bytes are copied into shared memory."""
 
-    def __init__(
-        self,
-        tensor_type: type[torch.Tensor],
-        storage_type: type[torch.UntypedStorage],
-        modes_enabled: Callable[[], bool],
-        no_torch_function: Callable[[], Any],
-        empty: Callable[..., torch.Tensor],
-        cpu: torch.device,
-        /,
-    ) -> None: ...
+    def __init__(self, tensor_type: type[torch.Tensor], /) -> None: ...
     def check(self, value: object, dtype: torch.dtype, shape: tuple[int | None, ...], /) -> int: ...
     def copy_into(
         self,
@@ -149,7 +150,6 @@ class RowCodec:
     def write(self, slot: int, fields: dict[str, Any], /) -> bool: ...
     def gather(self, slots: tuple[int, ...] | int, name: str, out: torch.Tensor, /) -> bool: ...
     def scatter(self, slots: tuple[int, ...] | int, name: str, values: object, /) -> bool: ...
-    def copied(self, slot: int, name: str, /) -> torch.Tensor | None: ...
     def read(self, slot: int, name: str, /) -> int | float | None: ...
     def checksum(self, slot: int, /) -> int: ...
     def seal(self, slot: int, generation: int, /) -> None: ...
@@ -241,6 +241,7 @@ class LeaseCore(HandleBase):
     _watched: WatchedTensors | None
     def view(self, name: str, /) -> torch.Tensor: ...
     def item(self, name: str, /) -> int | float: ...
+    def copy(self, name: str, /, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def release(self) -> None: ...
     def abort(self) -> None: ...
 

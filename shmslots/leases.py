@@ -589,23 +589,12 @@ class Lease(_Handle, LeaseCore):
         raw = parts.rows.field_bytes(self.slot, name)
         return parts.refs.open(raw, self.slot, self.generation, name)
 
-    def copy(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """An owned copy of the field that outlives the lease, returned.
-
-        With `out` (a CPU tensor of the field's dtype and shape, e.g. a row of
-        the caller's batch buffer) the bytes go there and nothing is allocated;
-        an inline field is copied by one memcpy, without a torch operation.
-        """
+    def _copy_slow(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
+        """copy() but for an inline field without `out`, which LeaseCore.copy makes in one
+        compiled call: a ref field, a caller's `out`, or a refusal to word."""
         self._check_open("copy")
         codec = self._parts.rows._codec
         assert codec is not None  # a table's rows are writable
-        if out is None and (made := codec.copied(self.slot, name)) is not None:
-            # An inline field: made, checked and filled in one compiled call.  torch.empty
-            # in it may start a collection, whose Python may hand this lease back and let
-            # the slot be claimed again: asked again after the copy (a handle never opens
-            # again, so open now means open throughout), the row read is this lease's.
-            self._check_open("copy")
-            return made
         fs = self._parts.rows.schema.slots.get(name)
         if fs is None:
             raise SchemaError(f"no field {name!r}")
@@ -622,12 +611,12 @@ class Lease(_Handle, LeaseCore):
                     f"copy: out must be a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
                 )
             return out.copy_(tensor)  # any device: torch moves it
-        if out is None:  # a torch-function mode is on (or copied() refused what it made)
+        if out is None:  # more dimensions than the compiled copy makes
             out = torch.empty(f.fixed_shape, dtype=f.torch_dtype, device="cpu")
         if not codec.gather(self.slot, name, out):
             check_out("copy", f, out, f.fixed_shape)
-            out.copy_(self._views().tensors[name])  # a torch-function mode, or a subclass
-        self._check_open("copy")  # as above: Python ran since the first check
+            out.copy_(self._views().tensors[name])  # a subclass, or a strided `out`
+        self._check_open("copy")  # torch ran since the first check, and may have run Python
         return out
 
     def verify(self) -> bool:

@@ -24,11 +24,12 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from . import cuda_ipc
+from ._core import mapped
 from .arena import Arena
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .ownership import Ownership
 from .ref_codec import LENGTH, decode
-from .rows import PLAIN, RULES, UNPINNED, contiguous_strides, mapped_tensor, refusal
+from .rows import PLAIN, RULES, UNPINNED, contiguous_strides, refusal
 from .schema import Field
 from .torch_dtypes import DTYPE_NAMES, DTYPES
 
@@ -51,7 +52,7 @@ class RefStore:
         self._own = own
         self._arena = arena
         self._mm = mm
-        self._pin = memoryview(mm)  # held by every tensor opened here (see mapped_tensor)
+        self._pin = memoryview(mm)  # held by every tensor opened here (see _core.mapped)
         self._table = table
         self._pins: list[Pin] = []
         self.ipc = cuda_ipc.IpcLedger(cuda_ipc.CudaIpc())  # every share and its one release
@@ -88,7 +89,7 @@ class RefStore:
     def loaned(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor over a loan's pages."""
         assert pin.offset is not None
-        return mapped_tensor(self._pin, pin.offset, f.torch_dtype, shape)
+        return mapped(self._pin, pin.offset, f.torch_dtype, shape)
 
     def _arena_ref(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
         return {
@@ -204,7 +205,7 @@ class RefStore:
         dtype = DTYPES[d["dtype"]]
         if d["n"] != _numel(d["shape"]) * dtype.itemsize:
             raise CorruptTable(f"ref of {name!r}: {d['n']} bytes for shape {d['shape']}")
-        return mapped_tensor(self._pin, start, dtype, tuple(d["shape"]))
+        return mapped(self._pin, start, dtype, tuple(d["shape"]))
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:

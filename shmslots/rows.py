@@ -26,6 +26,7 @@ from ._core import (
     RowCodec,
     Rules,
     WatchedTensors,
+    mapped,
     row_hash,
 )
 from .errors import SchemaError
@@ -35,14 +36,7 @@ from .segment import address_of
 
 # The checks on a tensor before its bytes are copied into shared memory, in one place
 # (csrc/rowcodec.c): every path asks them, the compiled write included; this file words them.
-RULES = Rules(
-    torch.Tensor,
-    torch.UntypedStorage,
-    torch._C._is_torch_function_mode_enabled,
-    torch._C.DisableTorchFunction,
-    torch.empty,
-    torch.device("cpu"),
-)
+RULES = Rules(torch.Tensor)
 # Reason codes of RULES.check, as csrc/rowcodec.c exports them.  0: the bytes may be copied as
 # they are.  Positive, bits: acceptable once torch has made a plain copy (also NEGATED,
 # SUBCLASS).  Negative: refused.
@@ -57,25 +51,6 @@ _INT_DTYPES = frozenset(name for name in DTYPE_CODES if name.startswith(("int", 
 
 
 UNPINNED = memoryview(b"")  # what a closed pin is replaced by
-
-
-def mapped_tensor(
-    pin: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor:
-    """A tensor over bytes of a mapping, with a storage of its own and no base tensor.
-
-    Its own storage, so the storage's use count tells whether a slice of it is alive;
-    no base, because a base tensor would be a second way to the memory that no count sees.
-    `pin` is a memoryview of the mapping: the tensor keeps it, and its export keeps the
-    mapping from being unmapped (`Segment.close` waits) while the tensor lives.
-    """
-    count = math.prod(shape)
-    if not count:  # nothing to map (frombuffer refuses an empty span)
-        return torch.empty(shape, dtype=dtype)
-    tensor = torch.frombuffer(pin, dtype=dtype, count=count, offset=offset)
-    if len(shape) != 1:  # reshaped in place: a view would bring a base
-        tensor.as_strided_(shape, contiguous_strides(shape))
-    return tensor
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -125,7 +100,7 @@ class Rows:
     ) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
-        self._pin = memoryview(mm)  # held by every view made here (see mapped_tensor)
+        self._pin = memoryview(mm)  # held by every view made here (see _core.mapped)
         self._layout = lay
         self.schema = schema
         # name -> (column, item_len): slot i's item of the field is at column + item_len * i
@@ -165,7 +140,7 @@ class Rows:
         if cached is None:
             cached = self._views[slot] = WatchedTensors(
                 {
-                    name: mapped_tensor(
+                    name: mapped(
                         self._pin, self.item(slot, name), fs.field.torch_dtype, fs.field.fixed_shape
                     )
                     for name, fs in self.schema.slots.items()

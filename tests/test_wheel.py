@@ -2,8 +2,8 @@
 
 The wheel used to install a top-level `workers` package beside `shmslots`, where another
 project's `workers` clashed with it: from a folder with a `workers/` of its own, `shmslots
-demo` failed with ImportError.  Here the wheel is built from a copy of the checkout (its
-build requirements come from the package index, as any build's do), installed into a fresh
+demo` failed with ImportError.  Here the wheel is built from a copy of the checkout, against
+this environment's torch (--no-build-isolation, as the README installs), installed into a fresh
 virtualenv outside it, and run from a folder that holds a `workers/` of its own.  Its
 runtime dependencies (torch and the rest) come from this environment's site-packages, added
 by a path file, not downloaded.
@@ -35,7 +35,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     shutil.copytree(ROOT, source, ignore=skip)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp / "dist"), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip

@@ -9,7 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
-    .venv/bin/pip install --quiet -e '.[test]'   # a CUDA machine brings its own torch build
+    # a CUDA machine brings its own torch build, which shmslots._tensors compiles against
+    .venv/bin/pip install --quiet 'setuptools>=77' wheel
+    .venv/bin/pip install --quiet --no-build-isolation -e '.[test]'
 fi
 . .venv/bin/activate
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader || true

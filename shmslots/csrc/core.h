@@ -18,6 +18,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "tensors.h"
+
 /* -- the slot word: generation (32 bits) | owner (16) | state (16) -------------------------- */
 
 enum { S_FREE, S_RESERVED, S_WRITING, S_READY, S_HELD, S_RECLAIMING, S_QUARANTINED, S_COUNT };
@@ -98,9 +100,21 @@ int codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields);
 int codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t gen);
 /* The value (new reference), Py_None (new reference: not the plain case), or NULL. */
 PyObject *codec_read(RowCodec *r, Py_ssize_t slot, PyObject *name);
+/* A new CPU tensor holding the field's item (made by torch's CPU allocator directly, so no
+ * mode answers with another), Py_None (new reference: a ref field, no such field, or more
+ * dimensions than it makes: the caller's path), or NULL. */
+PyObject *codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name);
 /* Py_True moved, Py_False not the plain case (nothing moved), or NULL: gather (`out`) copies
  * field `name` of each of `slots` into `flat`, scatter the other way. */
 PyObject *codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat, int out);
+
+/* -- torch, through shmslots._tensors (tensors.h) ----------------------------------------- */
+
+/* The capsule's functions once bind_tensors() has run (a Rules, WatchedTensors or HandleCore
+ * made): the module itself serves torch-free callers (snapshot, the CLI, reap) too, which
+ * must not pay torch's import.  0, or -1 with an error set. */
+extern const TensorApi *tensor_api;
+int bind_tensors(void);
 
 /* -- each file adds its types and functions to the module ------------------------------------ */
 

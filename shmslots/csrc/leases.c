@@ -5,7 +5,8 @@
  * here does the plain case — an open handle of an open table, a known field,
  * no view left behind, a transition that succeeds — and otherwise calls the
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
- * `_abort_slow`, `_view_slow`, `_item_slow`, `_end`) before changing anything, which does
+ * `_abort_slow`, `_view_slow`, `_item_slow`, `_copy_slow`, `_end`) before changing anything,
+ * which does
  * the checks in Python and raises the error.  Slots still move only through
  * hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
  * directly: nothing here adds to the protocol, and no step calls Python.
@@ -23,13 +24,13 @@
 #include <structmember.h>
 #include <time.h>
 
-static PyObject *use_count;                    /* torch._C._storage_Use_Count */
 static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedStorage */
-/* torch.Tensor's own data_ptr and untyped_storage, called with the tensor: a method set on
- * the instance (tensors have a __dict__) must not stand in for them. */
-static PyObject *tensor_data_ptr, *tensor_untyped_storage;
-static PyObject *s_untyped_storage, *s_cdata, *s_data_ptr, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_item_slow, *s_end, *s_release, *s_abort, *s_timeout,
+/* torch.Tensor's own untyped_storage, called with the tensor: a method set on the instance
+ * (tensors have a __dict__) must not stand in for it. */
+static PyObject *tensor_untyped_storage;
+static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_publish_slow,
+    *s_abort_slow, *s_view_slow, *s_item_slow, *s_copy_slow, *s_end, *s_release, *s_abort,
+    *s_timeout,
     *s_idle, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
@@ -49,7 +50,7 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
  * pointer changes if the storage was moved out of the row (share_memory_, or pickling it
  * for another process), after which the tensor no longer shows the row at all. */
 typedef struct {
-    PyObject *tensor, *storage, *cdata; /* cdata: the storage's _cdata, for use_count */
+    PyObject *tensor, *storage;
     Py_ssize_t refs, storage_refs, uses;
     void *data;
     int weak, storage_weak; /* weak references to the tensor, its storage object at rest */
@@ -77,25 +78,15 @@ weakly_held(PyObject *o)
     return offset != 0 && *(PyObject **)((char *)o + offset) != NULL;
 }
 
-static Py_ssize_t
-long_result(PyObject *n)
-{
-    if (!n)
-        return -1;
-    Py_ssize_t v = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
-    return v;
-}
-
+/* The tensor's first element as torch's C++ objects show it; NULL with no error set when it
+ * has no data to show (no storage, or not strided), NULL with an error set on failure. */
 static void *
 data_of(PyObject *tensor)
 {
-    PyObject *p = PyObject_CallOneArg(tensor_data_ptr, tensor);
-    if (!p)
+    TensorFacts f;
+    if (tensor_api->facts(tensor, &f) < 0)
         return NULL;
-    void *data = PyLong_AsVoidPtr(p);
-    Py_DECREF(p);
-    return data;
+    return f.readable ? f.data : NULL;
 }
 
 /* Fill r for `tensor` (a strong reference is taken); 0 ok, -1 error. */
@@ -111,14 +102,8 @@ rest_watch(Rest *r, PyObject *tensor)
     r->storage = PyObject_CallOneArg(tensor_untyped_storage, tensor);
     if (!r->storage)
         return -1;
-    if (Py_TYPE(r->storage) != storage_type) { /* _cdata is dereferenced by use_count */
+    if (Py_TYPE(r->storage) != storage_type) { /* its storage's use count is read */
         PyErr_SetString(PyExc_TypeError, "untyped_storage() is not a torch.UntypedStorage");
-        return -1;
-    }
-    r->cdata = PyObject_GetAttr(r->storage, s_cdata);
-    if (!r->cdata || !PyLong_CheckExact(r->cdata)) {
-        if (r->cdata)
-            PyErr_SetString(PyExc_TypeError, "storage _cdata is not an int");
         return -1;
     }
     r->data = data_of(tensor);
@@ -130,41 +115,35 @@ rest_clear(Rest *r)
 {
     Py_CLEAR(r->tensor);
     Py_CLEAR(r->storage);
-    Py_CLEAR(r->cdata);
 }
 
-/* torch's types and functions, looked up on first use (a WatchedTensors or HandleCore made):
- * the module itself serves torch-free callers (snapshot, the CLI, reap) too, which must not
- * pay torch's import.  0, or -1 with an error set. */
+/* torch's types, looked up on first use (a WatchedTensors or HandleCore made), with
+ * bind_tensors() (core.h says why then).  0, or -1 with an error set. */
 static int
 bind_torch(void)
 {
     if (tensor_untyped_storage)
         return 0;
+    if (bind_tensors() < 0)
+        return -1;
     PyObject *torch = PyImport_ImportModule("torch");
     if (!torch)
         return -1;
-    PyObject *torch_c = PyObject_GetAttrString(torch, "_C");
-    use_count = torch_c ? PyObject_GetAttrString(torch_c, "_storage_Use_Count") : NULL;
     tensor_type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
     storage_type = (PyTypeObject *)PyObject_GetAttrString(torch, "UntypedStorage");
-    Py_XDECREF(torch_c);
     Py_DECREF(torch);
-    if (!use_count || !tensor_type || !storage_type)
+    if (!tensor_type || !storage_type)
         goto failed;
     if (!PyType_Check(tensor_type) || !PyType_Check(storage_type)) {
         PyErr_SetString(PyExc_TypeError, "torch.Tensor or torch.UntypedStorage is not a type");
         goto failed;
     }
-    if (!(tensor_data_ptr = PyObject_GetAttr((PyObject *)tensor_type, s_data_ptr)) ||
-        !(tensor_untyped_storage = PyObject_GetAttr((PyObject *)tensor_type, s_untyped_storage)))
+    if (!(tensor_untyped_storage = PyObject_GetAttr((PyObject *)tensor_type, s_untyped_storage)))
         goto failed;
     return 0;
 failed:
-    Py_CLEAR(use_count);
     Py_CLEAR(tensor_type);
     Py_CLEAR(storage_type);
-    Py_CLEAR(tensor_data_ptr);
     return -1;
 }
 
@@ -211,7 +190,7 @@ watched_init(Watched *w, PyObject *args, PyObject *kwds)
         r->storage_refs = Py_REFCNT(r->storage);
         r->weak = weakly_held(r->tensor);
         r->storage_weak = weakly_held(r->storage);
-        if ((r->uses = long_result(PyObject_CallOneArg(use_count, r->cdata))) < 0)
+        if ((r->uses = tensor_api->storage_uses(r->storage)) < 0)
             return -1;
     }
     w->ready = 1;
@@ -277,7 +256,7 @@ rest_state(Rest *r, int thorough)
     if (Py_REFCNT(r->tensor) > r->refs || Py_REFCNT(r->storage) > r->storage_refs ||
         weakly_held(r->tensor) > r->weak || weakly_held(r->storage) > r->storage_weak)
         return state | REFERENCED;
-    Py_ssize_t uses = long_result(PyObject_CallOneArg(use_count, r->cdata));
+    Py_ssize_t uses = tensor_api->storage_uses(r->storage);
     if (uses < 0)
         return -1;
     return uses > r->uses - redirected ? state | REFERENCED : state;
@@ -999,6 +978,34 @@ lease_item(Handle *h, PyObject *name)
     return slow((PyObject *)h, s_item_slow, name, NULL);
 }
 
+/* copy(name, out=None): an owned copy of an inline field in one compiled call when no `out`
+ * is given; anything else (an `out`, a ref field, an unknown name, a closed lease) is
+ * `_copy_slow`'s, which copies or words the refusal. */
+static PyObject *
+lease_copy(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!made(h))
+        return NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0, slot;
+    uint64_t gen;
+    if (nargs + nkw == 2 && (nkw == 0 || PyUnicode_CompareWithASCIIString(
+                                              PyTuple_GET_ITEM(kwnames, 0), "out") == 0)) {
+        if (args[1] != Py_None)
+            return slow((PyObject *)h, s_copy_slow, args[0], args[1]);
+    } else if (nargs != 1 || nkw) {
+        PyErr_SetString(PyExc_TypeError, "copy(name, out=None)");
+        return NULL;
+    }
+    if (usable(h) && ids(h, &slot, &gen)) {
+        PyObject *made_copy = codec_copy(h->core->codec, slot, args[0]);
+        if (made_copy != Py_None && (!made_copy || usable(h)))
+            return made_copy; /* the copy, or NULL with the error */
+        /* None, or the allocation ran Python that ended the lease: the slow path says so */
+        Py_DECREF(made_copy);
+    }
+    return slow((PyObject *)h, s_copy_slow, args[0], Py_None);
+}
+
 static PyObject *
 lease_end(Handle *h, int release)
 {
@@ -1666,6 +1673,9 @@ static PyTypeObject WriteSlotType = {
 static PyMethodDef lease_methods[] = {
     {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
     {"item", (PyCFunction)lease_item, METH_O, "item(name): a scalar field as a Python number"},
+    {"copy", (PyCFunction)(void (*)(void))lease_copy, METH_FASTCALL | METH_KEYWORDS,
+     "copy(name, out=None): an owned copy of the field that outlives the lease, returned;\n"
+     "with `out` (a CPU tensor of the field's dtype and shape) the bytes go there"},
     {"release", (PyCFunction)lease_release, METH_NOARGS, "release(): consumed; the slot is FREE"},
     {"abort", (PyCFunction)lease_abort, METH_NOARGS, "abort(): not consumed; the slot is FREE"},
     {NULL, NULL, 0, NULL},
@@ -1705,10 +1715,10 @@ int
 leases_add(PyObject *m)
 {
     struct { PyObject **at; const char *text; } names[] = {
-        {&s_untyped_storage, "untyped_storage"}, {&s_cdata, "_cdata"}, {&s_data_ptr, "data_ptr"},
-        {&s_core, "_core"},
+        {&s_untyped_storage, "untyped_storage"}, {&s_core, "_core"},
         {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
+        {&s_copy_slow, "_copy_slow"},
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
         {&s_idle, "idle"},

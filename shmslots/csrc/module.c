@@ -4,6 +4,20 @@
 #include <signal.h>
 
 int kill_at = KILL_NONE;
+const TensorApi *tensor_api;
+
+int
+bind_tensors(void)
+{
+    if (tensor_api)
+        return 0;
+    PyObject *m = PyImport_ImportModule("shmslots._tensors"); /* PyCapsule_Import does not */
+    if (!m)
+        return -1;
+    Py_DECREF(m);
+    tensor_api = PyCapsule_Import(TENSORS_CAPSULE, 0);
+    return tensor_api ? 0 : -1;
+}
 
 void
 kill_point(int point)

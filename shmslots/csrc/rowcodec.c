@@ -53,9 +53,10 @@ static const struct {
  * bytes may be copied as they are -- when it is moreover an exact torch.Tensor on the CPU,
  * contiguous, and not lazily negated.  (A lazily conjugated view exists only for complex
  * dtypes, which no field has: the dtype rule refuses it.)  A tensor whose storage torch will
- * not show (sparse, mkldnn and nested layouts, a wrapper subclass) answers the queries with
- * a RuntimeError, and is refused as having none.  The tensor is asked through the class's
- * own methods: a method set on the instance (a tensor has a __dict__) must not vouch for it.
+ * not show (sparse, mkldnn and nested layouts, a __torch_dispatch__ subclass) is refused as
+ * having none.  The facts are read from torch's C++ objects (tensors.h): no Python runs, so
+ * neither a subclass, a torch-function mode nor a method set on the instance answers for the
+ * tensor, and nothing can change between the checks and the copy.
  */
 
 /* Reason codes, exported as REASONS (add_enums).  0: plain.  Positive: acceptable once torch has made a
@@ -78,232 +79,96 @@ enum {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tensor_type;  /* torch.Tensor */
-    PyObject *modes_on;     /* torch._C._is_torch_function_mode_enabled */
-    PyObject *no_functions; /* torch._C.DisableTorchFunction */
-    PyObject *is_contiguous, *is_neg, *data_ptr, *storage_offset, *stride;
-    PyObject *untyped_storage, *nbytes; /* torch.Tensor's, torch.UntypedStorage's */
-    PyObject *empty, *cpu;              /* torch.empty and torch.device("cpu"), for copies */
+    PyObject *tensor_type; /* torch.Tensor */
 } Rules;
 
-static PyObject *s_dtype, *s_shape, *s_is_cpu, *s_is_cuda, *s_itemsize, *s_enter, *s_exit;
-static PyObject *k_dtype_device; /* ("dtype", "device"): the keywords of a copy's torch.empty */
+static PyObject *s_itemsize;
 
-/* A query the tensor answered with a RuntimeError (NotImplementedError included): it has no
- * storage the rules can measure.  Other exceptions propagate. */
-static int
-query_failed(void)
-{
-    if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-        return T_ERROR;
-    PyErr_Clear();
-    return T_NO_STORAGE;
-}
-
-/* method(v) -> Py_ssize_t; -1 with *code set when it failed. */
-static Py_ssize_t
-ask_size(PyObject *method, PyObject *v, int *code)
-{
-    PyObject *x = PyObject_CallOneArg(method, v);
-    if (!x) {
-        *code = query_failed();
-        return -1;
-    }
-    Py_ssize_t n = PyLong_AsSsize_t(x);
-    Py_DECREF(x);
-    if (n == -1 && PyErr_Occurred())
-        *code = T_ERROR;
-    return n;
-}
-
-/* Does method(v) return True?  1 yes, 0 no, -1 with *code set. */
-static int
-ask_true(PyObject *method, PyObject *v, int *code)
-{
-    PyObject *x = PyObject_CallOneArg(method, v);
-    if (!x) {
-        *code = query_failed();
-        return -1;
-    }
-    int yes = x == Py_True;
-    Py_DECREF(x);
-    return yes;
-}
-
-/* Do `sizes` (a torch.Size) fit `want` (a tuple of ints, None for a free dimension)?
+/* Do the tensor's `ndim` sizes fit `want` (a tuple of ints, None for a free dimension)?
  * T_PLAIN (setting *numel), T_SHAPE, T_TOO_BIG or T_ERROR. */
 static int
-shape_fits(PyObject *sizes, PyObject *want, Py_ssize_t *numel)
+shape_fits(int ndim, const int64_t *sizes, PyObject *want, Py_ssize_t *numel)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(want), count = 1;
-    if (!PyTuple_Check(sizes) || PyTuple_GET_SIZE(sizes) != n)
+    if (ndim != n)
         return T_SHAPE;
     int too_big = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t got = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, i));
-        if (got == -1 && PyErr_Occurred())
-            return T_ERROR;
         PyObject *w = PyTuple_GET_ITEM(want, i);
         if (w != Py_None) {
             Py_ssize_t dim = PyLong_AsSsize_t(w);
             if (dim == -1 && PyErr_Occurred())
                 return T_ERROR;
-            if (dim != got)
+            if (dim != sizes[i])
                 return T_SHAPE;
         }
-        too_big |= __builtin_mul_overflow(count, got, &count);
+        too_big |= __builtin_mul_overflow(count, sizes[i], &count);
     }
     *numel = count;
     return too_big ? T_TOO_BIG : T_PLAIN;
 }
 
-/* The rules for `v` against a field of `dtype` (itemsize bytes an element) and `shape`.  For a
- * plain tensor, *src is where its bytes start (NULL when it has none), *nbytes how many. */
+/* The farthest element the strides reach, plus one; PY_SSIZE_T_MAX (which no storage holds)
+ * for a negative stride or one that overflows. */
+static Py_ssize_t
+strided_span(const TensorFacts *f)
+{
+    Py_ssize_t span = 1, reach;
+    for (int i = 0; i < f->ndim; i++)
+        if (f->strides[i] < 0 || __builtin_mul_overflow(f->sizes[i] - 1, f->strides[i], &reach) ||
+            __builtin_add_overflow(span, reach, &span))
+            return PY_SSIZE_T_MAX;
+    return span;
+}
+
+/* The rules for `v` against a field of `dtype` (torch's ScalarType number; itemsize bytes an
+ * element) and `shape`.  For a plain tensor, *src is where its bytes start (NULL when there
+ * are none), *nbytes how many. */
 static int
-check(Rules *r, PyObject *v, PyObject *dtype, Py_ssize_t itemsize, PyObject *shape,
-      const void **src, Py_ssize_t *nbytes)
+check(Rules *r, PyObject *v, int dtype, Py_ssize_t itemsize, PyObject *shape, const void **src,
+      Py_ssize_t *nbytes)
 {
     PyTypeObject *tensor = (PyTypeObject *)r->tensor_type;
     if (!PyObject_TypeCheck(v, tensor))
         return T_NOT_TENSOR;
-    int code = Py_TYPE(v) == tensor ? T_PLAIN : T_SUBCLASS, yes;
-    PyObject *x = PyObject_GetAttr(v, s_dtype);
-    if (!x)
-        return query_failed();
-    yes = x == dtype;
-    Py_DECREF(x);
-    if (!yes)
+    int code = Py_TYPE(v) == tensor ? T_PLAIN : T_SUBCLASS, fit;
+    TensorFacts f;
+    if (tensor_api->facts(v, &f) < 0)
+        return T_ERROR;
+    if (f.dtype != dtype)
         return T_DTYPE;
-    PyObject *sizes = PyObject_GetAttr(v, s_shape);
-    if (!sizes)
-        return query_failed();
-    Py_ssize_t numel = 0, span = 0, end;
-    int fit = shape_fits(sizes, shape, &numel);
-    if (fit == T_PLAIN && __builtin_mul_overflow(numel, itemsize, nbytes))
-        fit = T_TOO_BIG;
-    if (fit != T_PLAIN)
-        goto out;
-    if ((fit = (x = PyObject_GetAttr(v, s_is_cpu)) ? T_PLAIN : query_failed()) != T_PLAIN)
-        goto out;
-    yes = x == Py_True;
-    Py_DECREF(x);
-    if (!yes) {
-        if ((fit = (x = PyObject_GetAttr(v, s_is_cuda)) ? T_PLAIN : query_failed()) != T_PLAIN)
-            goto out;
-        yes = x == Py_True;
-        Py_DECREF(x);
-        if (!yes) {
-            fit = T_DEVICE; /* meta has no data; other devices cannot be shared */
-            goto out;
-        }
+    if (f.ndim < 0)
+        return T_NO_STORAGE;
+    Py_ssize_t numel = 0, span, end;
+    if ((fit = shape_fits(f.ndim, f.sizes, shape, &numel)) != T_PLAIN)
+        return fit;
+    if (__builtin_mul_overflow(numel, itemsize, nbytes))
+        return T_TOO_BIG;
+    if (f.device == DEVICE_CUDA)
         code |= T_ON_GPU;
-    }
+    else if (f.device != DEVICE_CPU)
+        return T_DEVICE; /* meta has no data; other devices cannot be shared */
     *src = NULL;
     if (numel == 0) /* nothing to read: no storage needed */
-        goto out;
-    Py_ssize_t offset = ask_size(r->storage_offset, v, &fit);
-    if (fit != T_PLAIN)
-        goto out;
-    if ((yes = ask_true(r->is_contiguous, v, &fit)) < 0)
-        goto out;
-    if (yes)
+        return code;
+    if (!f.readable)
+        return T_NO_STORAGE;
+    if (f.contiguous)
         span = numel;
-    else { /* the farthest element any stride reaches, plus one */
+    else {
         code |= T_STRIDED;
-        PyObject *strides = PyObject_CallOneArg(r->stride, v);
-        if (!strides) {
-            fit = query_failed();
-            goto out;
-        }
-        Py_ssize_t n = PyTuple_GET_SIZE(sizes);
-        span = 1;
-        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n)
-            fit = T_NO_STORAGE;
-        for (Py_ssize_t i = 0; i < n && fit == T_PLAIN; i++) {
-            Py_ssize_t st = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)), reach;
-            Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, i));
-            if (PyErr_Occurred())
-                fit = T_ERROR;
-            else if (st < 0 || __builtin_mul_overflow(size - 1, st, &reach) ||
-                     __builtin_add_overflow(span, reach, &span))
-                span = PY_SSIZE_T_MAX; /* then no storage holds it */
-        }
-        Py_DECREF(strides);
-        if (fit != T_PLAIN)
-            goto out;
+        span = strided_span(&f);
     }
-    PyObject *storage = PyObject_CallOneArg(r->untyped_storage, v);
-    if (!storage) {
-        fit = query_failed();
-        goto out;
-    }
-    Py_ssize_t held = ask_size(r->nbytes, storage, &fit);
-    Py_DECREF(storage);
-    if (fit != T_PLAIN)
-        goto out;
-    if (offset < 0 || __builtin_add_overflow(offset, span, &end) ||
-        __builtin_mul_overflow(end, itemsize, &end) || end > held) {
-        fit = T_SHORT_STORAGE;
-        goto out;
-    }
-    if ((yes = ask_true(r->is_neg, v, &fit)) < 0)
-        goto out;
-    if (yes)
+    if (f.storage_offset < 0 || __builtin_add_overflow(f.storage_offset, span, &end) ||
+        __builtin_mul_overflow(end, itemsize, &end) || end > f.storage_nbytes)
+        return T_SHORT_STORAGE;
+    if (f.negated)
         code |= T_NEGATED;
     if (code == T_PLAIN) {
-        if (!(x = PyObject_CallOneArg(r->data_ptr, v))) {
-            fit = query_failed();
-            goto out;
-        }
-        *src = PyLong_AsVoidPtr(x);
-        Py_DECREF(x);
-        if (PyErr_Occurred())
-            fit = T_ERROR;
-        else if (!*src) /* the storage holds the elements, so this cannot happen: refuse */
-            fit = T_NO_STORAGE;
+        if (!f.data) /* the storage holds the elements, so this cannot happen: refuse */
+            return T_NO_STORAGE;
+        *src = f.data;
     }
-out:
-    Py_DECREF(sizes);
-    return fit != T_PLAIN ? fit : code;
-}
-
-/* check(), from code that Python may have reached anyhow: an exact tensor under no
- * torch-function mode is asked directly (no Python runs), anything else with torch functions
- * disabled, so that neither a subclass nor a mode answers in place of the tensor. */
-static int
-check_guarded(Rules *r, PyObject *v, PyObject *dtype, Py_ssize_t itemsize, PyObject *shape,
-              const void **src, Py_ssize_t *nbytes)
-{
-    if (!PyObject_TypeCheck(v, (PyTypeObject *)r->tensor_type))
-        return T_NOT_TENSOR;
-    PyObject *on = PyObject_CallNoArgs(r->modes_on);
-    if (!on)
-        return T_ERROR;
-    int modes = on != Py_False;
-    Py_DECREF(on);
-    if (!modes && Py_TYPE(v) == (PyTypeObject *)r->tensor_type)
-        return check(r, v, dtype, itemsize, shape, src, nbytes);
-    PyObject *guard = PyObject_CallNoArgs(r->no_functions), *x;
-    if (!guard)
-        return T_ERROR;
-    if (!(x = PyObject_CallMethodNoArgs(guard, s_enter))) {
-        Py_DECREF(guard);
-        return T_ERROR;
-    }
-    Py_DECREF(x);
-    int code = check(r, v, dtype, itemsize, shape, src, nbytes);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    x = PyObject_CallMethodObjArgs(guard, s_exit, Py_None, Py_None, Py_None, NULL);
-    Py_DECREF(guard);
-    if (!x) {
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
-        return T_ERROR;
-    }
-    Py_DECREF(x);
-    PyErr_Restore(et, ev, tb);
     return code;
 }
 
@@ -327,6 +192,15 @@ code_or_error(int code)
     return code == T_ERROR ? NULL : PyLong_FromLong(code);
 }
 
+/* A field's dtype as check() takes it: its ScalarType number and its itemsize.  0, or -1 with
+ * an error set. */
+static int
+dtype_arg(PyObject *dtype, int *number, Py_ssize_t *itemsize)
+{
+    return (*number = tensor_api->dtype_of(dtype)) < 0 || (*itemsize = itemsize_of(dtype)) < 0 ? -1
+                                                                                            : 0;
+}
+
 /* check(value, dtype, shape) -> reason code */
 static PyObject *
 rules_check(Rules *r, PyObject *const *args, Py_ssize_t nargs)
@@ -339,11 +213,12 @@ rules_check(Rules *r, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "check(value, dtype, shape: tuple)");
         return NULL;
     }
-    Py_ssize_t itemsize = itemsize_of(args[1]), nbytes;
+    Py_ssize_t itemsize, nbytes;
+    int dtype;
     const void *src;
-    if (itemsize < 0)
+    if (dtype_arg(args[1], &dtype, &itemsize) < 0)
         return NULL;
-    return code_or_error(check_guarded(r, args[0], args[1], itemsize, args[2], &src, &nbytes));
+    return code_or_error(check(r, args[0], dtype, itemsize, args[2], &src, &nbytes));
 }
 
 /* copy_into(buffer, offset, nbytes, value, dtype, shape) -> reason code: copies the value's
@@ -361,11 +236,12 @@ rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t offset = PyLong_AsSsize_t(args[1]), want = PyLong_AsSsize_t(args[2]), nbytes;
-    Py_ssize_t itemsize = itemsize_of(args[4]);
-    if (itemsize < 0 || PyErr_Occurred())
+    Py_ssize_t itemsize;
+    int dtype;
+    if (PyErr_Occurred() || dtype_arg(args[4], &dtype, &itemsize) < 0)
         return NULL;
     const void *src;
-    int code = check_guarded(r, args[3], args[4], itemsize, args[5], &src, &nbytes);
+    int code = check(r, args[3], dtype, itemsize, args[5], &src, &nbytes);
     if (code != T_PLAIN)
         return code_or_error(code);
     if (nbytes != want)
@@ -393,36 +269,18 @@ rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(T_PLAIN);
 }
 
+/* Rules(torch.Tensor) */
 static int
 rules_init(Rules *r, PyObject *args, PyObject *kwds)
 {
-    PyObject *tensor_type, *storage_type, *modes_on, *no_functions, *empty, *cpu;
+    PyObject *tensor_type;
     if (r->tensor_type) {
         PyErr_SetString(PyExc_RuntimeError, "Rules already initialized");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!OOOO", &PyType_Type, &tensor_type, &PyType_Type,
-                          &storage_type, &modes_on, &no_functions, &empty, &cpu))
+    if (!PyArg_ParseTuple(args, "O!", &PyType_Type, &tensor_type) || bind_tensors() < 0)
         return -1;
-    struct { PyObject **slot; PyObject *owner; const char *name; } methods[] = {
-        {&r->is_contiguous, tensor_type, "is_contiguous"},
-        {&r->is_neg, tensor_type, "is_neg"},
-        {&r->data_ptr, tensor_type, "data_ptr"},
-        {&r->storage_offset, tensor_type, "storage_offset"},
-        {&r->stride, tensor_type, "stride"},
-        {&r->untyped_storage, tensor_type, "untyped_storage"},
-        {&r->nbytes, storage_type, "nbytes"},
-    };
-    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
-        Py_CLEAR(*methods[i].slot); /* a retry after a failed __init__ */
-        if (!(*methods[i].slot = PyObject_GetAttrString(methods[i].owner, methods[i].name)))
-            return -1;
-    }
-    Py_XSETREF(r->modes_on, Py_NewRef(modes_on));
-    Py_XSETREF(r->no_functions, Py_NewRef(no_functions));
-    Py_XSETREF(r->empty, Py_NewRef(empty));
-    Py_XSETREF(r->cpu, Py_NewRef(cpu));
-    r->tensor_type = Py_NewRef(tensor_type); /* last: marks the object initialized */
+    r->tensor_type = Py_NewRef(tensor_type);
     return 0;
 }
 
@@ -430,17 +288,6 @@ static void
 rules_dealloc(Rules *r)
 {
     Py_XDECREF(r->tensor_type);
-    Py_XDECREF(r->modes_on);
-    Py_XDECREF(r->no_functions);
-    Py_XDECREF(r->empty);
-    Py_XDECREF(r->cpu);
-    Py_XDECREF(r->is_contiguous);
-    Py_XDECREF(r->is_neg);
-    Py_XDECREF(r->data_ptr);
-    Py_XDECREF(r->storage_offset);
-    Py_XDECREF(r->stride);
-    Py_XDECREF(r->untyped_storage);
-    Py_XDECREF(r->nbytes);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -471,8 +318,10 @@ static PyTypeObject RulesType = {
 typedef struct {
     Py_ssize_t column, item_len, nbytes, itemsize;
     int scalar, item;
-    PyObject *dtype; /* borrowed from specs, which the codec keeps alive */
-    PyObject *shape;
+    int dtype;        /* torch's ScalarType number */
+    PyObject *shape;  /* borrowed from specs, which the codec keeps alive */
+    int ndim;         /* the shape's, as copied() makes its tensor (up to MAX_DIMS) */
+    int64_t dims[MAX_DIMS];
 } Spec;
 
 struct RowCodec {
@@ -598,19 +447,20 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name, *at = NULL;
+        PyObject *name, *dtype, *at = NULL;
         Spec *s = &r->spec[i];
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnnniiOO!", &name, &s->column,
-                              &s->item_len, &s->nbytes, &s->scalar, &s->item, &s->dtype,
+                              &s->item_len, &s->nbytes, &s->scalar, &s->item, &dtype,
                               &PyTuple_Type, &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
             Py_XDECREF(at);
             goto fail;
         }
         Py_DECREF(at);
-        if ((s->itemsize = itemsize_of(s->dtype)) < 0)
+        if (dtype_arg(dtype, &s->dtype, &s->itemsize) < 0)
             goto fail;
         Py_ssize_t elements = 1;
+        s->ndim = (int)Py_MIN(PyTuple_GET_SIZE(s->shape), MAX_DIMS + 1);
         for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(s->shape); d++) {
             Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(s->shape, d));
             if (dim < 0 || (dim && elements > PY_SSIZE_T_MAX / dim)) {
@@ -618,6 +468,8 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
                     PyErr_SetString(PyExc_ValueError, "bad field shape");
                 goto fail;
             }
+            if (d < MAX_DIMS)
+                s->dims[d] = dim;
             elements *= dim;
         }
         if (s->scalar != REF && (elements > PY_SSIZE_T_MAX / s->itemsize ||
@@ -753,15 +605,8 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
 {
     if (!slot_in_range(r, slot))
         return -1;
-    /* Under a torch-function mode the tensor calls below would run Python code between
-       the checks and the copies: leave that to Python's path. */
-    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
-    if (!on)
-        return -1;
-    int modes = on != Py_False;
-    Py_DECREF(on);
     Py_ssize_t n = PyDict_GET_SIZE(fields);
-    if (modes || n > MAX_FIELDS)
+    if (n > MAX_FIELDS)
         return 0;
     /* Strong references first, so nothing the checks run can free a value under us. */
     PyObject *held[MAX_FIELDS];
@@ -797,13 +642,13 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         } else if (s->scalar != NO_SCALAR)
             ok = plain_number(s, v, c);
         else
-            ok = 0; /* a subclass is asked only with torch functions off: Python's path */
+            ok = 0; /* a subclass: Python's path has torch make a plain copy */
         if (ok != 1) {
             result = ok < 0 ? -1 : 0;
             goto done;
         }
     }
-    if (!r->held) { /* the checks may have run Python, which may have closed the table */
+    if (!r->held) { /* a value's conversion may have run Python, which may have closed it */
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
         result = -1;
         goto done;
@@ -927,8 +772,7 @@ plain_rows(RowCodec *r, Spec *s, PyObject *t, Py_ssize_t n, int batched, char **
 }
 
 /* The spec of field `name` if it may be copied in or out here: 1 (*spec set), 0 (no such
- * field, a ref field, or a torch-function mode on: the tensor calls would run Python,
- * so the caller's own path copies), -1 (error set). */
+ * field, or a ref field: the caller's own path copies), -1 (error set). */
 static int
 plain_field(RowCodec *r, PyObject *name, Spec **spec)
 {
@@ -940,15 +784,8 @@ plain_field(RowCodec *r, PyObject *name, Spec **spec)
     if (!i)
         return PyErr_Occurred() ? -1 : 0;
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
-    if (s->scalar == REF)
-        return 0;
-    PyObject *on = PyObject_CallNoArgs(r->rules->modes_on);
-    if (!on)
-        return -1;
-    int modes = on != Py_False;
-    Py_DECREF(on);
     *spec = s;
-    return !modes;
+    return s->scalar != REF;
 }
 
 /* Copy field `s` of each of the n slots (a tuple if `batched`, else one int) between its
@@ -1034,7 +871,7 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
 /* One field of the given slots moved between the rows and one plain tensor `t` (n, *shape)
  * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
  * them (scatter).  True having moved every row; False having moved nothing (no such field,
- * a ref field, a torch-function mode on, or `t` not plain: the caller's path). */
+ * a ref field, or `t` not plain: the caller's path). */
 PyObject *
 codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, int out)
 {
@@ -1042,9 +879,7 @@ codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, 
     Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
     Spec *s;
     int ok = plain_field(r, name, &s);
-    /* Only an exact tensor is asked here: a subclass would answer the queries with its own
-     * Python (which may raise, or change the table); the caller's path copies it first. */
-    char *flat;
+    char *flat; /* a subclass is not plain: the caller's path has torch copy it first */
     if (ok == 1)
         ok = Py_TYPE(flat_tensor) != (PyTypeObject *)r->rules->tensor_type
                  ? 0
@@ -1079,52 +914,21 @@ rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     return move_call(r, args, nargs, 0, "scatter(slots, name, values)");
 }
 
-/* copied(slot, name) -> a new CPU tensor holding the field's item, or None (a ref field,
- * no such field, a torch-function mode on, or a tensor torch.empty made that the rules
- * refuse: the caller's own path handles and words those).  One call where copy() made a
- * tensor, checked it as `out` and copied into it. */
-static PyObject *
-rc_copied(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+PyObject *
+codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copied(slot, name)");
-        return NULL;
-    }
     Spec *s;
-    int ok = plain_field(r, args[1], &s); /* no mode: none answers torch.empty */
-    if (ok != 1 || PyTuple_GET_SIZE(s->shape) > MAX_DIMS)
+    int ok = plain_field(r, name, &s);
+    if (ok != 1 || s->ndim > MAX_DIMS)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    /* torch.empty(*shape, dtype=, device=cpu): sizes as separate ints parse fastest; a 0-d
-     * field passes the empty tuple. */
-    Rules *rules = r->rules;
-    Py_ssize_t ndim = PyTuple_GET_SIZE(s->shape);
-    PyObject *argv[MAX_DIMS + 2];
-    Py_ssize_t npos = ndim ? ndim : 1;
-    for (Py_ssize_t d = 0; d < ndim; d++)
-        argv[d] = PyTuple_GET_ITEM(s->shape, d);
-    if (!ndim)
-        argv[0] = s->shape;
-    argv[npos] = s->dtype;
-    argv[npos + 1] = rules->cpu;
-    PyObject *out = PyObject_Vectorcall(rules->empty, argv, (size_t)npos, k_dtype_device);
-    if (!out)
+    PyObject *out = tensor_api->empty(s->dtype, s->ndim, s->dims);
+    TensorFacts f;
+    if (!out || tensor_api->facts(out, &f) < 0 || !slot_in_range(r, slot)) {
+        Py_XDECREF(out);
         return NULL;
-    if (Py_TYPE(out) != (PyTypeObject *)rules->tensor_type) { /* cannot be, with no mode */
-        Py_DECREF(out);
-        Py_RETURN_NONE;
     }
-    /* No torch-function mode does not mean torch.empty made what was asked: a dispatch mode
-     * (or a kernel registered for aten::empty) may answer with another dtype, shape or device.
-     * The rules every copy out of a row follows say whether the bytes fit; else the caller's
-     * path (which words the refusal). */
-    char *dst = NULL;
-    ok = plain_rows(r, s, out, 1, 0, &dst);
-    if (ok == 1 && move_items(r, s, args[0], 1, 0, dst, 1) < 0)
-        ok = -1;
-    if (ok != 1) {
-        Py_DECREF(out);
-        return ok < 0 ? NULL : Py_NewRef(Py_None);
-    }
+    if (s->nbytes) /* slot checked after the allocation, which may have run Python */
+        memcpy(f.data, item_at(r, s, slot), (size_t)s->nbytes);
     return out;
 }
 
@@ -1212,7 +1016,6 @@ static PyMethodDef rc_methods[] = {
     FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
     FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
     FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False, nothing written"),
-    FAST("copied", rc_copied, "copied(slot, name) -> a new tensor of the field's item, or None"),
     FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
     FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
     FAST("seal", rc_seal, "seal(slot, generation): write the row's seal"),
@@ -1232,8 +1035,65 @@ PyTypeObject RowCodecType = {
     .tp_methods = rc_methods,
 };
 
+/* -- tensors over a mapping ------------------------------------------------------------------ */
+
+/* What a mapped tensor holds: an export of the buffer, so the mapping cannot be unmapped
+ * while the tensor lives (mmap.close refuses with exports; Segment.close waits). */
+static void
+release_export(void *ctx)
+{
+    if (!Py_IsInitialized()) /* a tensor outliving the interpreter: the mapping goes with it */
+        return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyBuffer_Release((Py_buffer *)ctx);
+    PyMem_Free(ctx);
+    PyGILState_Release(gil);
+}
+
+/* mapped(buffer, offset, dtype, shape) -> a contiguous CPU tensor over buffer[offset:], with
+ * a storage of its own and no base (rows.py's mapped_tensor says why). */
+static PyObject *
+rc_mapped(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[3]) > MAX_DIMS) {
+        PyErr_SetString(PyExc_TypeError, "mapped(buffer, offset, dtype, shape: tuple)");
+        return NULL;
+    }
+    if (bind_tensors() < 0)
+        return NULL;
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), itemsize, nbytes = 1;
+    int dtype, ndim = (int)PyTuple_GET_SIZE(args[3]);
+    int64_t sizes[MAX_DIMS];
+    if ((offset == -1 && PyErr_Occurred()) || dtype_arg(args[2], &dtype, &itemsize) < 0)
+        return NULL;
+    for (int d = 0; d < ndim; d++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], d));
+        if (size == -1 && PyErr_Occurred())
+            return NULL;
+        if (size < 0 || __builtin_mul_overflow(nbytes, size, &nbytes))
+            return PyErr_Format(PyExc_ValueError, "bad shape %R", args[3]);
+        sizes[d] = size;
+    }
+    Py_buffer *view = PyMem_Malloc(sizeof *view);
+    if (!view)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(args[0], view, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(view);
+        return NULL;
+    }
+    if (__builtin_mul_overflow(nbytes, itemsize, &nbytes) || offset < 0 ||
+        offset > view->len - nbytes) {
+        PyBuffer_Release(view);
+        PyMem_Free(view);
+        return PyErr_Format(PyExc_IndexError, "%R at %zd is outside the buffer", args[3], offset);
+    }
+    return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
+}
+
 static PyMethodDef module_methods[] = {
     {"row_hash", rc_hash, METH_O, "row_hash(items) -> the 32-bit checksum of a row of these items"},
+    {"mapped", (PyCFunction)(void (*)(void))rc_mapped, METH_FASTCALL,
+     "mapped(buffer, offset, dtype, shape) -> a tensor over buffer[offset:], holding an export"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1276,14 +1136,7 @@ add_enums(PyObject *m)
 int
 rowcodec_add(PyObject *m)
 {
-    if (!(s_dtype = PyUnicode_InternFromString("dtype")) ||
-        !(s_shape = PyUnicode_InternFromString("shape")) ||
-        !(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
-        !(s_is_cuda = PyUnicode_InternFromString("is_cuda")) ||
-        !(s_itemsize = PyUnicode_InternFromString("itemsize")) ||
-        !(s_enter = PyUnicode_InternFromString("__enter__")) ||
-        !(s_exit = PyUnicode_InternFromString("__exit__")) ||
-        !(k_dtype_device = Py_BuildValue("(ss)", "dtype", "device")))
+    if (!(s_itemsize = PyUnicode_InternFromString("itemsize")))
         return -1;
     if (PyType_Ready(&RulesType) < 0 || PyType_Ready(&RowCodecType) < 0 ||
         PyModule_AddObjectRef(m, "RowCodec", (PyObject *)&RowCodecType) < 0 ||

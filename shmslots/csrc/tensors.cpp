@@ -1,0 +1,187 @@
+// shmslots._tensors: a tensor's facts, and new tensors, through torch's C++ objects.
+//
+// rowcodec.c's rules once asked torch's Python API about ten attributes per tensor (~0.7 us,
+// most of a small row's write); here the same facts cost one C++ read each.  The module is
+// built against the torch it is installed beside (setup.py) and refuses to load beside
+// another: torch's C++ API has no stable ABI.  tensors.h says what each function promises.
+#include "tensors.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <exception>
+#include <new>
+
+namespace {
+
+// The C callers see Python errors only: what torch threw is worded as one.
+void set_error(const std::exception &e)
+{
+    if (dynamic_cast<const std::bad_alloc *>(&e) || dynamic_cast<const c10::OutOfMemoryError *>(&e))
+        PyErr_NoMemory();
+    else
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+}
+
+int device_of(c10::DeviceType type)
+{
+    switch (type) {
+    case c10::DeviceType::CPU: return DEVICE_CPU;
+    case c10::DeviceType::CUDA: return DEVICE_CUDA;
+    default: return DEVICE_OTHER;
+    }
+}
+
+// The storage facts, when torch shows them; `readable` stays 0 when it throws instead
+// (a storage that refuses access, symbolic sizes).
+void read_storage(c10::TensorImpl *impl, TensorFacts *f)
+{
+    if (impl->layout() != c10::kStrided || !impl->has_storage())
+        return;
+    try {
+        f->strides = impl->strides().data();
+        f->contiguous = impl->is_contiguous();
+        f->negated = impl->is_neg();
+        f->storage_offset = impl->storage_offset();
+        const c10::Storage &storage = impl->storage();
+        f->storage_nbytes = static_cast<int64_t>(storage.nbytes());
+        const char *base = static_cast<const char *>(storage.data());
+        f->data = base ? const_cast<char *>(base) + f->storage_offset * impl->itemsize() : nullptr;
+        f->readable = 1;
+    } catch (const c10::Error &) {
+        f->strides = nullptr;
+    }
+}
+
+int facts(PyObject *tensor, TensorFacts *f)
+{
+    *f = TensorFacts{};
+    const at::Tensor &t = THPVariable_Unpack(tensor);
+    if (!t.defined()) {
+        PyErr_SetString(PyExc_RuntimeError, "an undefined tensor");
+        return -1;
+    }
+    c10::TensorImpl *impl = t.unsafeGetTensorImpl();
+    f->dtype = static_cast<int>(impl->dtype().toScalarType());
+    f->device = device_of(impl->device_type());
+    f->ndim = -1;
+    // A __torch_dispatch__ subclass answers size and storage queries in Python, if at all:
+    // its facts are not read (ndim -1: no shape, no storage).
+    if (impl->is_python_dispatch())
+        return 0;
+    try {
+        c10::IntArrayRef sizes = impl->sizes();
+        f->sizes = sizes.data();
+        f->ndim = static_cast<int>(sizes.size());
+    } catch (const c10::Error &) { // nested tensors have no sizes
+        return 0;
+    }
+    read_storage(impl, f);
+    return 0;
+}
+
+PyObject *empty(int dtype, int ndim, const int64_t *sizes)
+{
+    try {
+        at::TensorBase made = at::detail::empty_cpu(
+            c10::IntArrayRef(sizes, static_cast<size_t>(ndim)), static_cast<c10::ScalarType>(dtype));
+        return THPVariable_Wrap(std::move(made));
+    } catch (const std::exception &e) {
+        set_error(e);
+        return nullptr;
+    }
+}
+
+PyObject *over(char *data, int dtype, int ndim, const int64_t *sizes, void (*done)(void *),
+               void *ctx)
+{
+    // The DataPtr owns `ctx` from its first line: whatever fails after, `done` runs once.
+    c10::DataPtr bytes(data, ctx, done, c10::Device(c10::DeviceType::CPU));
+    try {
+        auto type = static_cast<c10::ScalarType>(dtype);
+        c10::IntArrayRef shape(sizes, static_cast<size_t>(ndim));
+        size_t nbytes = c10::elementSize(type);
+        for (int64_t size : shape)
+            nbytes *= static_cast<size_t>(size);
+        c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(bytes), nullptr,
+                             false);
+        at::Tensor made = at::detail::make_tensor<c10::TensorImpl>(
+            std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+            c10::scalarTypeToTypeMeta(type));
+        made.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+        return THPVariable_Wrap(std::move(made));
+    } catch (const std::exception &e) {
+        set_error(e);
+        return nullptr;
+    }
+}
+
+int dtype_of(PyObject *dtype)
+{
+    if (!THPDtype_Check(dtype)) {
+        PyErr_Format(PyExc_TypeError, "not a torch.dtype: %.100s", Py_TYPE(dtype)->tp_name);
+        return -1;
+    }
+    return static_cast<int>(reinterpret_cast<THPDtype *>(dtype)->scalar_type);
+}
+
+Py_ssize_t storage_uses(PyObject *storage)
+{
+    if (!THPStorage_Check(storage)) {
+        PyErr_Format(PyExc_TypeError, "not a torch.UntypedStorage: %.100s",
+                     Py_TYPE(storage)->tp_name);
+        return -1;
+    }
+    return static_cast<Py_ssize_t>(THPStorage_Unpack(storage).use_count());
+}
+
+const TensorApi api = {facts, empty, over, dtype_of, storage_uses};
+
+// torch's C++ API has no stable ABI: beside any torch but the one it was built against, the
+// module refuses to load, saying which to rebuild for.
+int same_torch(void)
+{
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *version = torch ? PyObject_GetAttrString(torch, "__version__") : nullptr;
+    Py_XDECREF(torch);
+    if (!version)
+        return -1;
+    const char *running = PyUnicode_Check(version) ? PyUnicode_AsUTF8(version) : nullptr;
+    int same = running && std::strcmp(running, SHMSLOTS_TORCH_VERSION) == 0;
+    if (running && !same)
+        PyErr_Format(PyExc_ImportError,
+                     "shmslots was built against torch %s but torch %s is installed: "
+                     "reinstall shmslots (pip install --no-build-isolation shmslots)",
+                     SHMSLOTS_TORCH_VERSION, running);
+    Py_DECREF(version);
+    return same ? 0 : -1;
+}
+
+PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shmslots._tensors",
+    "A tensor's facts and new tensors through torch's C++ objects (capsule API).",
+    -1, nullptr, nullptr, nullptr, nullptr, nullptr,
+};
+
+} // namespace
+
+extern "C" __attribute__((visibility("default"))) PyObject *PyInit__tensors(void)
+{
+    if (same_torch() < 0)
+        return nullptr;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return nullptr;
+    PyObject *capsule = PyCapsule_New(const_cast<TensorApi *>(&api), TENSORS_CAPSULE, nullptr);
+    int failed = !capsule || PyModule_AddObjectRef(m, "API", capsule) < 0;
+    Py_XDECREF(capsule);
+    if (failed)
+        Py_CLEAR(m);
+    return m;
+}
