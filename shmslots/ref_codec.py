@@ -27,20 +27,32 @@ def decode(raw: bytes) -> dict[str, Any]:
         d = msgpack.unpackb(raw[LENGTH.size : LENGTH.size + length], raw=False, max_array_len=64)
     except Exception as exc:
         raise CorruptTable(f"ref is not valid msgpack: {exc}") from None
-    ok = isinstance(d, dict) and d.get("b") in ("shm", "cuda")
-    ok = ok and d.get("dtype") in DTYPE_SIZES and _is_shape(d.get("shape"))
-    if ok and d["b"] == "shm":
-        ok = all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("off", "n"))
-        ok = ok and isinstance(d.get("arena"), str)
-    if not ok:
+    if not _well_formed(d):
         raise CorruptTable(f"malformed ref {d!r}")
     result: dict[str, Any] = d
     return result
 
 
-def _is_shape(shape: object) -> bool:
-    return (
-        isinstance(shape, list)
-        and len(shape) <= _MAX_DIMS
-        and all(isinstance(x, int) and x >= 0 for x in shape)
-    )
+def _well_formed(d: object) -> bool:
+    """A ref's shape, dtype and, for the arena, place: exact types (a bool is no size)."""
+    if type(d) is not dict:
+        return False
+    dtype, shape = d.get("dtype"), d.get("shape")
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
+        return False
+    if type(shape) is not list or len(shape) > _MAX_DIMS:
+        return False
+    for size in shape:
+        if type(size) is not int or size < 0:
+            return False
+    kind = d.get("b")
+    if kind == "shm":
+        off, n = d.get("off"), d.get("n")
+        return (
+            type(off) is int
+            and type(n) is int
+            and off >= 0
+            and n >= 0
+            and (type(d.get("arena")) is str)
+        )
+    return kind == "cuda"

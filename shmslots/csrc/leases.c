@@ -611,6 +611,33 @@ watched_of(Handle *h)
     return w && Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready ? (Watched *)w : NULL;
 }
 
+/* Whether the tensors this handle opened or loaned (its `_opened`: name -> WatchedTensors)
+ * are all at rest, by the same check as its views: 1 yes (none opened included), 0 one is
+ * not (the slow path words it), -1 error. */
+static int
+opened_at_rest(Handle *h)
+{
+    if (!h->opened || h->opened == Py_None)
+        return 1;
+    if (!PyDict_CheckExact(h->opened))
+        return 0;
+    PyObject *opened = PyDict_Values(h->opened); /* a list of our own: the checks hold it */
+    if (!opened)
+        return -1;
+    int settled = 1;
+    for (Py_ssize_t i = 0; settled == 1 && i < PyList_GET_SIZE(opened); i++) {
+        PyObject *w = PyList_GET_ITEM(opened, i);
+        if (Py_TYPE(w) != &WatchedType || !((Watched *)w)->ready)
+            settled = 0;
+        else {
+            int unsettled = watched_any_unsettled((Watched *)w, ((Watched *)w)->tensors);
+            settled = unsettled < 0 ? -1 : !unsettled;
+        }
+    }
+    Py_DECREF(opened);
+    return settled;
+}
+
 /* A new lease of a slot joins the slot's views if Rows has made them (Python makes them on
  * first use, never here).  The list item is read now, after the lease was allocated: a
  * borrowed item held across an allocation could be replaced, and freed, by what a garbage
@@ -864,17 +891,22 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         timeout = args[0];
     Core *c = h->core;
     Py_ssize_t written = h->written ? PySet_GET_SIZE(h->written) : 0;
-    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed)) &&
-        (!h->opened || h->opened == Py_None)) {
-        int sealed = seal_mine(h);
+    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed))) {
+        int settled = opened_at_rest(h);
+        if (settled < 0)
+            return NULL;
+        int sealed = settled && usable(h) ? seal_mine(h) : 0;
         if (sealed < 0)
             return NULL;
-        kill_point(KILL_PUBLISH_SEALED);
-        int code = sealed ? step(h, E_PUBLISH, 0) : STEP_REFUSED;
-        if (code == STEP_ERROR)
-            return NULL;
-        if (code == STEP_DONE)
-            Py_RETURN_NONE;
+        if (sealed) {
+            kill_point(KILL_PUBLISH_SEALED);
+            Py_CLEAR(h->opened); /* loans: the reader's from now on */
+            int code = step(h, E_PUBLISH, 0);
+            if (code == STEP_ERROR)
+                return NULL;
+            if (code == STEP_DONE)
+                Py_RETURN_NONE;
+        }
     }
     return slow((PyObject *)h, s_publish_slow, timeout, NULL);
 }
@@ -884,13 +916,17 @@ ws_abort(Handle *h, PyObject *unused)
 {
     if (!made(h))
         return NULL;
-    if (usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) &&
-        (!h->opened || h->opened == Py_None)) {
+    int settled = usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) ? opened_at_rest(h) : 0;
+    if (settled < 0)
+        return NULL;
+    if (settled && usable(h)) {
         int code = step(h, E_ABORT, 0);
         if (code == STEP_ERROR)
             return NULL;
-        if (code == STEP_DONE)
+        if (code == STEP_DONE) {
+            Py_CLEAR(h->opened);
             Py_RETURN_NONE;
+        }
     }
     return slow((PyObject *)h, s_abort_slow, NULL, NULL);
 }
@@ -1013,23 +1049,28 @@ lease_end(Handle *h, int release)
         return NULL;
     int event = release ? E_RELEASE : E_ABORT;
     int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
-    if (usable(h) && (!h->opened || h->opened == Py_None) && (!viewed || watched_of(h)) &&
-        !(viewed && h->core->strict)) {
+    if (usable(h) && (!viewed || watched_of(h)) && !(viewed && h->core->strict)) {
         int leaked = 0;
-        if (viewed) { /* the check runs torch, which may run Python: hold what it reads */
+        if (viewed) { /* the check may run torch's Python: hold what it reads */
             PyObject *watched = Py_NewRef(h->watched), *names = Py_NewRef(h->viewed);
             leaked = watched_any_unsettled((Watched *)watched, names);
             Py_DECREF(watched);
             Py_DECREF(names);
         }
+        if (!leaked) {
+            int settled = opened_at_rest(h);
+            leaked = settled < 0 ? -1 : !settled;
+        }
         if (leaked < 0)
             return NULL;
-        if (!leaked) {
+        if (!leaked && usable(h)) {
             int code = step(h, event, 0);
             if (code == STEP_ERROR)
                 return NULL;
-            if (code == STEP_DONE)
+            if (code == STEP_DONE) {
+                Py_CLEAR(h->opened);
                 Py_RETURN_NONE;
+            }
         }
     }
     PyObject *number = PyLong_FromLong(event);
