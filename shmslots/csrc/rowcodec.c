@@ -872,6 +872,35 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
  * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
  * them (scatter).  True having moved every row; False having moved nothing (no such field,
  * a ref field, or `t` not plain: the caller's path). */
+/* A scatter's values as a list (or tuple) of n Python numbers for a scalar field, each the
+ * plain case write() takes (plain_number, the one rule for numbers): 1 with *packed the
+ * field's n items (PyMem_Free it), 0 not that case (nothing made), -1 error. */
+static int
+plain_numbers(Spec *s, PyObject *values, Py_ssize_t n, char **packed)
+{
+    if (!WRITTEN_FROM_NUMBERS(s->scalar) ||
+        !(PyList_CheckExact(values) || PyTuple_CheckExact(values)) ||
+        PySequence_Fast_GET_SIZE(values) != n)
+        return 0;
+    char *items = PyMem_Malloc(n ? (size_t)(n * s->nbytes) : 1);
+    if (!items) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **numbers = PySequence_Fast_ITEMS(values); /* exact ints and floats: no Python */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Copy c;
+        int ok = plain_number(s, numbers[k], &c);
+        if (ok != 1) {
+            PyMem_Free(items);
+            return ok;
+        }
+        memcpy(items + k * s->nbytes, c.src, (size_t)s->nbytes);
+    }
+    *packed = items;
+    return 1;
+}
+
 PyObject *
 codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, int out)
 {
@@ -879,16 +908,21 @@ codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, 
     Py_ssize_t n = batched ? PyTuple_GET_SIZE(slots) : 1;
     Spec *s;
     int ok = plain_field(r, name, &s);
-    char *flat; /* a subclass is not plain: the caller's path has torch copy it first */
-    if (ok == 1)
-        ok = Py_TYPE(flat_tensor) != (PyTypeObject *)r->rules->tensor_type
-                 ? 0
-                 : plain_rows(r, s, flat_tensor, n, batched, &flat);
+    char *flat = NULL, *packed = NULL;
+    if (ok == 1) {
+        int numbers = !out && batched ? plain_numbers(s, flat_tensor, n, &packed) : 0;
+        if (numbers)
+            ok = numbers, flat = packed;
+        else /* a subclass is not plain: the caller's path has torch copy it first */
+            ok = Py_TYPE(flat_tensor) != (PyTypeObject *)r->rules->tensor_type
+                     ? 0
+                     : plain_rows(r, s, flat_tensor, n, batched, &flat);
+    }
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
-    if (move_items(r, s, slots, n, batched, flat, out) < 0)
-        return NULL;
-    Py_RETURN_TRUE;
+    ok = move_items(r, s, slots, n, batched, flat, out);
+    PyMem_Free(packed);
+    return ok < 0 ? NULL : Py_NewRef(Py_True);
 }
 
 /* gather(slots, name, out) and scatter(slots, name, values): codec_move. */

@@ -300,7 +300,7 @@ class BatchEnd(ShmEnd):
         while len(slots) < len(pending):  # the reader has not freed enough yet
             slots.append(out.claim(tag=1, timeout=STALL_S))
         n = len(pending)
-        out.scatter(slots, self._out_id, torch.tensor(pending))
+        out.scatter(slots, self._out_id, pending)  # the ids as the producer holds them
         for name, batch in self._batches.items():
             out.scatter(slots, name, batch if n == BATCH else batch[:n])
         out.publish_all(slots)

@@ -159,10 +159,10 @@ def batch(rounds: int, kind: Kind, scattered: bool) -> Steps:
             slots: list[WriteSlot] = table.claim_n(BATCH, tag=1)
             s.mark(f"claim_n({BATCH})")
             if scattered:
-                table.scatter(slots, rid, torch.tensor(range(BATCH)))
+                table.scatter(slots, rid, list(range(BATCH)))
                 for name, rows in batches.items():
                     table.scatter(slots, name, rows)
-                s.mark(f"{len(batches) + 1} scatters (the ids tensor made)")
+                s.mark(f"{len(batches) + 1} scatters (the ids from a list)")
             else:
                 for i, ws in enumerate(slots):
                     ws.write(**{rid: i}, **values)
