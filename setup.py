@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"]
 HIDDEN = "-fvisibility=hidden"  # one exported symbol per module, its PyInit
-CORE_FILES = ["module", "atomic", "hotpath", "rowcodec", "leases"]
+CORE_FILES = ["module", "atomic", "hotpath", "rowcodec", "refcodec", "leases"]
 
 
 def tensors_extension() -> Extension:

@@ -67,7 +67,12 @@ _REDELIVER = int(Event.REDELIVER)
 
 
 def handle_core(
-    own: Ownership, rows: Rows, strict: bool, redeliver_dropped: bool, idle_every_s: float
+    own: Ownership,
+    rows: Rows,
+    ref_place: tuple[int, int, str],
+    strict: bool,
+    redeliver_dropped: bool,
+    idle_every_s: float,
 ) -> HandleCore:
     """The compiled side of one table's handles, bound to its hot path and rows."""
     if rows._codec is None:
@@ -84,6 +89,7 @@ def handle_core(
         strict=strict,
         redeliver_dropped=redeliver_dropped,
         idle_every_ns=int(idle_every_s * 1e9),
+        ref_place=ref_place,
     )
 
 
@@ -568,12 +574,9 @@ class Lease(_Handle, LeaseCore):
         value: int | float = self._views().tensors[name].item()  # the compiled read did not
         return value
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The field as a tensor, inline or ref; zero copy, valid while the lease is held.
-
-        A ref is opened once per lease: an arena view, or the CUDA tensor
-        rebuilt on this process's device with the same UUID.
-        """
+    def _tensor_slow(self, name: str) -> torch.Tensor:
+        """tensor() but for what LeaseCore.tensor opens itself: a CUDA ref, a refusal to
+        word, or a closed lease."""
         fs = self._parts.rows.schema.slots.get(name)
         if fs is None or not fs.field.is_ref:
             return self.view(name)
@@ -586,8 +589,7 @@ class Lease(_Handle, LeaseCore):
 
     def _open_ref(self, name: str) -> torch.Tensor:
         parts = self._parts
-        raw = parts.rows.field_bytes(self.slot, name)
-        return parts.refs.open(raw, self.slot, self.generation, name)
+        return parts.refs.open(parts.rows, self.slot, self.generation, name)
 
     def _copy_slow(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
         """copy() but for an inline field without `out`, which LeaseCore.copy makes in one

@@ -1,32 +1,67 @@
-"""The bytes of a ref field: a length-prefixed msgpack description of the tensor.
+"""The bytes of a ref field, read as a description of the tensor they refer to.
 
-Decoding needs no torch, so the CLI can show what a row's ref points to
-without loading it; refs.py opens the tensors.
+csrc/refcodec.c holds the format (an arena ref is a fixed binary record; a CUDA ref wraps
+its msgpack IPC description); this is its face for the CLI, which shows what a row's ref
+points to without loading torch, and for opening CUDA refs (refs.py).
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import msgpack
 
+from ._core import REF_REFUSALS, parse_ref
 from .errors import CorruptTable
-from .schema import DTYPE_SIZES
+from .schema import DTYPE_CODES, DTYPE_SIZES
 
-LENGTH = struct.Struct("<H")
+_DTYPES = list(DTYPE_CODES)  # by the index a ref stores
 _MAX_DIMS = 8
+_REFUSED = {
+    REF_REFUSALS["MALFORMED"]: "is no valid ref (never written, or overwritten)",
+    REF_REFUSALS["NOT_OURS"]: "refers to another table's arena",
+    REF_REFUSALS["DTYPE"]: "holds another dtype than its field",
+    REF_REFUSALS["SIZE"]: "is not as many bytes as its shape",
+    REF_REFUSALS["OUTSIDE"]: "points outside the arena",
+}
 
 
 def decode(raw: bytes) -> dict[str, Any]:
     """Parse a ref from row bytes; anything malformed is CorruptTable."""
-    (length,) = LENGTH.unpack_from(raw)
-    if length == 0 or LENGTH.size + length > len(raw):
-        raise CorruptTable("row holds no valid ref (never written, or overwritten)")
     try:
-        d = msgpack.unpackb(raw[LENGTH.size : LENGTH.size + length], raw=False, max_array_len=64)
+        parsed = parse_ref(raw)
+    except ValueError as exc:
+        raise CorruptTable(str(exc)) from None
+    if len(parsed) == 2:
+        return _cuda(parsed[1])
+    _, dtype, offset, nbytes, shape, table = parsed
+    if dtype >= len(_DTYPES):
+        raise CorruptTable(f"ref of dtype number {dtype}, which no field has")
+    strides, step = [], 1
+    for size in reversed(shape):  # contiguous in the arena
+        strides.append(step)
+        step *= size
+    return {
+        "b": "shm",
+        "arena": table,
+        "off": offset,
+        "n": nbytes,
+        "dtype": _DTYPES[dtype],
+        "shape": list(shape),
+        "stride": strides[::-1],
+    }
+
+
+def refusal(code: int, name: str) -> CorruptTable:
+    """The error for a refusal code of RowCodec.open_ref."""
+    return CorruptTable(f"ref of {name!r} {_REFUSED[code]}")
+
+
+def _cuda(payload: bytes) -> dict[str, Any]:
+    try:
+        d = msgpack.unpackb(payload, raw=False, max_array_len=64)
     except Exception as exc:
-        raise CorruptTable(f"ref is not valid msgpack: {exc}") from None
+        raise CorruptTable(f"CUDA ref is not valid msgpack: {exc}") from None
     if not _well_formed(d):
         raise CorruptTable(f"malformed ref {d!r}")
     result: dict[str, Any] = d
@@ -34,25 +69,12 @@ def decode(raw: bytes) -> dict[str, Any]:
 
 
 def _well_formed(d: object) -> bool:
-    """A ref's shape, dtype and, for the arena, place: exact types (a bool is no size)."""
-    if type(d) is not dict:
+    """A CUDA ref's description: shape and dtype, exact types (a bool is no size)."""
+    if type(d) is not dict or d.get("b") != "cuda":
         return False
     dtype, shape = d.get("dtype"), d.get("shape")
     if type(dtype) is not str or dtype not in DTYPE_SIZES:
         return False
     if type(shape) is not list or len(shape) > _MAX_DIMS:
         return False
-    for size in shape:
-        if type(size) is not int or size < 0:
-            return False
-    kind = d.get("b")
-    if kind == "shm":
-        off, n = d.get("off"), d.get("n")
-        return (
-            type(off) is int
-            and type(n) is int
-            and off >= 0
-            and n >= 0
-            and (type(d.get("arena")) is str)
-        )
-    return kind == "cuda"
+    return all(type(size) is int and size >= 0 for size in shape)

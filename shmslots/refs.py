@@ -17,21 +17,22 @@ import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 import torch
 from torch.utils.dlpack import from_dlpack
 
 from . import cuda_ipc
-from ._core import mapped
+from ._core import REF_REFUSALS, arena_ref, cuda_ref, mapped
 from .arena import Arena
-from .errors import CorruptTable, SchemaError, SlotsExhausted
+from .errors import SchemaError, SlotsExhausted
 from .ownership import Ownership
-from .ref_codec import LENGTH, decode
-from .rows import PLAIN, RULES, UNPINNED, contiguous_strides, refusal
-from .schema import Field
-from .torch_dtypes import DTYPE_NAMES, DTYPES
+from .ref_codec import decode
+from .ref_codec import refusal as ref_refusal
+from .rows import PLAIN, RULES, UNPINNED, Rows, refusal
+from .schema import DTYPE_INDEX, Field
+
+_IS_CUDA = REF_REFUSALS["IS_CUDA"]
 
 
 @dataclass(eq=False)  # one pin is one ref: compared by identity, never by tensors
@@ -67,6 +68,7 @@ class RefStore:
         if self.ipc.takes(tensor):
             pin = Pin(slot, generation, f.name, tensor=tensor)
             description, pin.release = self.ipc.share(pin, tensor)
+            item = cuda_ref(msgpack.packb(description))
         else:
             shape = tuple(tensor.shape)
             pin = self._arena_pin(slot, generation, f, math.prod(shape) * tensor.dtype.itemsize)
@@ -75,8 +77,8 @@ class RefStore:
             if code != PLAIN:  # resized by another thread since it was admitted (rows.admit)
                 self._let_go(pin)
                 raise SchemaError(refusal(f, tensor, code))
-            description = self._arena_ref(pin, tensor.dtype, shape)
-        return self._kept(f, pin, description), pin
+            item = self._arena_ref(pin, f, shape)
+        return self._kept(f, pin, item), pin
 
     def loan(
         self, slot: int, generation: int, f: Field, shape: tuple[int, ...]
@@ -84,34 +86,26 @@ class RefStore:
         """Arena pages of (slot, generation) for a tensor of `shape` that the producer fills
         in place (no copy): its ref and its pin (`loaned` makes the tensor)."""
         pin = self._arena_pin(slot, generation, f, math.prod(shape) * f.itemsize)
-        return self._kept(f, pin, self._arena_ref(pin, f.torch_dtype, shape)), pin
+        return self._kept(f, pin, self._arena_ref(pin, f, shape)), pin
 
     def loaned(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor over a loan's pages."""
         assert pin.offset is not None
         return mapped(self._pin, pin.offset, f.torch_dtype, shape)
 
-    def _arena_ref(self, pin: Pin, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Any]:
-        return {
-            "b": "shm",
-            "arena": self._table,
-            "off": pin.offset,
-            "n": pin.nbytes,
-            "dtype": DTYPE_NAMES[dtype],
-            "shape": list(shape),
-            "stride": list(contiguous_strides(shape)),  # contiguous in the arena
-        }
+    def _arena_ref(self, pin: Pin, f: Field, shape: tuple[int, ...]) -> bytes:
+        assert pin.offset is not None  # an arena pin
+        return arena_ref(DTYPE_INDEX[f.dtype], pin.offset, pin.nbytes, shape, self._table)
 
-    def _kept(self, f: Field, pin: Pin, description: dict[str, Any]) -> bytes:
+    def _kept(self, f: Field, pin: Pin, item: bytes) -> bytes:
         """The ref's bytes for the row, with the pin kept; over budget, let go and refused."""
-        blob: bytes = msgpack.packb(description)
-        if LENGTH.size + len(blob) > f.budget:
+        if len(item) > f.budget:
             self._let_go(pin)
             raise SchemaError(
-                f"field {f.name!r}: ref of {len(blob)} bytes exceeds its {f.budget}-byte budget"
+                f"field {f.name!r}: ref of {len(item)} bytes exceeds its {f.budget}-byte budget"
             )
         self._pins.append(pin)
-        return LENGTH.pack(len(blob)) + blob
+        return item
 
     def _arena_pin(self, slot: int, generation: int, f: Field, nbytes: int) -> Pin:
         """`nbytes` of arena pages, owned by (slot, generation)."""
@@ -185,27 +179,28 @@ class RefStore:
         return len(self._pins), size
 
     # -- reader side --------------------------------------------------------------------
-    def open(self, raw: bytes, slot: int, generation: int, name: str) -> torch.Tensor:
-        """The tensor a row's ref refers to (zero copy for the arena)."""
-        d = decode(raw)
-        if d["b"] == "cuda":
-            if d["pid"] == os.getpid():  # opening in the producer: the local tensor
-                for pin in self._pins:
-                    if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
-                        assert pin.tensor is not None
-                        return alias(pin.tensor)
-            return alias(self.ipc.open(d))
+    @property
+    def place(self) -> tuple[int, int, str]:
+        """Where this table's arena refs may point: [lo, hi) of the segment, and its name."""
         arena = self._arena
-        if arena is None or d["arena"] != self._table:
-            raise CorruptTable(f"ref of {name!r} refers to arena {d['arena']!r}, not ours")
-        start, end = d["off"], d["off"] + d["n"]
-        first = self._own.layout.arena
-        if not first <= start <= end <= first + arena.pages * arena.page_size:
-            raise CorruptTable(f"ref of {name!r} points outside the arena")
-        dtype = DTYPES[d["dtype"]]
-        if d["n"] != _numel(d["shape"]) * dtype.itemsize:
-            raise CorruptTable(f"ref of {name!r}: {d['n']} bytes for shape {d['shape']}")
-        return mapped(self._pin, start, dtype, tuple(d["shape"]))
+        lo = self._own.layout.arena
+        return lo, lo + (arena.pages * arena.page_size if arena is not None else 0), self._table
+
+    def open(self, rows: Rows, slot: int, generation: int, name: str) -> torch.Tensor:
+        """The tensor a row's ref refers to (zero copy for the arena): what may be opened is
+        the compiled rule's (csrc/refcodec.c); here CUDA refs are opened, refusals worded."""
+        got = rows.open_ref(slot, name, self.place)
+        if isinstance(got, torch.Tensor):
+            return got
+        if got != _IS_CUDA:
+            raise ref_refusal(got, name)
+        d = decode(rows.field_bytes(slot, name))
+        if d["pid"] == os.getpid():  # opening in the producer: the local tensor
+            for pin in self._pins:
+                if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
+                    assert pin.tensor is not None
+                    return alias(pin.tensor)
+        return alias(self.ipc.open(d))
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -216,10 +211,3 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     opened ref's leak check would count the others' views.
     """
     return from_dlpack(tensor.detach())  # dlpack refuses tensors that require grad
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n

@@ -31,7 +31,7 @@ from ._core import (
 )
 from .errors import SchemaError
 from .layout import SEAL, SEAL_ENTRY
-from .schema import DTYPE_CODES, Field, RowSchema
+from .schema import DTYPE_CODES, DTYPE_INDEX, Field, RowSchema
 from .segment import address_of
 
 # The checks on a tensor before its bytes are copied into shared memory, in one place
@@ -190,6 +190,15 @@ class Rows:
                 if code != PLAIN:
                     raise SchemaError(refusal(f, value, code))
 
+    def open_ref(self, slot: int, name: str, place: tuple[int, int, str]) -> torch.Tensor | int:
+        """Ref field `name` of `slot` as a tensor over the arena at `place` (RefStore.place),
+        or why not (a REF_REFUSALS code: IS_CUDA for a CUDA ref)."""
+        codec = self._codec
+        assert codec is not None  # refs are opened through a table's own rows
+        got = codec.open_ref(slot, name, *place)
+        assert got is not None, f"{name!r} is not a ref field"
+        return got
+
     def field_bytes(self, slot: int, name: str) -> bytes:
         """A copy of the field's bytes in the row (refs are decoded from these)."""
         off = self.item(slot, name)
@@ -245,9 +254,9 @@ _CODEC_REF = SCALARS["ref"]
 
 def _codec_specs(
     schema: RowSchema, items: dict[str, tuple[int, int]]
-) -> tuple[tuple[str, int, int, int, int, int, torch.dtype, tuple[int, ...]], ...]:
-    """(name, column, item_len, nbytes, write kind, read kind, dtype, shape) per field, for
-    RowCodec.
+) -> tuple[tuple[str, int, int, int, int, int, torch.dtype, int, tuple[int, ...]], ...]:
+    """(name, column, item_len, nbytes, write kind, read kind, dtype, its index as refs store
+    it, shape) per field, for RowCodec.
 
     Only shape () is written from a Python number; any field of one element reads as one.
     """
@@ -260,7 +269,12 @@ def _codec_specs(
             kind = _CODEC_SCALARS.get(f.dtype, 0) if f.shape == () else 0
             item = _CODEC_ITEMS.get(f.dtype, 0) if math.prod(f.fixed_shape) == 1 else 0
         column, item_len = items[name]
-        specs.append((name, column, item_len, f.nbytes, kind, item, f.torch_dtype, f.fixed_shape))
+        specs.append(
+            (
+                name, column, item_len, f.nbytes, kind, item, f.torch_dtype,
+                DTYPE_INDEX[f.dtype], f.fixed_shape,
+            )
+        )  # fmt: skip
     return tuple(specs)
 
 

@@ -37,6 +37,9 @@ DTYPE_CODES: dict[str, str] = {
     "bool": "?",
 }
 DTYPE_SIZES: dict[str, int] = {name: struct.calcsize("<" + c) for name, c in DTYPE_CODES.items()}
+# A dtype as a ref's bytes store it (csrc/refcodec.c): its place above, so that order is
+# part of the table format.
+DTYPE_INDEX: dict[str, int] = {name: i for i, name in enumerate(DTYPE_CODES)}
 
 # A field's item (its bytes for one slot) is padded to a multiple of this: every slot's
 # item starts on its own cache line, and a small field takes at least 64 bytes a row, as

@@ -216,15 +216,16 @@ class SlotTable:
                 for n, fs in schema.slots.items()
                 if not fs.field.is_ref
             }
+            self._refs = RefStore(self._own, member.arena, segment.mm, segment.name)
             # the compiled handle steps
             self._core = handle_core(
                 self._own,
                 self._rows,
+                self._refs.place,
                 self._strict,
                 not self.drop_on_consumer_death,
                 STRANDED_CHECK_S,
             )
-            self._refs = RefStore(self._own, member.arena, segment.mm, segment.name)
             self._parts = TableParts(
                 segment.name,
                 self._strict,

@@ -22,7 +22,9 @@ from shmslots import (
     SlotTable,
     State,
 )
+from shmslots._core import arena_ref, cuda_ref, parse_ref
 from shmslots.ref_codec import decode
+from shmslots.schema import DTYPE_INDEX
 
 MiB = 1 << 20
 HIDDEN = 4096
@@ -71,7 +73,7 @@ def test_cpu_tensor_travels_zero_copy_and_is_pinned_until_release(name: str) -> 
         got = lease.tensor("blob")
         assert torch.equal(got, blob(1)) and lease.tensor("hidden").shape == (3, HIDDEN)
         assert torch.equal(lease.tensor("hidden"), hidden(1, 3))
-        again = t._refs.open(t._rows.field_bytes(lease.slot, "blob"), lease.slot, 0, "blob")
+        again = t._refs.open(t._rows, lease.slot, 0, "blob")
         again[0] = -5.0  # same memory: zero copy
         assert got[0] == -5.0
         del got, again
@@ -190,28 +192,28 @@ def test_ref_over_budget_is_refused(name: str) -> None:
 
 
 def test_corrupt_refs_are_refused_not_followed(name: str) -> None:
+    """An arena ref is opened only into this table's own arena, for its field's dtype, as
+    many bytes as its shape: anything else is CorruptTable, never a tensor over it."""
     with _table(name) as t:
         t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 1)).publish()
         lease = t.take()
         assert lease is not None
         off = t._rows.item(lease.slot, "blob")
-        bad = msgpack.packb(
-            {
-                "b": "shm",
-                "arena": name,
-                "off": 0,
-                "n": 64,
-                "dtype": "float32",
-                "shape": [16],
-                "stride": [1],
-            }
-        )
-        t._segment.mm[off : off + 2 + len(bad)] = len(bad).to_bytes(2, "little") + bad
-        with pytest.raises(CorruptTable, match="outside the arena"):
-            lease.tensor("blob")
-        t._segment.mm[off : off + 2] = b"\xff\xff"
-        with pytest.raises(CorruptTable):
-            lease.tensor("blob")
+        good = parse_ref(t._rows.field_bytes(lease.slot, "blob"))
+        _, dtype, start, nbytes, shape, _ = good
+        forged = [
+            (arena_ref(dtype, 0, nbytes, shape, name), "outside the arena"),
+            (arena_ref(dtype, start, nbytes, shape, name + "x"), "another table's arena"),
+            (arena_ref(DTYPE_INDEX["int32"], start, nbytes, shape, name), "another dtype"),
+            (arena_ref(dtype, start, nbytes - 4, shape, name), "as many bytes as its shape"),
+            (arena_ref(dtype, 2**64 - 8, 64, (16,), name), "outside the arena"),
+            (b"\xff\xff", "no valid ref"),
+            (b"\x05\x00\x09abcd", "no valid ref"),  # no such kind
+        ]
+        for item, match in forged:
+            t._segment.mm[off : off + len(item)] = item
+            with pytest.raises(CorruptTable, match=match):
+                lease.tensor("blob")
         lease.release()
 
 
@@ -232,8 +234,7 @@ def test_cuda_ref_description_round_trips_through_the_row_format() -> None:
         "stride": [8, 1],
         "dtype": "bfloat16",
     }
-    blob_bytes = msgpack.packb(description)
-    raw = len(blob_bytes).to_bytes(2, "little") + blob_bytes + b"\0" * 10
+    raw = cuda_ref(msgpack.packb(description)) + b"\0" * 10
     assert decode(raw) == description
     if not torch.cuda.is_available():
         from shmslots.cuda_ipc import open_tensor

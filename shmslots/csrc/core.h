@@ -89,6 +89,25 @@ int hot_take(HotPath *h, Py_ssize_t *slot, uint64_t *gen, uint64_t *tag, uint64_
 int hot_free(HotPath *h, Py_ssize_t slot, uint64_t gen, int state, int event);
 int hot_redeliver(HotPath *h, Py_ssize_t slot, uint64_t gen, int unread);
 
+/* -- refcodec.c: a ref field's bytes ------------------------------------------------------- */
+
+#define REF_MAX_DIMS 8 /* of a ref's tensor */
+
+/* Why an arena ref may not be opened (exported as REF_REFUSALS; Python words them). */
+enum { REF_OK, REF_MALFORMED, REF_IS_CUDA, REF_NOT_OURS, REF_DTYPE, REF_SIZE, REF_OUTSIDE };
+/* Where this table's arena refs may point: [lo, hi) of the segment, and the table's name. */
+typedef struct {
+    uint64_t lo, hi;
+    const char *table;
+    Py_ssize_t table_len;
+} RefPlace;
+/* The arena ref in an item of `len` bytes, checked against `place` and a field of `dtype`
+ * (its index in schema.DTYPE_CODES) and `itemsize`: REF_OK with *offset, *ndim and sizes
+ * (up to REF_MAX_DIMS) set, else a refusal.  No error is set either way. */
+int ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
+                   Py_ssize_t itemsize, uint64_t *offset, int *ndim, int64_t *sizes);
+int refcodec_add(PyObject *m);
+
 /* -- rowcodec.c: a row's copies --------------------------------------------------------------- */
 
 typedef struct RowCodec RowCodec;
@@ -104,6 +123,10 @@ PyObject *codec_read(RowCodec *r, Py_ssize_t slot, PyObject *name);
  * mode answers with another), Py_None (new reference: a ref field, no such field, or more
  * dimensions than it makes: the caller's path), or NULL. */
 PyObject *codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name);
+/* Field `name` of `slot` opened as ref_open_arena allows: a tensor over the arena (holding
+ * an export of the mapping), Py_None (new reference: not a ref field), a refusal code (a
+ * new int: REF_*), or NULL with an error set. */
+PyObject *codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *place);
 /* Py_True moved, Py_False not the plain case (nothing moved), or NULL: gather (`out`) copies
  * field `name` of each of `slots` into `flat`, scatter the other way. */
 PyObject *codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat, int out);

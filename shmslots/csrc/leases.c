@@ -5,9 +5,8 @@
  * here does the plain case — an open handle of an open table, a known field,
  * no view left behind, a transition that succeeds — and otherwise calls the
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
- * `_abort_slow`, `_view_slow`, `_item_slow`, `_copy_slow`, `_end`) before changing anything,
- * which does
- * the checks in Python and raises the error.  Slots still move only through
+ * `_abort_slow`, `_view_slow`, `_item_slow`, `_copy_slow`, `_tensor_slow`, `_end`) before
+ * changing anything, which does the checks in Python and raises the error.  Slots still move only through
  * hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
  * directly: nothing here adds to the protocol, and no step calls Python.
  *
@@ -29,7 +28,7 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
  * (tensors have a __dict__) must not stand in for it. */
 static PyObject *tensor_untyped_storage;
 static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_item_slow, *s_copy_slow, *s_end, *s_release, *s_abort,
+    *s_abort_slow, *s_view_slow, *s_item_slow, *s_copy_slow, *s_tensor_slow, *s_end, *s_release, *s_abort,
     *s_timeout,
     *s_idle, *default_timeout;
 
@@ -415,6 +414,8 @@ typedef struct {
     char plain_claim; /* no ref fields: a claim has no pins to collect first */
     char strict;      /* views are also checked for in-place changes, in Python */
     char redeliver_dropped; /* a lease collected unreleased goes back to READY (else FREE) */
+    RefPlace place;          /* where this table's arena refs may point (refs.RefStore.place) */
+    PyObject *table_name;    /* the str place.table is of */
     long long idle_every_ns;   /* how often a reader finding nothing runs parts.idle() */
     long long idle_due_ns;     /* CLOCK_MONOTONIC ns of the next such run */
     Py_ssize_t nfields;
@@ -432,11 +433,13 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation",
                          "nfields", "plain_claim", "strict", "redeliver_dropped",
-                         "idle_every_ns", NULL};
+                         "idle_every_ns", "ref_place", NULL};
     PyObject *hot, *codec, *views, *write_slot, *lease, *reservation;
     Py_ssize_t nfields;
     int plain_claim, strict, redeliver_dropped;
     long long idle_every_ns;
+    unsigned long long lo, hi;
+    PyObject *table_name;
     if (c->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HandleCore already initialized");
         return -1;
@@ -444,9 +447,13 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     if (bind_torch() < 0)
         return -1;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O!O!O!O!O!O!$npppL", kw, &HotPathType, &hot, &RowCodecType, &codec,
-            &PyList_Type, &views, &PyType_Type, &write_slot, &PyType_Type, &lease, &PyType_Type,
-            &reservation, &nfields, &plain_claim, &strict, &redeliver_dropped, &idle_every_ns))
+            args, kwds, "O!O!O!O!O!O!$npppL(KKU)", kw, &HotPathType, &hot, &RowCodecType,
+            &codec, &PyList_Type, &views, &PyType_Type, &write_slot, &PyType_Type, &lease,
+            &PyType_Type, &reservation, &nfields, &plain_claim, &strict, &redeliver_dropped,
+            &idle_every_ns, &lo, &hi, &table_name))
+        return -1;
+    const char *table = PyUnicode_AsUTF8AndSize(table_name, &c->place.table_len);
+    if (!table)
         return -1;
     if (!PyType_IsSubtype((PyTypeObject *)write_slot, &WriteSlotType) ||
         !PyType_IsSubtype((PyTypeObject *)lease, &LeaseType) ||
@@ -466,6 +473,10 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     c->redeliver_dropped = (char)redeliver_dropped;
     c->idle_every_ns = idle_every_ns;
     c->idle_due_ns = 0;
+    c->table_name = Py_NewRef(table_name);
+    c->place.table = table;
+    c->place.lo = lo;
+    c->place.hi = hi;
     c->ready = 1;
     return 0;
 }
@@ -474,7 +485,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 #define CORE_REFS(c)                                                                          \
     {(PyObject **)&(c)->hot, (PyObject **)&(c)->codec, &(c)->parts, &(c)->views,              \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
-     (PyObject **)&(c)->reservation}
+     (PyObject **)&(c)->reservation, &(c)->table_name}
 #define COUNT(a) (sizeof(a) / sizeof(*(a)))
 
 static int
@@ -609,6 +620,29 @@ watched_of(Handle *h)
 {
     PyObject *w = h->watched;
     return w && Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready ? (Watched *)w : NULL;
+}
+
+/* `tensor` (a new reference, given up), watched on its own in the handle's `_opened` under
+ * `name`: the tensor, or NULL with an error set.  Its counts at rest are taken with the
+ * dict that brings it the only other reference, as `WatchedTensors({name: tensor})`. */
+static PyObject *
+watch_opened(Handle *h, PyObject *name, PyObject *tensor)
+{
+    PyObject *given = PyDict_New(), *w = NULL, *t = NULL;
+    if (given && PyDict_SetItem(given, name, tensor) == 0) {
+        Py_CLEAR(tensor);
+        w = PyObject_CallOneArg((PyObject *)&WatchedType, given);
+    }
+    Py_XDECREF(tensor);
+    Py_XDECREF(given);
+    if (!w)
+        return NULL;
+    if (!h->opened || h->opened == Py_None)
+        Py_XSETREF(h->opened, PyDict_New());
+    if (h->opened && PyDict_SetItem(h->opened, name, w) == 0)
+        t = Py_XNewRef(PyDict_GetItemWithError(((Watched *)w)->tensors, name));
+    Py_DECREF(w);
+    return t;
 }
 
 /* Whether the tensors this handle opened or loaned (its `_opened`: name -> WatchedTensors)
@@ -1012,6 +1046,43 @@ lease_item(Handle *h, PyObject *name)
         Py_DECREF(number);
     }
     return slow((PyObject *)h, s_item_slow, name, NULL);
+}
+
+/* tensor(name): a ref field opened (an arena ref in one compiled call, watched on its own
+ * as leases.py's Lease.tensor says), or an inline field's view; a CUDA ref, a refusal to
+ * word or a closed lease is `_tensor_slow`'s. */
+static PyObject *
+lease_tensor(Handle *h, PyObject *name)
+{
+    if (!made(h))
+        return NULL;
+    Py_ssize_t slot;
+    uint64_t gen;
+    if (usable(h) && PyUnicode_CheckExact(name) && ids(h, &slot, &gen)) {
+        PyObject *opened = h->opened && PyDict_CheckExact(h->opened) ? h->opened : NULL;
+        PyObject *w = opened ? PyDict_GetItemWithError(opened, name) : NULL;
+        if (w) { /* opened before, by this lease */
+            PyObject *t = Py_TYPE(w) == &WatchedType && ((Watched *)w)->ready
+                              ? PyDict_GetItemWithError(((Watched *)w)->tensors, name)
+                              : NULL;
+            if (t || PyErr_Occurred())
+                return t ? Py_NewRef(t) : NULL;
+        } else if (PyErr_Occurred())
+            return NULL;
+        else {
+            PyObject *got = codec_open_ref(h->core->codec, slot, name, &h->core->place);
+            if (got == Py_None) {
+                Py_DECREF(got);
+                return lease_view(h, name);
+            }
+            if (got && !PyLong_Check(got))
+                return watch_opened(h, name, got);
+            if (!got)
+                return NULL;
+            Py_DECREF(got); /* a CUDA ref, or a refusal: Python opens it or words it */
+        }
+    }
+    return slow((PyObject *)h, s_tensor_slow, name, NULL);
 }
 
 /* copy(name, out=None): an owned copy of an inline field in one compiled call when no `out`
@@ -1714,6 +1785,10 @@ static PyTypeObject WriteSlotType = {
 static PyMethodDef lease_methods[] = {
     {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
     {"item", (PyCFunction)lease_item, METH_O, "item(name): a scalar field as a Python number"},
+    {"tensor", (PyCFunction)lease_tensor, METH_O,
+     "tensor(name): the field as a tensor, inline or ref; zero copy, valid while the lease\n"
+     "is held.  A ref is opened once per lease: an arena view, or the CUDA tensor rebuilt\n"
+     "on this process's device with the same UUID."},
     {"copy", (PyCFunction)(void (*)(void))lease_copy, METH_FASTCALL | METH_KEYWORDS,
      "copy(name, out=None): an owned copy of the field that outlives the lease, returned;\n"
      "with `out` (a CPU tensor of the field's dtype and shape) the bytes go there"},
@@ -1759,7 +1834,7 @@ leases_add(PyObject *m)
         {&s_untyped_storage, "untyped_storage"}, {&s_core, "_core"},
         {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
-        {&s_copy_slow, "_copy_slow"},
+        {&s_copy_slow, "_copy_slow"}, {&s_tensor_slow, "_tensor_slow"},
         {&s_end, "_end"},
         {&s_release, "release"}, {&s_abort, "abort"}, {&s_timeout, "timeout"},
         {&s_idle, "idle"},

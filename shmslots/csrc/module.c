@@ -65,7 +65,8 @@ PyInit__core(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
         return NULL;
-    if (atomic_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 || leases_add(m) < 0 ||
+    if (atomic_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 || refcodec_add(m) < 0 ||
+        leases_add(m) < 0 ||
         add_owned(m, "KILL_POINTS",
                   Py_BuildValue("{sisisisisi}", "QUARANTINED", KILL_QUARANTINED, "RECLAIMING",
                                 KILL_RECLAIMING, "PUBLISH_SEALED", KILL_PUBLISH_SEALED,

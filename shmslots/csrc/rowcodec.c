@@ -320,6 +320,7 @@ typedef struct {
     int scalar, item;
     int dtype;        /* torch's ScalarType number */
     PyObject *shape;  /* borrowed from specs, which the codec keeps alive */
+    int dtype_index;  /* in schema.DTYPE_CODES, as refs store it */
     int ndim;         /* the shape's, as copied() makes its tensor (up to MAX_DIMS) */
     int64_t dims[MAX_DIMS];
 } Spec;
@@ -449,9 +450,9 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *dtype, *at = NULL;
         Spec *s = &r->spec[i];
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnnniiOO!", &name, &s->column,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UnnniiOiO!", &name, &s->column,
                               &s->item_len, &s->nbytes, &s->scalar, &s->item, &dtype,
-                              &PyTuple_Type, &s->shape) ||
+                              &s->dtype_index, &PyTuple_Type, &s->shape) ||
             !(at = PyLong_FromSsize_t(i)) || PyDict_SetItem(index, name, at) < 0) {
             Py_XDECREF(at);
             goto fail;
@@ -1045,30 +1046,6 @@ rc_dealloc(RowCodec *r)
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
-#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
-static PyMethodDef rc_methods[] = {
-    FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
-    FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
-    FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False, nothing written"),
-    FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
-    FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
-    FAST("seal", rc_seal, "seal(slot, generation): write the row's seal"),
-    {"release", (PyCFunction)rc_release, METH_NOARGS, "release the buffer export"},
-    {NULL, NULL, 0, NULL},
-};
-
-PyTypeObject RowCodecType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmslots._core.RowCodec",
-    .tp_doc = "Plain-case row writes and row checksums over the columns of one buffer.",
-    .tp_basicsize = sizeof(RowCodec),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)rc_init,
-    .tp_dealloc = (destructor)rc_dealloc,
-    .tp_methods = rc_methods,
-};
-
 /* -- tensors over a mapping ------------------------------------------------------------------ */
 
 /* What a mapped tensor holds: an export of the buffer, so the mapping cannot be unmapped
@@ -1123,6 +1100,87 @@ rc_mapped(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
 }
+
+/* A tensor over `nbytes` at `offset` of the codec's buffer, holding an export of it. */
+static PyObject *
+tensor_over(RowCodec *r, uint64_t offset, int dtype, int ndim, const int64_t *sizes)
+{
+    Py_buffer *view = PyMem_Malloc(sizeof *view);
+    if (!view)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(r->buf.obj, view, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(view);
+        return NULL;
+    }
+    return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
+}
+
+PyObject *
+codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *place)
+{
+    if (!slot_in_range(r, slot))
+        return NULL;
+    PyObject *i = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(r->index, name) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    if (s->scalar != REF)
+        return Py_NewRef(Py_None);
+    uint64_t offset;
+    int ndim;
+    int64_t sizes[REF_MAX_DIMS];
+    int code = ref_open_arena(item_at(r, s, slot), s->nbytes, place, s->dtype_index, s->itemsize,
+                              &offset, &ndim, sizes);
+    if (code == REF_OK && (uint64_t)r->buf.len < place->hi) /* a place beyond the buffer */
+        code = REF_OUTSIDE;
+    return code == REF_OK ? tensor_over(r, offset, s->dtype, ndim, sizes) : PyLong_FromLong(code);
+}
+
+/* open_ref(slot, name, lo, hi, table) -> codec_open_ref's answer */
+static PyObject *
+rc_open_ref(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot = slot_arg(r, args, nargs, 5, "open_ref(slot, name, lo, hi, table)");
+    if (slot < 0)
+        return NULL;
+    RefPlace place;
+    place.lo = PyLong_AsUnsignedLongLong(args[2]);
+    place.hi = PyLong_AsUnsignedLongLong(args[3]);
+    place.table = PyUnicode_Check(args[4]) ? PyUnicode_AsUTF8AndSize(args[4], &place.table_len)
+                                           : NULL;
+    if (PyErr_Occurred() || !place.table) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "open_ref: table must be a str");
+        return NULL;
+    }
+    return codec_open_ref(r, slot, args[1], &place);
+}
+
+#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+static PyMethodDef rc_methods[] = {
+    FAST("write", rc_write, "write(slot, fields) -> True, or False having written nothing"),
+    FAST("gather", rc_gather, "gather(slots, name, out) -> True, or False having written nothing"),
+    FAST("scatter", rc_scatter, "scatter(slots, name, values) -> True, or False, nothing written"),
+    FAST("open_ref", rc_open_ref,
+         "open_ref(slot, name, lo, hi, table) -> a tensor over the arena, None, or a refusal"),
+    FAST("read", rc_read, "read(slot, name) -> the scalar field as a number, or None"),
+    FAST("checksum", rc_checksum, "checksum(slot) -> the row's 32-bit checksum"),
+    FAST("seal", rc_seal, "seal(slot, generation): write the row's seal"),
+    {"release", (PyCFunction)rc_release, METH_NOARGS, "release the buffer export"},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject RowCodecType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmslots._core.RowCodec",
+    .tp_doc = "Plain-case row writes and row checksums over the columns of one buffer.",
+    .tp_basicsize = sizeof(RowCodec),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)rc_init,
+    .tp_dealloc = (destructor)rc_dealloc,
+    .tp_methods = rc_methods,
+};
 
 static PyMethodDef module_methods[] = {
     {"row_hash", rc_hash, METH_O, "row_hash(items) -> the 32-bit checksum of a row of these items"},
