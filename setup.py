@@ -30,8 +30,9 @@ def tensors_extension() -> Extension:
         sources=["shmslots/csrc/tensors.cpp"],
         depends=["shmslots/csrc/tensors.h"],
         language="c++",
-        # -isystem: torch's own headers are not held to this project's warnings
-        extra_compile_args=["-O2", "-std=c++17", *WARNINGS, HIDDEN, "-isystem", include],
+        # -isystem: torch's own headers are not held to this project's warnings; -g0: their
+        # debug information doubled the compile (32 -> 17 s on a 2-core machine)
+        extra_compile_args=["-O2", "-g0", "-std=c++17", *WARNINGS, HIDDEN, "-isystem", include],
         define_macros=[
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
             ("SHMSLOTS_TORCH_VERSION", f'"{torch.__version__}"'),

@@ -1,10 +1,12 @@
 /* shmslots._core: what its files share.
  *
- * One extension, four files, one job each: atomic.c (atomics and futexes on a mapping),
+ * One extension, five files, one job each: atomic.c (atomics and futexes on a mapping),
  * hotpath.c (the slot protocol's transitions and the ready ring), rowcodec.c (the rules a
- * tensor must pass and the row copies), leases.c (the type-state handles' fast paths).
- * leases.c calls the other two through the functions declared here, C to C: a handle's step
- * makes no Python call between two compiled steps.
+ * tensor must pass and the row copies), refcodec.c (a ref field's bytes), leases.c (the
+ * type-state handles' fast paths); module.c joins them.  leases.c calls the others through
+ * the functions declared here, C to C: a handle's step makes no Python call between two
+ * compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
+ * module against the installed torch, through the capsule tensors.h describes.
  *
  * The slot word and the ring cell are defined here and nowhere else: the module exports their
  * bits (WORD_BITS, CELL_BITS), from which states.py builds the word's Python accessors, and

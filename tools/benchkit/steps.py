@@ -9,8 +9,9 @@ B echoes the row back through its views, A reads the reply); the same round trip
 first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
 (claim_n, a scatter per field or 64 writes, publish_all, poll, gather of the id,
 release_all) of small rows, and by scatter of EAGLE rows; a 1 MiB tensor filled into a loan
-(ws.alloc) and read through lease.tensor.  A last table times the torch calls under them: the checks
-write() makes on each tensor, and making a tensor.
+(ws.alloc) and read through lease.tensor.  A last table times what lies under them: the
+facts write() checks on each tensor and the tensors made over a mapping, through torch's C++
+objects as shmslots does and through its Python API as before.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from shmslots import Lease, SlotTable, WriteSlot
+from shmslots._core import mapped
 from shmslots.rows import RULES
 
 from . import command_parser
@@ -209,21 +211,24 @@ def loaned_tensor(rounds: int) -> Steps:
 
 
 def torch_costs() -> None:
-    """ns per call of what write() asks torch about each tensor, and of making one."""
+    """ns per call of what write() learns of a tensor and of making tensors, compiled against
+    torch's C++ objects (shmslots._tensors) and through its Python API."""
     t = record_values(SMALL)["vec"]
     storage = t.untyped_storage()
+    pin = memoryview(bytearray(1 << 16))
+
+    def python_facts() -> object:
+        return (
+            t.dtype, t.shape, t.is_cpu, t.storage_offset(), t.is_contiguous(),
+            t.untyped_storage(), storage.nbytes(), t.is_neg(), t.data_ptr(),
+            torch._C._is_torch_function_mode_enabled(),
+        )  # fmt: skip
+
     calls: dict[str, Callable[[], object]] = {
-        "RULES.check(tensor): all of the below": lambda: RULES.check(t, torch.float32, (64,)),
-        "  t.dtype": lambda: t.dtype,
-        "  t.shape": lambda: t.shape,
-        "  t.is_cpu": lambda: t.is_cpu,
-        "  t.storage_offset()": t.storage_offset,
-        "  t.is_contiguous()": t.is_contiguous,
-        "  t.untyped_storage()": t.untyped_storage,
-        "  storage.nbytes()": storage.nbytes,
-        "  t.is_neg()": t.is_neg,
-        "  t.data_ptr()": t.data_ptr,
-        "  torch-function mode check": torch._C._is_torch_function_mode_enabled,
+        "RULES.check(tensor), facts from C++": lambda: RULES.check(t, torch.float32, (64,)),
+        "the same facts, 10 torch Python calls": python_facts,
+        "mapped(64 floats), C++ from_blob": lambda: mapped(pin, 0, torch.float32, (64,)),
+        "torch.frombuffer(64 floats)": lambda: torch.frombuffer(pin, dtype=torch.float32, count=64),
         "torch.empty(64, dtype=float32)": lambda: torch.empty(64, dtype=torch.float32),
         "(a Python call of nothing)": lambda: None,
     }
