@@ -591,7 +591,7 @@ class Lease(_Handle, LeaseCore):
         parts = self._parts
         return parts.refs.open(parts.rows, self.slot, self.generation, name)
 
-    def _copy_slow(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
+    def _copy_slow(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """copy() but for an inline field without `out`, which LeaseCore.copy makes in one
         compiled call: a ref field, a caller's `out`, or a refusal to word."""
         self._check_open("copy")

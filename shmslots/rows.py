@@ -319,11 +319,17 @@ def _plain_copy(
     """The plain copy torch makes of `value`, which RULES admitted with codes beyond `keep`
     (_ON_GPU: a ref field's CUDA tensor stays on its GPU), checked again; with no autograd, and
     neither a subclass nor a mode answering in place of the tensor."""
-    with torch.no_grad(), torch._C.DisableTorchFunction():
-        plain = torch.empty(
-            tuple(value.shape), dtype=value.dtype, device=value.device if keep else "cpu"
-        )
-        plain.copy_(value)
+    try:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            plain = torch.empty(
+                tuple(value.shape), dtype=value.dtype, device=value.device if keep else "cpu"
+            )
+            plain.copy_(value)
+    except Exception as exc:  # a subclass with no data to give (a fake tensor), or refusing
+        raise SchemaError(
+            f"{what}field {f.name!r}: torch could not copy the {type(value).__name__} it was "
+            f"given ({exc})"
+        ) from exc
     code = RULES.check(plain, f.torch_dtype, shape)
     if code & ~keep:
         raise SchemaError(what + refusal(f, value, code))
@@ -442,7 +448,10 @@ def check_out(what: str, f: Field, out: object, shape: tuple[int, ...]) -> None:
         elif code == _TOO_BIG:
             why = f"out of shape {shape} has too many bytes"
         else:
-            why = "out must be a plain, contiguous torch.Tensor (not lazily negated, no subclass)"
+            why = (
+                "out must be a plain, contiguous torch.Tensor of its own storage (not lazily "
+                "negated or cloned, no subclass)"
+            )
     raise SchemaError(f"{what}: {why}")
 
 

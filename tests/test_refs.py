@@ -207,6 +207,7 @@ def test_corrupt_refs_are_refused_not_followed(name: str) -> None:
             (arena_ref(DTYPE_INDEX["int32"], start, nbytes, shape, name), "another dtype"),
             (arena_ref(dtype, start, nbytes - 4, shape, name), "as many bytes as its shape"),
             (arena_ref(dtype, 2**64 - 8, 64, (16,), name), "outside the arena"),
+            (arena_ref(dtype, start, 0, (0, 2**62, 2**62), name), "as many bytes as its shape"),
             (b"\xff\xff", "no valid ref"),
             (b"\x05\x00\x09abcd", "no valid ref"),  # no such kind
         ]

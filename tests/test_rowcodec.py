@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from shmslots import Field, SchemaError, SlotTable
 from shmslots._core import RowCodec, row_hash
 from shmslots.rows import RULES, Rows
+from shmslots.schema import DTYPE_INDEX
 
 FIELDS = (
     Field("i64", "int64"),
@@ -354,7 +355,8 @@ def test_the_codec_refuses_a_field_whose_bytes_are_not_its_shape(name: str) -> N
     with SlotTable.create(name, FIELDS, slots=1) as table:
         rows = table._rows
         column = table.layout.column(0)
-        spec = ("f", column, 64, 4096, 0, 0, torch.int32, (4,))  # claims 4096 B for 16
+        int32 = DTYPE_INDEX["int32"]
+        spec = ("f", column, 64, 4096, 0, 0, torch.int32, int32, (4,))  # claims 4096 B for 16
         with pytest.raises(ValueError, match="dtype times its shape"):
             RowCodec(table._segment.mm, table.layout.seals, 1, (spec,), RULES)
         assert rows.checksum(0) == rows.checksum(0)

@@ -19,39 +19,76 @@ from shmslots.rows import REASONS, RULES
 f32 = torch.float32
 
 
-class _Wrapper(torch.Tensor):
-    """A __torch_dispatch__ wrapper subclass, as FakeTensor and DTensor are: no storage of
-    its own that torch will show, sizes answered through Python."""
+class _Refusing(torch.Tensor):
+    """A __torch_dispatch__ wrapper subclass that refuses every torch function."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
-        made: _Wrapper = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+    def __new__(cls, inner: torch.Tensor) -> _Refusing:
+        made: _Refusing = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, inner.shape, dtype=inner.dtype, device=inner.device
         )
-        made.inner = inner  # type: ignore[attr-defined]
         return made
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise AssertionError(f"the wrapper was asked {func}")
+        raise KeyError(f"the wrapper was asked {func}")
 
 
-def test_a_tensor_torch_shows_no_storage_of_is_refused_as_having_none(name: str) -> None:
-    """A wrapper subclass is refused without asking it anything (its __torch_dispatch__
-    raises if asked); so is a fake tensor, whose data lives nowhere."""
+def test_a_dispatch_subclass_is_copied_by_torch_or_refused_in_words(name: str) -> None:
+    """A __torch_dispatch__ subclass answers size and storage queries through Python, so its
+    facts are not read: torch copies it (a TwoTensor, a DTensor's local part) and the copy is
+    checked; one that cannot be copied (a fake tensor, one refusing torch) is a SchemaError."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
 
-    wrapped = _Wrapper(torch.ones(3))
+    two = TwoTensor(torch.arange(3, dtype=f32), torch.arange(3, dtype=f32))
     with FakeTensorMode():
         fake = torch.ones(3)
-    for value in (wrapped, fake):
-        assert RULES.check(value, f32, (3,)) == REASONS["NO_STORAGE"]
+    for value in (two, fake, _Refusing(torch.ones(3))):
+        assert RULES.check(value, f32, (3,)) == REASONS["SUBCLASS"]
     with SlotTable.create(name, (Field("vec", "float32", (3,)),), slots=1) as table:
         ws = table.claim()
-        for value in (wrapped, fake):
-            with pytest.raises(SchemaError):
+        ws.write(vec=two)
+        assert ws.view("vec").tolist() == [0.0, 1.0, 2.0]
+        for value in (fake, _Refusing(torch.ones(3))):
+            with pytest.raises(SchemaError, match="torch could not copy"):
                 ws.write(vec=value)
         ws.abort()
+
+
+def test_a_lazy_clone_is_read_but_never_written_through(name: str) -> None:
+    """A lazy clone shares its source's storage until written: copying from it reads the
+    shared bytes, and it is refused as an `out`, whose bytes would land in the source."""
+    with SlotTable.create(name, (Field("vec", "float32", (4,)),), slots=1) as table:
+        source = torch.arange(4, dtype=f32)
+        table.claim().write(vec=torch.full((4,), 7.0)).publish()
+        lease = table.take()
+        assert lease is not None
+        out = torch._lazy_clone(source)
+        assert RULES.check(out, f32, (4,)) == REASONS["LAZY"]
+        with pytest.raises(SchemaError, match="its own storage"):
+            lease.copy("vec", out=out)
+        assert source.tolist() == [0.0, 1.0, 2.0, 3.0]
+        lease.release()
+        ws = table.claim()
+        ws.write(vec=torch._lazy_clone(source))
+        assert ws.view("vec").tolist() == [0.0, 1.0, 2.0, 3.0]
+        ws.abort()
+
+
+def test_copy_and_tensor_take_their_arguments_by_name(name: str) -> None:
+    with SlotTable.create(name, (Field("vec", "float32", (4,)),), slots=1) as table:
+        table.claim().write(vec=torch.ones(4)).publish()
+        lease = table.take()
+        assert lease is not None
+        out = torch.zeros(4)
+        assert lease.copy(name="vec").tolist() == [1.0] * 4
+        assert lease.copy(out=out, name="vec") is out and out.tolist() == [1.0] * 4
+        assert lease.copy("vec", out=None).tolist() == [1.0] * 4
+        assert lease.tensor(name="vec").tolist() == [1.0] * 4
+        with pytest.raises(TypeError):
+            lease.copy("vec", nothing=1)  # type: ignore[call-arg]
+        lease.release()
 
 
 def test_the_facts_are_the_tensor_s_own() -> None:
@@ -128,11 +165,12 @@ def test_the_refusal_codes_are_worded() -> None:
 
 
 def test_the_module_refuses_another_torch() -> None:
-    """Built against one torch, it will not load beside another: torch's C++ API has no
-    stable ABI, and a mismatch would crash later, not fail here."""
+    """Built against one torch, shmslots will not load its C++ beside another: torch's C++
+    API has no stable ABI, and a mismatch would crash later, or fail on a missing symbol
+    that names no cause."""
     code = (
         "import torch; torch.__version__ = '0.0.1'\n"
-        "try:\n    import shmslots._tensors\nexcept ImportError as e:\n    print(e)\n"
+        "try:\n    import shmslots.rows\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

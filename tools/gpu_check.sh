@@ -8,8 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-    # a CUDA machine brings its own torch build, which shmslots._tensors compiles against
+    # a CUDA machine brings its own torch build (seen through the system's site-packages),
+    # which shmslots._tensors compiles against
+    python3 -m venv --system-site-packages .venv
+    .venv/bin/python -c 'import torch' || { echo "no torch on this machine" >&2; exit 1; }
     .venv/bin/pip install --quiet 'setuptools>=77' wheel
     .venv/bin/pip install --quiet --no-build-isolation -e '.[test]'
 fi

@@ -41,6 +41,22 @@ slow(PyObject *self, PyObject *name, PyObject *arg1, PyObject *arg2)
     return PyObject_VectorcallMethod(name, stack, n | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+/* The handle's Python method `name` with the call's own arguments, keywords included. */
+static PyObject *
+slow_call(PyObject *h, PyObject *name, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[4], **stack = n < 4 ? small : PyMem_Malloc((size_t)(n + 1) * sizeof *stack);
+    if (!stack)
+        return PyErr_NoMemory();
+    stack[0] = h;
+    memcpy(stack + 1, args, (size_t)n * sizeof *stack);
+    PyObject *r = PyObject_VectorcallMethod(name, stack, (size_t)(nargs + 1), kwnames);
+    if (stack != small)
+        PyMem_Free(stack);
+    return r;
+}
+
 /* -- WatchedTensors ------------------------------------------------------------------------ */
 
 /* A tensor at rest.  Three counts rise while anything outside still uses it: references to
@@ -1052,13 +1068,14 @@ lease_item(Handle *h, PyObject *name)
  * as leases.py's Lease.tensor says), or an inline field's view; a CUDA ref, a refusal to
  * word or a closed lease is `_tensor_slow`'s. */
 static PyObject *
-lease_tensor(Handle *h, PyObject *name)
+lease_tensor(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     if (!made(h))
         return NULL;
     Py_ssize_t slot;
     uint64_t gen;
-    if (usable(h) && PyUnicode_CheckExact(name) && ids(h, &slot, &gen)) {
+    PyObject *name = nargs == 1 && !kwnames ? args[0] : NULL;
+    if (name && usable(h) && PyUnicode_CheckExact(name) && ids(h, &slot, &gen)) {
         PyObject *opened = h->opened && PyDict_CheckExact(h->opened) ? h->opened : NULL;
         PyObject *w = opened ? PyDict_GetItemWithError(opened, name) : NULL;
         if (w) { /* opened before, by this lease */
@@ -1075,42 +1092,34 @@ lease_tensor(Handle *h, PyObject *name)
                 Py_DECREF(got);
                 return lease_view(h, name);
             }
-            if (got && !PyLong_Check(got))
+            if (got && !PyLong_Check(got) && usable(h)) /* still: making it may run Python */
                 return watch_opened(h, name, got);
             if (!got)
                 return NULL;
-            Py_DECREF(got); /* a CUDA ref, or a refusal: Python opens it or words it */
+            Py_DECREF(got); /* a CUDA ref, a refusal, or a lease just ended: Python's */
         }
     }
-    return slow((PyObject *)h, s_tensor_slow, name, NULL);
+    return slow_call((PyObject *)h, s_tensor_slow, args, nargs, kwnames);
 }
 
-/* copy(name, out=None): an owned copy of an inline field in one compiled call when no `out`
- * is given; anything else (an `out`, a ref field, an unknown name, a closed lease) is
- * `_copy_slow`'s, which copies or words the refusal. */
+/* copy(name, out=None): an owned copy of an inline field in one compiled call when only the
+ * name is given; anything else (an `out`, keywords, a ref field, an unknown name, a closed
+ * lease) is `_copy_slow`'s, which copies or words the refusal. */
 static PyObject *
 lease_copy(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     if (!made(h))
         return NULL;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0, slot;
+    Py_ssize_t slot;
     uint64_t gen;
-    if (nargs + nkw == 2 && (nkw == 0 || PyUnicode_CompareWithASCIIString(
-                                              PyTuple_GET_ITEM(kwnames, 0), "out") == 0)) {
-        if (args[1] != Py_None)
-            return slow((PyObject *)h, s_copy_slow, args[0], args[1]);
-    } else if (nargs != 1 || nkw) {
-        PyErr_SetString(PyExc_TypeError, "copy(name, out=None)");
-        return NULL;
-    }
-    if (usable(h) && ids(h, &slot, &gen)) {
+    if (nargs == 1 && !kwnames && usable(h) && ids(h, &slot, &gen)) {
         PyObject *made_copy = codec_copy(h->core->codec, slot, args[0]);
         if (made_copy != Py_None && (!made_copy || usable(h)))
             return made_copy; /* the copy, or NULL with the error */
         /* None, or the allocation ran Python that ended the lease: the slow path says so */
         Py_DECREF(made_copy);
     }
-    return slow((PyObject *)h, s_copy_slow, args[0], Py_None);
+    return slow_call((PyObject *)h, s_copy_slow, args, nargs, kwnames);
 }
 
 static PyObject *
@@ -1785,7 +1794,7 @@ static PyTypeObject WriteSlotType = {
 static PyMethodDef lease_methods[] = {
     {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
     {"item", (PyCFunction)lease_item, METH_O, "item(name): a scalar field as a Python number"},
-    {"tensor", (PyCFunction)lease_tensor, METH_O,
+    {"tensor", (PyCFunction)(void (*)(void))lease_tensor, METH_FASTCALL | METH_KEYWORDS,
      "tensor(name): the field as a tensor, inline or ref; zero copy, valid while the lease\n"
      "is held.  A ref is opened once per lease: an arena view, or the CUDA tensor rebuilt\n"
      "on this process's device with the same UUID."},

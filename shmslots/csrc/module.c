@@ -2,15 +2,42 @@
  * test-only kill points that SIGKILL this process inside a compiled step. */
 #include "core.h"
 #include <signal.h>
+#include <string.h>
 
 int kill_at = KILL_NONE;
 const TensorApi *tensor_api;
+
+/* The torch imported is the one shmslots._tensors was built against, or ImportError saying
+ * so: torch's C++ API has no stable ABI, and a mismatch could crash later or fail to load
+ * with a missing symbol, which says nothing of the cause.  0, or -1 with the error set. */
+static int
+same_torch(void)
+{
+    PyObject *torch = PyImport_ImportModule("torch"); /* its libraries _tensors links, too */
+    PyObject *version = torch ? PyObject_GetAttrString(torch, "__version__") : NULL;
+    Py_XDECREF(torch);
+    if (!version)
+        return -1;
+    const char *running = PyUnicode_Check(version) ? PyUnicode_AsUTF8(version) : NULL;
+    int same = running && strcmp(running, SHMSLOTS_TORCH_VERSION) == 0;
+    if (!same && !PyErr_Occurred())
+        PyErr_Format(PyExc_ImportError,
+                     "shmslots was built against torch %s, but torch %s is installed: build it "
+                     "again against this one (from a checkout: pip install --no-build-isolation "
+                     "-e .; from an index: pip install --force-reinstall --no-deps "
+                     "--no-cache-dir --no-binary shmslots --no-build-isolation shmslots)",
+                     SHMSLOTS_TORCH_VERSION, running ? running : "of an unknown version");
+    Py_DECREF(version);
+    return same ? 0 : -1;
+}
 
 int
 bind_tensors(void)
 {
     if (tensor_api)
         return 0;
+    if (same_torch() < 0)
+        return -1;
     PyObject *m = PyImport_ImportModule("shmslots._tensors"); /* PyCapsule_Import does not */
     if (!m)
         return -1;

@@ -95,10 +95,18 @@ ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype
         return REF_NOT_OURS;
     if (ref.dtype != dtype)
         return REF_DTYPE;
-    uint64_t count = 1, end;
-    for (int d = 0; d < ref.ndim; d++)
-        if (__builtin_mul_overflow(count, (uint64_t)ref.sizes[d], &count))
+    /* Every size counts, an empty dimension included: torch refuses a shape whose other
+     * sizes overflow even when it holds no element. */
+    uint64_t nonzero = 1, count, end;
+    int empty = 0;
+    for (int d = 0; d < ref.ndim; d++) {
+        uint64_t size = (uint64_t)ref.sizes[d];
+        if (!size)
+            empty = 1;
+        else if (__builtin_mul_overflow(nonzero, size, &nonzero) || nonzero > INT64_MAX)
             return REF_SIZE;
+    }
+    count = empty ? 0 : nonzero;
     if (__builtin_mul_overflow(count, (uint64_t)itemsize, &count) || count != ref.nbytes)
         return REF_SIZE;
     if (ref.offset < place->lo || __builtin_add_overflow(ref.offset, ref.nbytes, &end) ||
@@ -173,11 +181,17 @@ arena_ref(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     long dtype = PyLong_AsLong(args[0]);
-    unsigned long long offset = PyLong_AsUnsignedLongLong(args[1]);
-    unsigned long long nbytes = PyLong_AsUnsignedLongLong(args[2]);
+    if (dtype == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long offset = PyLong_AsUnsignedLongLong(args[1]), nbytes;
+    if (offset == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if ((nbytes = PyLong_AsUnsignedLongLong(args[2])) == (unsigned long long)-1 &&
+        PyErr_Occurred())
+        return NULL;
     Py_ssize_t ndim = PyTuple_GET_SIZE(args[3]), table_len;
     const char *table = PyUnicode_AsUTF8AndSize(args[4], &table_len);
-    if (PyErr_Occurred() || !table)
+    if (!table)
         return NULL;
     if (dtype < 0 || dtype > 255 || ndim > REF_MAX_DIMS || table_len > 255) {
         PyErr_SetString(PyExc_ValueError, "a ref's dtype index, dimensions or table name is too big");

@@ -67,6 +67,7 @@ enum {
     T_NEGATED = 2, /* lazily negated */
     T_ON_GPU = 4,
     T_SUBCLASS = 8,
+    T_LAZY = 16, /* a lazy clone's storage, shared with another tensor until written */
     T_NOT_TENSOR = -1,
     T_DTYPE = -2,
     T_SHAPE = -3,
@@ -137,8 +138,8 @@ check(Rules *r, PyObject *v, int dtype, Py_ssize_t itemsize, PyObject *shape, co
         return T_ERROR;
     if (f.dtype != dtype)
         return T_DTYPE;
-    if (f.ndim < 0)
-        return T_NO_STORAGE;
+    if (f.ndim < 0) /* facts not read: a __torch_dispatch__ subclass's are torch's to copy */
+        return code == T_SUBCLASS ? T_SUBCLASS : T_NO_STORAGE;
     Py_ssize_t numel = 0, span, end;
     if ((fit = shape_fits(f.ndim, f.sizes, shape, &numel)) != T_PLAIN)
         return fit;
@@ -164,6 +165,8 @@ check(Rules *r, PyObject *v, int dtype, Py_ssize_t itemsize, PyObject *shape, co
         return T_SHORT_STORAGE;
     if (f.negated)
         code |= T_NEGATED;
+    if (f.lazy) /* its bytes may be read, but a copy into it would land in the other's too */
+        code |= T_LAZY;
     if (code == T_PLAIN) {
         if (!f.data) /* the storage holds the elements, so this cannot happen: refuse */
             return T_NO_STORAGE;
@@ -949,6 +952,26 @@ rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     return move_call(r, args, nargs, 0, "scatter(slots, name, values)");
 }
 
+/* memcpy of n bytes out of the rows; a big one lets other threads run, with an export of the
+ * buffer held so that none can unmap it meanwhile (as write and move_items do).  0, or -1
+ * with an error set. */
+static int
+copy_out(RowCodec *r, char *dst, const char *src, Py_ssize_t n)
+{
+    if (n < (1 << 20)) {
+        memcpy(dst, src, (size_t)n);
+        return 0;
+    }
+    Py_buffer keep;
+    if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0)
+        return -1;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, src, (size_t)n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&keep);
+    return 0;
+}
+
 PyObject *
 codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
 {
@@ -962,8 +985,8 @@ codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
         Py_XDECREF(out);
         return NULL;
     }
-    if (s->nbytes) /* slot checked after the allocation, which may have run Python */
-        memcpy(f.data, item_at(r, s, slot), (size_t)s->nbytes);
+    if (copy_out(r, f.data, item_at(r, s, slot), s->nbytes) < 0) /* slot checked above, */
+        Py_CLEAR(out);                                                 /* after the allocation */
     return out;
 }
 
@@ -1144,15 +1167,16 @@ rc_open_ref(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     if (slot < 0)
         return NULL;
     RefPlace place;
-    place.lo = PyLong_AsUnsignedLongLong(args[2]);
-    place.hi = PyLong_AsUnsignedLongLong(args[3]);
-    place.table = PyUnicode_Check(args[4]) ? PyUnicode_AsUTF8AndSize(args[4], &place.table_len)
-                                           : NULL;
-    if (PyErr_Occurred() || !place.table) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "open_ref: table must be a str");
+    if (!PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "open_ref: table must be a str");
         return NULL;
     }
+    if ((place.lo = PyLong_AsUnsignedLongLong(args[2])) == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    if ((place.hi = PyLong_AsUnsignedLongLong(args[3])) == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    if (!(place.table = PyUnicode_AsUTF8AndSize(args[4], &place.table_len)))
+        return NULL;
     return codec_open_ref(r, slot, args[1], &place);
 }
 
@@ -1197,8 +1221,9 @@ static int
 add_enums(PyObject *m)
 {
     PyObject *reasons = Py_BuildValue(
-        "{si,si,si,si,si,si,si,si,si,si,si,si,si}", "PLAIN", T_PLAIN, "STRIDED", T_STRIDED,
-        "NEGATED", T_NEGATED, "ON_GPU", T_ON_GPU, "SUBCLASS", T_SUBCLASS, "NOT_TENSOR",
+        "{si,si,si,si,si,si,si,si,si,si,si,si,si,si}", "PLAIN", T_PLAIN, "STRIDED", T_STRIDED,
+        "NEGATED", T_NEGATED, "ON_GPU", T_ON_GPU, "SUBCLASS", T_SUBCLASS, "LAZY", T_LAZY,
+        "NOT_TENSOR",
         T_NOT_TENSOR, "DTYPE", T_DTYPE, "SHAPE", T_SHAPE, "DEVICE", T_DEVICE, "NO_STORAGE",
         T_NO_STORAGE, "SHORT_STORAGE", T_SHORT_STORAGE, "TOO_BIG", T_TOO_BIG, "ERROR", T_ERROR);
     PyObject *scalars = PyDict_New();

@@ -2,31 +2,34 @@
 //
 // rowcodec.c's rules once asked torch's Python API about ten attributes per tensor (~0.7 us,
 // most of a small row's write); here the same facts cost one C++ read each.  The module is
-// built against the torch it is installed beside (setup.py) and refuses to load beside
-// another: torch's C++ API has no stable ABI.  tensors.h says what each function promises.
+// built against the torch it is installed beside (setup.py), and _core loads it beside that
+// torch only: torch's C++ API has no stable ABI.  tensors.h says what each function promises.
 #include "tensors.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/COW.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstring>
 #include <exception>
 #include <new>
 
 namespace {
 
-// The C callers see Python errors only: what torch threw is worded as one.
+// The C callers see Python errors only: what torch threw is worded as one (without the C++
+// backtrace torch's errors carry).
 void set_error(const std::exception &e)
 {
+    auto torch_error = dynamic_cast<const c10::Error *>(&e);
     if (dynamic_cast<const std::bad_alloc *>(&e) || dynamic_cast<const c10::OutOfMemoryError *>(&e))
         PyErr_NoMemory();
     else
-        PyErr_SetString(PyExc_RuntimeError, e.what());
+        PyErr_SetString(PyExc_RuntimeError,
+                        torch_error ? torch_error->what_without_backtrace() : e.what());
 }
 
 int device_of(c10::DeviceType type)
@@ -51,6 +54,7 @@ void read_storage(c10::TensorImpl *impl, TensorFacts *f)
         f->storage_offset = impl->storage_offset();
         const c10::Storage &storage = impl->storage();
         f->storage_nbytes = static_cast<int64_t>(storage.nbytes());
+        f->lazy = c10::impl::cow::is_cow_data_ptr(storage.data_ptr());
         const char *base = static_cast<const char *>(storage.data());
         f->data = base ? const_cast<char *>(base) + f->storage_offset * impl->itemsize() : nullptr;
         f->readable = 1;
@@ -143,26 +147,6 @@ Py_ssize_t storage_uses(PyObject *storage)
 
 const TensorApi api = {facts, empty, over, dtype_of, storage_uses};
 
-// torch's C++ API has no stable ABI: beside any torch but the one it was built against, the
-// module refuses to load, saying which to rebuild for.
-int same_torch(void)
-{
-    PyObject *torch = PyImport_ImportModule("torch");
-    PyObject *version = torch ? PyObject_GetAttrString(torch, "__version__") : nullptr;
-    Py_XDECREF(torch);
-    if (!version)
-        return -1;
-    const char *running = PyUnicode_Check(version) ? PyUnicode_AsUTF8(version) : nullptr;
-    int same = running && std::strcmp(running, SHMSLOTS_TORCH_VERSION) == 0;
-    if (running && !same)
-        PyErr_Format(PyExc_ImportError,
-                     "shmslots was built against torch %s but torch %s is installed: "
-                     "reinstall shmslots (pip install --no-build-isolation shmslots)",
-                     SHMSLOTS_TORCH_VERSION, running);
-    Py_DECREF(version);
-    return same ? 0 : -1;
-}
-
 PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "shmslots._tensors",
     "A tensor's facts and new tensors through torch's C++ objects (capsule API).",
@@ -171,10 +155,10 @@ PyModuleDef module = {
 
 } // namespace
 
+// Loaded by _core's bind_tensors only, once it has checked that the torch imported is the
+// one this was built against (SHMSLOTS_TORCH_VERSION, given to both modules by setup.py).
 extern "C" __attribute__((visibility("default"))) PyObject *PyInit__tensors(void)
 {
-    if (same_torch() < 0)
-        return nullptr;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return nullptr;

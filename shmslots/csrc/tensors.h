@@ -2,7 +2,8 @@
  * through torch's C++ objects (tensors.cpp) instead of a Python call per attribute.
  *
  * The module exports one capsule, API (TENSORS_CAPSULE), of the functions below; core.h's
- * `tensor_api` points at it once bind_tensors() has run.  A fact read here runs no Python: no
+ * `tensor_api` points at it once bind_tensors() has run, which loads the module beside the
+ * torch it was built against only (SHMSLOTS_TORCH_VERSION).  A fact read here runs no Python: no
  * subclass's __torch_function__, no mode and no method set on the instance answers for the
  * tensor.  What the facts *mean* (which tensors may be copied as bytes) is rowcodec.c's
  * rules; this file only reads.
@@ -27,6 +28,7 @@ typedef struct {
      * one whose storage access throws); the fields below are then filled. */
     int readable;
     int contiguous, negated;
+    int lazy;               /* a lazy clone's storage, shared until written (torch._lazy_clone) */
     int64_t storage_offset; /* in elements */
     int64_t storage_nbytes;
     char *data;             /* the first element (NULL for a storage with no data) */
