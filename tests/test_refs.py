@@ -200,6 +200,7 @@ def test_corrupt_refs_are_refused_not_followed(name: str) -> None:
         assert lease is not None
         off = t._rows.item(lease.slot, "blob")
         good = parse_ref(t._rows.field_bytes(lease.slot, "blob"))
+        assert len(good) == 6  # an arena ref
         _, dtype, start, nbytes, shape, _ = good
         forged = [
             (arena_ref(dtype, 0, nbytes, shape, name), "outside the arena"),

@@ -13,8 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shmslots import Field, SchemaError, SlotTable
-from shmslots._core import REF_REFUSALS, mapped
-from shmslots.rows import REASONS, RULES
+from shmslots._core import REASONS, REF_REFUSALS, mapped
+from shmslots.rows import RULES
 
 f32 = torch.float32
 
@@ -24,13 +24,13 @@ class _Refusing(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> _Refusing:
-        made: _Refusing = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        made: _Refusing = torch.Tensor._make_wrapper_subclass(
             cls, inner.shape, dtype=inner.dtype, device=inner.device
         )
         return made
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def, override]
         raise KeyError(f"the wrapper was asked {func}")
 
 
@@ -41,7 +41,7 @@ def test_a_dispatch_subclass_is_copied_by_torch_or_refused_in_words(name: str) -
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.two_tensor import TwoTensor
 
-    two = TwoTensor(torch.arange(3, dtype=f32), torch.arange(3, dtype=f32))
+    two = TwoTensor(torch.arange(3, dtype=f32), torch.arange(3, dtype=f32))  # type: ignore[no-untyped-call]
     with FakeTensorMode():
         fake = torch.ones(3)
     for value in (two, fake, _Refusing(torch.ones(3))):
