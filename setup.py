@@ -50,9 +50,14 @@ setup(
             # -isystem: torch's headers are not held to this project's warnings; -g0: their
             # debug information doubled the compile (32 -> 17 s on a 2-core machine)
             extra_compile_args=[
-                "-O2", "-g0", "-std=c++17", *WARNINGS, HIDDEN,
-                "-isystem", os.path.join(TORCH, "include"),
-            ],  # fmt: skip
+                "-O2",
+                "-g0",
+                "-std=c++17",
+                *WARNINGS,
+                HIDDEN,
+                "-isystem",
+                os.path.join(TORCH, "include"),
+            ],
             define_macros=[
                 ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
                 BUILT_FOR,
