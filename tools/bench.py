@@ -1,7 +1,7 @@
 """Benchmark shmslots against its peers, side by side in one run, with ratios to its targets.
 
 Run from the repository root (inside the project's virtualenv, with the `bench` extras:
-`pip install -e '.[bench]'`, for iceoryx2 and matplotlib):
+`pip install --no-build-isolation -e '.[bench]'`, for iceoryx2 and matplotlib):
 
     python tools/bench.py [--quick] [--out bench-out] [--profile]
     python tools/bench.py COMMAND [args]      (COMMAND --help says more)
@@ -68,7 +68,7 @@ def _extras_missing() -> bool:
     if missing:
         print(
             f"tools/bench.py: error: {' and '.join(missing)} not installed; install the bench "
-            "extras: pip install -e '.[bench]'",
+            "extras: pip install --no-build-isolation -e '.[bench]'",
             file=sys.stderr,
         )
     return bool(missing)

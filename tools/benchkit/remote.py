@@ -9,8 +9,8 @@ latency from the writer starting to pack a row to the owner taking it.
   local             a spawned transfer worker: claim -> write -> publish (a local copy)
   remote, 1/call    a remote writer process: one engine call and commit per row
   remote, 32/call   32 rows per engine call, one commit message behind them
-each remote path once per engine.  Needs `pip install -e '.[remote,nixl]'` and Debian's
-libibverbs1.
+each remote path once per engine.  Needs `pip install --no-build-isolation -e
+'.[remote,nixl]'` and Debian's libibverbs1.
 
 --base PATH compares this checkout with another in one run (before/after), Mooncake
 paths only (older checkouts have no NIXL engine): PATH is a
