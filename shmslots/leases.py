@@ -47,7 +47,8 @@ from .errors import (
     SlotsExhausted,
     StaleLeaseError,
 )
-from .rows import check_out, contiguous_strides
+from .rows import check_out
+from .schema import contiguous_strides
 from .states import Event, State
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import msgpack
 
 from ._core import REF_REFUSALS, parse_ref
 from .errors import CorruptTable
-from .schema import DTYPE_CODES, DTYPE_SIZES
+from .schema import DTYPE_CODES, DTYPE_SIZES, contiguous_strides
 
 _DTYPES = list(DTYPE_CODES)  # by the index a ref stores
 _MAX_DIMS = 8
@@ -37,10 +37,6 @@ def decode(raw: bytes) -> dict[str, Any]:
     _, dtype, offset, nbytes, shape, table = parsed
     if dtype >= len(_DTYPES):
         raise CorruptTable(f"ref of dtype number {dtype}, which no field has")
-    strides, step = [], 1
-    for size in reversed(shape):  # contiguous in the arena
-        strides.append(step)
-        step *= size
     return {
         "b": "shm",
         "arena": table,
@@ -48,7 +44,7 @@ def decode(raw: bytes) -> dict[str, Any]:
         "n": nbytes,
         "dtype": _DTYPES[dtype],
         "shape": list(shape),
-        "stride": strides[::-1],
+        "stride": list(contiguous_strides(shape)),  # contiguous in the arena
     }
 
 

@@ -53,11 +53,6 @@ _INT_DTYPES = frozenset(name for name in DTYPE_CODES if name.startswith(("int", 
 UNPINNED = memoryview(b"")  # what a closed pin is replaced by
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides, in elements, of a contiguous tensor of `shape`."""
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-
-
 class RowRegion(Protocol):
     """Where a buffer's columns and seals lie: a table's `Layout`, or a `ColumnBlock`."""
 

@@ -69,6 +69,11 @@ def dtype_name(dtype: object) -> str | None:
     return None
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous tensor of `shape`."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
 @dataclass(frozen=True, init=False)
 class Field:
     """One named tensor in every row.

@@ -104,10 +104,11 @@ typedef struct {
     Py_ssize_t table_len;
 } RefPlace;
 /* The arena ref in an item of `len` bytes, checked against `place` and a field of `dtype`
- * (its index in schema.DTYPE_CODES) and `itemsize`: REF_OK with *offset, *ndim and sizes
- * (up to REF_MAX_DIMS) set, else a refusal.  No error is set either way. */
+ * (its index in schema.DTYPE_CODES) and `itemsize`: REF_OK with *offset, *nbytes, *ndim
+ * and sizes (up to REF_MAX_DIMS) set, else a refusal.  No error is set either way. */
 int ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
-                   Py_ssize_t itemsize, uint64_t *offset, int *ndim, int64_t *sizes);
+                   Py_ssize_t itemsize, uint64_t *offset, uint64_t *nbytes, int *ndim,
+                   int64_t *sizes);
 int refcodec_add(PyObject *m);
 
 /* -- rowcodec.c: a row's copies --------------------------------------------------------------- */

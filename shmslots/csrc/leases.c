@@ -6,8 +6,8 @@
  * no view left behind, a transition that succeeds — and otherwise calls the
  * handle's Python method for the step (`_write_slow`, `_publish_slow`,
  * `_abort_slow`, `_view_slow`, `_item_slow`, `_copy_slow`, `_tensor_slow`, `_end`) before
- * changing anything, which does the checks in Python and raises the error.  Slots still move only through
- * hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
+ * changing anything, which does the checks in Python and raises the error.  Slots still move
+ * only through hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
  * directly: nothing here adds to the protocol, and no step calls Python.
  *
  * Nothing is owned by nobody: a handle is made in the same C call as the
@@ -27,10 +27,9 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
 /* torch.Tensor's own untyped_storage, called with the tensor: a method set on the instance
  * (tensors have a __dict__) must not stand in for it. */
 static PyObject *tensor_untyped_storage;
-static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_publish_slow,
-    *s_abort_slow, *s_view_slow, *s_item_slow, *s_copy_slow, *s_tensor_slow, *s_end, *s_release, *s_abort,
-    *s_timeout,
-    *s_idle, *default_timeout;
+static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_publish_slow, *s_abort_slow,
+    *s_view_slow, *s_item_slow, *s_copy_slow, *s_tensor_slow, *s_end, *s_release, *s_abort,
+    *s_timeout, *s_idle, *default_timeout;
 
 /* Call self.<name>(*args): the Python path of a step. */
 static PyObject *
@@ -1064,6 +1063,14 @@ lease_item(Handle *h, PyObject *name)
     return slow((PyObject *)h, s_item_slow, name, NULL);
 }
 
+/* Whether a call takes the fast path: its one argument given by position, on a handle of an
+ * open table; *slot and *gen set.  Anything else goes to the handle's Python method. */
+static int
+one_name(Handle *h, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t *slot, uint64_t *gen)
+{
+    return nargs == 1 && !kwnames && usable(h) && ids(h, slot, gen);
+}
+
 /* tensor(name): a ref field opened (an arena ref in one compiled call, watched on its own
  * as leases.py's Lease.tensor says), or an inline field's view; a CUDA ref, a refusal to
  * word or a closed lease is `_tensor_slow`'s. */
@@ -1074,8 +1081,8 @@ lease_tensor(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         return NULL;
     Py_ssize_t slot;
     uint64_t gen;
-    PyObject *name = nargs == 1 && !kwnames ? args[0] : NULL;
-    if (name && usable(h) && PyUnicode_CheckExact(name) && ids(h, &slot, &gen)) {
+    if (one_name(h, nargs, kwnames, &slot, &gen) && PyUnicode_CheckExact(args[0])) {
+        PyObject *name = args[0];
         PyObject *opened = h->opened && PyDict_CheckExact(h->opened) ? h->opened : NULL;
         PyObject *w = opened ? PyDict_GetItemWithError(opened, name) : NULL;
         if (w) { /* opened before, by this lease */
@@ -1112,7 +1119,7 @@ lease_copy(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         return NULL;
     Py_ssize_t slot;
     uint64_t gen;
-    if (nargs == 1 && !kwnames && usable(h) && ids(h, &slot, &gen)) {
+    if (one_name(h, nargs, kwnames, &slot, &gen)) {
         PyObject *made_copy = codec_copy(h->core->codec, slot, args[0]);
         if (made_copy != Py_None && (!made_copy || usable(h)))
             return made_copy; /* the copy, or NULL with the error */

@@ -83,7 +83,8 @@ parse(const char *raw, Py_ssize_t len, Ref *ref)
 
 int
 ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
-               Py_ssize_t itemsize, uint64_t *offset, int *ndim, int64_t *sizes)
+               Py_ssize_t itemsize, uint64_t *offset, uint64_t *nbytes, int *ndim,
+                   int64_t *sizes)
 {
     Ref ref;
     int code = parse(raw, len, &ref);
@@ -113,6 +114,7 @@ ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype
         end > place->hi)
         return REF_OUTSIDE;
     *offset = ref.offset;
+    *nbytes = ref.nbytes;
     *ndim = ref.ndim;
     memcpy(sizes, ref.sizes, sizeof(int64_t) * (size_t)ref.ndim);
     return REF_OK;

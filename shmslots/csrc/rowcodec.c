@@ -21,7 +21,8 @@
 #include <string.h>
 
 #define MAX_FIELDS 64
-#define MAX_DIMS 8 /* dimensions of a field that copied() makes its tensor for */
+#define MAX_DIMS 8 /* dimensions of a field that copy() makes its tensor for */
+#define BIG_COPY (1 << 20) /* bytes from which a copy lets other threads run (copy_start) */
 
 /* How a field is written from a Python number (`scalar`) and read as one (`item`); the
  * 16-bit floats are read only. */
@@ -261,7 +262,7 @@ rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     char *at = (char *)dst.buf + offset;
-    if (nbytes >= (1 << 20)) {
+    if (nbytes >= BIG_COPY) { /* our export of dst is held for the copy */
         Py_BEGIN_ALLOW_THREADS
         memmove(at, src, (size_t)nbytes);
         Py_END_ALLOW_THREADS
@@ -604,6 +605,38 @@ plain_number(Spec *s, PyObject *v, Copy *c)
     return 1;
 }
 
+/* Copies of BIG_COPY bytes or more let other threads run.  One of them may close the table
+ * meanwhile: an export of the buffer, held for the copy, makes the mapping refuse to unmap.
+ * A table object is one thread's (README, Use): a thread of its own, with its own attach,
+ * cannot hand these handles back. */
+typedef struct {
+    Py_buffer keep;
+    PyThreadState *saved; /* NULL: a small copy, the GIL kept */
+} CopyWindow;
+
+/* Before a copy of `total` bytes out of or into `buffer`: 0 (copy_done after it), or -1
+ * with an error set. */
+static int
+copy_start(PyObject *buffer, Py_ssize_t total, CopyWindow *w)
+{
+    w->saved = NULL;
+    if (total < BIG_COPY)
+        return 0;
+    if (PyObject_GetBuffer(buffer, &w->keep, PyBUF_SIMPLE) < 0)
+        return -1;
+    w->saved = PyEval_SaveThread();
+    return 0;
+}
+
+static void
+copy_done(CopyWindow *w)
+{
+    if (!w->saved)
+        return;
+    PyEval_RestoreThread(w->saved);
+    PyBuffer_Release(&w->keep);
+}
+
 int
 codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
 {
@@ -657,25 +690,15 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         result = -1;
         goto done;
     }
-    if (total >= (1 << 20)) {
-        /* Big copies let other threads run.  One of them may close the table meanwhile:
-         * an export of our own, held for the copy, makes the mapping refuse to unmap. */
-        Py_buffer keep;
-        if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
-            result = -1;
-            goto done;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t j = 0; j < k; j++)
-            if (copies[j].nbytes)
-                memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
-        Py_END_ALLOW_THREADS
-        PyBuffer_Release(&keep);
-    } else {
-        for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
-            if (copies[j].nbytes)
-                memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
+    CopyWindow w;
+    if (copy_start(r->buf.obj, total, &w) < 0) {
+        result = -1;
+        goto done;
     }
+    for (Py_ssize_t j = 0; j < k; j++) /* memmove: a source may be a view of a row */
+        if (copies[j].nbytes)
+            memmove(copies[j].dst, copies[j].src, (size_t)copies[j].nbytes);
+    copy_done(&w);
     result = 1;
 done:
     for (Py_ssize_t j = 0; j < k; j++)
@@ -839,18 +862,13 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
         return -1;
     }
     char *rows = stage ? stage : flat;
-    /* Big copies let other threads run, as in write; an export of our own keeps the mapping
-     * mapped meanwhile.  A table object is one thread's (README, Use): a thread of its own,
-     * with its own attach, cannot hand these handles back. */
-    Py_buffer keep;
-    int big = total >= (1 << 20);
-    if (big && PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0) {
+    CopyWindow w;
+    if (copy_start(r->buf.obj, (Py_ssize_t)total, &w) < 0) {
         PyMem_Free(stage);
         if (at != local)
             PyMem_Free(at);
         return -1;
     }
-    PyThreadState *released = big ? PyEval_SaveThread() : NULL;
     if (stage && !out)
         memcpy(stage, flat, total);
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -862,20 +880,13 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
     }
     if (stage && out)
         memmove(flat, stage, total);
-    if (big) {
-        PyEval_RestoreThread(released);
-        PyBuffer_Release(&keep);
-    }
+    copy_done(&w);
     PyMem_Free(stage);
     if (at != local)
         PyMem_Free(at);
     return 0;
 }
 
-/* One field of the given slots moved between the rows and one plain tensor `t` (n, *shape)
- * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
- * them (scatter).  True having moved every row; False having moved nothing (no such field,
- * a ref field, or `t` not plain: the caller's path). */
 /* A scatter's values as a list (or tuple) of n Python numbers for a scalar field, each the
  * plain case write() takes (plain_number, the one rule for numbers): 1 with *packed the
  * field's n items (PyMem_Free it), 0 not that case (nothing made), -1 error. */
@@ -905,6 +916,11 @@ plain_numbers(Spec *s, PyObject *values, Py_ssize_t n, char **packed)
     return 1;
 }
 
+/* One field of the given slots moved between the rows and one plain tensor `t` (n, *shape)
+ * (or the field's shape, for one slot given as an int): out of the rows (gather) or into
+ * them (scatter, which also takes a list of numbers, plain_numbers).  True having moved every
+ * row; False having moved nothing (no such field, a ref field, or `t` not plain: the
+ * caller's path). */
 PyObject *
 codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, int out)
 {
@@ -952,26 +968,6 @@ rc_scatter(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
     return move_call(r, args, nargs, 0, "scatter(slots, name, values)");
 }
 
-/* memcpy of n bytes out of the rows; a big one lets other threads run, with an export of the
- * buffer held so that none can unmap it meanwhile (as write and move_items do).  0, or -1
- * with an error set. */
-static int
-copy_out(RowCodec *r, char *dst, const char *src, Py_ssize_t n)
-{
-    if (n < (1 << 20)) {
-        memcpy(dst, src, (size_t)n);
-        return 0;
-    }
-    Py_buffer keep;
-    if (PyObject_GetBuffer(r->buf.obj, &keep, PyBUF_SIMPLE) < 0)
-        return -1;
-    Py_BEGIN_ALLOW_THREADS
-    memcpy(dst, src, (size_t)n);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&keep);
-    return 0;
-}
-
 PyObject *
 codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
 {
@@ -985,8 +981,13 @@ codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
         Py_XDECREF(out);
         return NULL;
     }
-    if (copy_out(r, f.data, item_at(r, s, slot), s->nbytes) < 0) /* slot checked above, */
-        Py_CLEAR(out);                                                 /* after the allocation */
+    CopyWindow w; /* the slot was checked after the allocation, which may have run Python */
+    if (copy_start(r->buf.obj, s->nbytes, &w) < 0)
+        Py_CLEAR(out);
+    else {
+        memcpy(f.data, item_at(r, s, slot), (size_t)s->nbytes);
+        copy_done(&w);
+    }
     return out;
 }
 
@@ -1084,8 +1085,30 @@ release_export(void *ctx)
     PyGILState_Release(gil);
 }
 
+/* A contiguous CPU tensor of `nbytes` at `offset` of `buffer`, holding an export of it for
+ * as long as it lives; IndexError if they are not all inside it. */
+static PyObject *
+tensor_over(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes, int dtype, int ndim,
+            const int64_t *sizes)
+{
+    Py_buffer *view = PyMem_Malloc(sizeof *view);
+    if (!view)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(buffer, view, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(view);
+        return NULL;
+    }
+    if (offset < 0 || nbytes < 0 || offset > view->len - nbytes) {
+        PyErr_Format(PyExc_IndexError, "%zd bytes at %zd are outside the buffer", nbytes, offset);
+        PyBuffer_Release(view);
+        PyMem_Free(view);
+        return NULL;
+    }
+    return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
+}
+
 /* mapped(buffer, offset, dtype, shape) -> a contiguous CPU tensor over buffer[offset:], with
- * a storage of its own and no base (rows.py's mapped_tensor says why). */
+ * a storage of its own and no base (_core.pyi says why). */
 static PyObject *
 rc_mapped(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1108,34 +1131,9 @@ rc_mapped(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return PyErr_Format(PyExc_ValueError, "bad shape %R", args[3]);
         sizes[d] = size;
     }
-    Py_buffer *view = PyMem_Malloc(sizeof *view);
-    if (!view)
-        return PyErr_NoMemory();
-    if (PyObject_GetBuffer(args[0], view, PyBUF_SIMPLE) < 0) {
-        PyMem_Free(view);
-        return NULL;
-    }
-    if (__builtin_mul_overflow(nbytes, itemsize, &nbytes) || offset < 0 ||
-        offset > view->len - nbytes) {
-        PyBuffer_Release(view);
-        PyMem_Free(view);
-        return PyErr_Format(PyExc_IndexError, "%R at %zd is outside the buffer", args[3], offset);
-    }
-    return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
-}
-
-/* A tensor over `nbytes` at `offset` of the codec's buffer, holding an export of it. */
-static PyObject *
-tensor_over(RowCodec *r, uint64_t offset, int dtype, int ndim, const int64_t *sizes)
-{
-    Py_buffer *view = PyMem_Malloc(sizeof *view);
-    if (!view)
-        return PyErr_NoMemory();
-    if (PyObject_GetBuffer(r->buf.obj, view, PyBUF_SIMPLE) < 0) {
-        PyMem_Free(view);
-        return NULL;
-    }
-    return tensor_api->over((char *)view->buf + offset, dtype, ndim, sizes, release_export, view);
+    if (__builtin_mul_overflow(nbytes, itemsize, &nbytes))
+        return PyErr_Format(PyExc_ValueError, "bad shape %R", args[3]);
+    return tensor_over(args[0], offset, nbytes, dtype, ndim, sizes);
 }
 
 PyObject *
@@ -1149,14 +1147,17 @@ codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *pla
     Spec *s = &r->spec[PyLong_AsSsize_t(i)];
     if (s->scalar != REF)
         return Py_NewRef(Py_None);
-    uint64_t offset;
+    uint64_t offset, nbytes;
     int ndim;
     int64_t sizes[REF_MAX_DIMS];
     int code = ref_open_arena(item_at(r, s, slot), s->nbytes, place, s->dtype_index, s->itemsize,
-                              &offset, &ndim, sizes);
-    if (code == REF_OK && (uint64_t)r->buf.len < place->hi) /* a place beyond the buffer */
-        code = REF_OUTSIDE;
-    return code == REF_OK ? tensor_over(r, offset, s->dtype, ndim, sizes) : PyLong_FromLong(code);
+                              &offset, &nbytes, &ndim, sizes);
+    if (code != REF_OK)
+        return PyLong_FromLong(code);
+    /* inside the place, which lies inside the buffer: tensor_over checks that too */
+    return tensor_over(r->buf.obj, (Py_ssize_t)Py_MIN(offset, (uint64_t)PY_SSIZE_T_MAX),
+                       (Py_ssize_t)Py_MIN(nbytes, (uint64_t)PY_SSIZE_T_MAX), s->dtype, ndim,
+                       sizes);
 }
 
 /* open_ref(slot, name, lo, hi, table) -> codec_open_ref's answer */
