@@ -17,7 +17,7 @@ if grep -q "resource_tracker" "$log"; then
     echo "FAIL: resource_tracker warnings in the test output" >&2
     exit 1
 fi
-leftover=$(ls /dev/shm | grep -E '^(shmslots-test-|sglang-)' || true)
+leftover=$(ls /dev/shm | grep -E '^(shmslots-test-|shmslots-pd-|sglang-)' || true)
 if [ -n "$leftover" ]; then
     echo "FAIL: the tests left segments in /dev/shm: $leftover" >&2
     exit 1

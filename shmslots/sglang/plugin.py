@@ -41,6 +41,7 @@ import torch
 from .. import orphans
 from ..errors import SchemaError, ShmSlotsError
 from ..segment import SHM_DIR
+from . import backend
 from .buffers import (
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
@@ -99,6 +100,7 @@ def register() -> None:
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
+    backend.register_hooks()
 
 
 def _on_decode_side() -> bool:

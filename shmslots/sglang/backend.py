@@ -1,0 +1,205 @@
+"""`--disaggregation-transfer-backend shmslots`: SGLang 0.5.23's own Mooncake manager, moving
+its bytes through `SameHostEngine` instead of Mooncake's, for prefill and decode on one host.
+
+Everything but the bytes is SGLang's, unchanged: bootstrap, ZMQ messages, room states, TP/PP
+and head-slice mapping, state buffers, deferred-release ACKs, heartbeats.  The manager is a
+subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
+
+- `init_engine` (overridden): the engine is this host's, named after the manager's ZMQ port,
+  so a decode can find the registry of each prefill rank it talks to;
+- `_poison_unsettled_send` (overridden): Mooncake poisons a failed room because its timed-out
+  batch may still be writing; `SameHostEngine` returns only when no write can still land, so
+  a failed or aborted room is acknowledged at once and decode frees its pages at once;
+- `_handle_node_failure` and `is_abort_release_safe` (extended, decode side): a watcher
+  thread reads every known prefill rank's registry lock every `SHMSLOTS_PD_WATCH_S`
+  (0.02 s); a dead rank fails its rooms as SGLang's heartbeat would after 2 x 5 s, and those
+  rooms are safe to release at once, since a dead process writes nothing;
+- `teardown` (extended): the engine's registry goes with the manager.
+
+The decode side's aux buffers are the plugin's shmslots table (`DecodeMetadataBuffers`),
+whose columns lie in `/dev/shm`: the prefill writes each aux row straight into the decode's
+slot through its own mapping of that segment, and the slot keeps the plugin's rules.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+from .samehost import PeerRegistry, SameHostEngine
+
+NAME = "shmslots"
+WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
+UTILS = "sglang.srt.disaggregation.utils"
+
+log = logging.getLogger(__name__)
+
+
+def registry_name(ip: str, port: int) -> str:
+    """The registry of the manager listening at ip:port on this host."""
+    return "shmslots-pd-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{ip}-{port}")
+
+
+def register_hooks() -> None:
+    """Add `shmslots` to SGLang's transfer backends: the parser's choices, the enum (same
+    members plus SHMSLOTS, propagated to every module that imported it) and `get_kv_class`."""
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([NAME])
+    original = utils.TransferBackend
+    if not hasattr(original, "SHMSLOTS"):
+        members = {m.name: m.value for m in original} | {"SHMSLOTS": NAME}
+        extended = enum.Enum(  # type: ignore[misc]
+            original.__name__, members, module=original.__module__, qualname=original.__qualname__
+        )
+        HookRegistry.register(f"{UTILS}.TransferBackend", extended, HookType.REPLACE)
+    HookRegistry.register(f"{UTILS}.get_kv_class", _get_kv_class, HookType.AROUND)
+
+
+def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    if getattr(transfer_backend, "value", None) != NAME or class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+    classes = _classes()
+    return classes.get(class_type.name)
+
+
+def _classes() -> dict[str, type]:
+    """SGLang's Mooncake classes with the same-host engine under them (built on first use, so
+    that importing the plugin imports no SGLang disaggregation code)."""
+    if _built:
+        return _built
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import (
+        MooncakeKVBootstrapServer,
+        MooncakeKVManager,
+        MooncakeKVReceiver,
+        MooncakeKVSender,
+    )
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    class ShmslotsKVManager(MooncakeKVManager):  # type: ignore[misc]
+        """SGLang's Mooncake manager on `SameHostEngine` (see the module's docstring)."""
+
+        def init_engine(self) -> None:
+            self.engine = SameHostEngine(
+                registry_name(self.local_ip, self.rank_port), self.rank_port
+            )
+            self._dead_rooms: set[int] = set()
+            self._peers: dict[str, PeerRegistry] = {}
+            self._watch_stop = threading.Event()
+            if self.disaggregation_mode == DisaggregationMode.DECODE:
+                self._watcher = threading.Thread(
+                    target=self._watch_prefills, name="ShmslotsPrefillWatch", daemon=True
+                )
+                self._watcher.start()
+
+        def _poison_unsettled_send(self, room: int) -> None:
+            """Nothing is left writing after a failed same-host call: ack as usual."""
+
+        def _watch_prefills(self) -> None:
+            interval = float(os.environ.get(WATCH_ENV, "0.02"))
+            while not self._watch_stop.wait(interval):
+                try:
+                    self._check_prefills()
+                except Exception:  # the watcher must outlive any one bad registry
+                    log.exception("shmslots: checking prefill engines failed")
+
+        def _check_prefills(self) -> None:
+            with self.connection_lock:
+                infos = [
+                    (key, info) for key, entries in self.connection_pool.items() for info in entries
+                ]
+                addrs = list(self.prefill_info_table)
+            dead_addrs: set[str] = set()
+            for key, info in infos:
+                name = registry_name(str(info.get("rank_ip")), int(info.get("rank_port", 0)))
+                if not self._peer_alive(name):
+                    dead_addrs.update(a for a in addrs if key.startswith(a))
+            for addr in dead_addrs:
+                self._handle_node_failure(addr)
+
+        def _peer_alive(self, name: str) -> bool:
+            """False once a registry seen alive is unlocked, removed or replaced."""
+            reg = self._peers.get(name)
+            if reg is None:
+                try:
+                    reg = PeerRegistry(name, None)
+                except Exception:
+                    return True  # never seen: not this host's engine, or not up yet
+                self._peers[name] = reg
+            try:
+                same = os.stat(f"/dev/shm/{name}").st_ino == reg.inode
+            except OSError:
+                same = False
+            if reg.alive() and same:
+                return True
+            self._peers.pop(name).close()
+            return False
+
+        def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+            with self.connection_lock:
+                rooms = set(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+            self._dead_rooms |= {r for r in rooms if self.request_status.get(r) != KVPoll.Success}
+            super()._handle_node_failure(failed_bootstrap_addr)
+
+        def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+            """A room whose prefill died is safe at once: a dead process writes nothing."""
+            if bootstrap_room in self._dead_rooms:
+                return True
+            return bool(super().is_abort_release_safe(bootstrap_room, required_acks))
+
+        def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+            self._dead_rooms.discard(bootstrap_room)
+            super().clear_deferred_abort_state(bootstrap_room)
+
+        def teardown(self) -> None:
+            self._watch_stop.set()
+            super().teardown()
+            self.close_engine()
+
+        def close_engine(self) -> None:
+            """Remove the registry (peers see this engine gone) and let go of peers."""
+            self._watch_stop.set()
+            for reg in list(self._peers.values()):
+                reg.close()
+            self._peers.clear()
+            self.engine.close()
+
+    class ShmslotsKVSender(MooncakeKVSender):  # type: ignore[misc]
+        # indices stay on the host: the D2H-event path needs CUDA (prefill.py:1743-1760)
+        supports_host_tensor_indices = False
+
+    class ShmslotsKVReceiver(MooncakeKVReceiver):  # type: ignore[misc]
+        def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+            """A room whose prefill is dead needs no ABORT: nothing is left to stop, and the
+            send would wait out ZMQ's send timeout on the scheduler thread."""
+            if self.bootstrap_room in self.kv_mgr._dead_rooms:
+                self.abort_notified = True
+                return
+            super().ensure_abort_notified(force_arm=force_arm)
+
+    class ShmslotsKVBootstrapServer(MooncakeKVBootstrapServer):  # type: ignore[misc]
+        pass
+
+    _built.update(
+        MANAGER=ShmslotsKVManager,
+        SENDER=ShmslotsKVSender,
+        RECEIVER=ShmslotsKVReceiver,
+        BOOTSTRAP_SERVER=ShmslotsKVBootstrapServer,
+    )
+    return _built
+
+
+_built: dict[str, type] = {}

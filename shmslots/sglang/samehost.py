@@ -1,0 +1,546 @@
+"""A transfer engine for peers on one host: Mooncake's `TransferEngine` calls, answered by
+shared memory and by the peer's own memory file, with no network and no engine thread.
+
+SGLang's Mooncake manager moves every byte through five engine calls (`batch_register`,
+`batch_deregister`, `get_session_id`, `send_probe`, `batch_transfer_sync`); `backend.py` puts
+this class behind them.  Each engine publishes a small *registry* segment, `/dev/shm/<name>`:
+
+- a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
+  pid, start time and pid namespace, and the length of the region list;
+- the region list (JSON): every registered range, and for a range that lies in a file of
+  `/dev/shm` (a shmslots table's columns) that file's name, inode and offset.
+
+The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
+learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
+number.  A session id names the registry *and* its inode (`<name>#<inode>:<port>`), so a
+restarted peer, which makes a new registry under the same name, is another session: every
+mapping of the old one is dropped.
+
+A write into a peer goes, per destination region:
+- into a `/dev/shm` file region: by `memmove` into this process's own mapping of that file
+  (mapped once, checked to be the inode the peer registered and owned by this user);
+- into any other (anonymous) region: by `pwrite` on the peer's `/proc/<pid>/mem`, opened once
+  and checked against the registry lock after opening, so the descriptor is bound to the
+  peer's address space for good: a pid reused later cannot receive a byte.
+
+Both are synchronous: when `transfer` returns, or raises, no byte of it can still land.
+Every destination byte must lie inside a region the peer registered and every source byte
+inside one registered here; otherwise nothing of the call is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import json
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidArgument, ShmSlotsError
+from ..participants import _lock_request, process_start_ticks
+from ..segment import SHM_DIR, Segment, unlink, validate_name
+
+MAGIC = b"SHMSLPD1"
+FORMAT = 1
+REGISTRY_BYTES = 256 * 1024
+# magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length
+_HEADER = struct.Struct("<8sIIQQQQII")
+PAYLOAD_AT = 64
+MAX_REGIONS = 4096
+LIVENESS_BYTE = 0
+
+
+class TransferError(ShmSlotsError):
+    """A same-host transfer was refused or failed; nothing of it was written after this."""
+
+
+class PeerGone(TransferError):
+    """The peer's registry is gone, replaced (a restart), or its owner is dead."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered range; `shm` names the /dev/shm file it lies in, if any."""
+
+    base: int
+    length: int
+    shm: str | None = None
+    inode: int = 0
+    offset: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.base + self.length
+
+
+def _pidns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _mappings() -> list[tuple[int, int, str, int, int, str]]:
+    """(start, end, perms, offset, inode, path) of each mapping of this process."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5].strip() if len(parts) > 5 else ""
+            out.append((start, end, parts[1], int(parts[2], 16), int(parts[4]), path))
+    return out
+
+
+def classify(base: int, length: int) -> Region:
+    """The region at [base, base+length) of this process, or TransferError when it is not
+    writable host memory (a CUDA allocation, a read-only or unmapped range)."""
+    if base <= 0 or length <= 0:
+        raise TransferError(f"cannot register {length} bytes at {base:#x}")
+    maps = _mappings()
+    end = base + length
+    at = base
+    covering = []
+    for m in maps:
+        if m[1] <= at or m[0] > at:
+            continue
+        if "r" not in m[2] or "w" not in m[2]:
+            break
+        covering.append(m)
+        at = m[1]
+        if at >= end:
+            break
+    if at < end:
+        raise TransferError(
+            f"{length} bytes at {base:#x} are not all readable and writable host memory of this "
+            "process; the same-host engine moves CPU memory only (a CUDA allocation, VMM memory "
+            "or a read-only range is refused here, at registration)"
+        )
+    first = covering[0]
+    path = first[5]
+    if len(covering) == 1 and path.startswith(SHM_DIR + "/") and not path.endswith("(deleted)"):
+        name = path[len(SHM_DIR) + 1 :]
+        return Region(base, length, name, first[4], first[3] + (base - first[0]))
+    return Region(base, length)
+
+
+class Registry:
+    """This engine's registry segment: what peers may write into, and its liveness lock."""
+
+    def __init__(self, name: str) -> None:
+        validate_name(name)
+        self.segment = self._create(name)
+        self.name = name
+        self.inode = self.segment.identity[1]
+        self._lock_fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        fcntl.fcntl(self._lock_fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE))
+        pid = os.getpid()
+        self._seq = 0
+        self._identity = (pid, process_start_ticks(pid), _pidns(), os.geteuid())
+        self.publish([])
+
+    @staticmethod
+    def _create(name: str) -> Segment:
+        """A new registry; one left under the name by a dead owner is removed first."""
+        try:
+            return Segment.create(name, REGISTRY_BYTES)
+        except ShmSlotsError:
+            try:
+                old = PeerRegistry(name, None)
+            except ShmSlotsError:
+                old = None
+            if old is not None:
+                alive = old.alive()
+                old.close()
+                if alive:
+                    raise TransferError(f"registry {name!r} belongs to a live engine") from None
+            unlink(name)
+            return Segment.create(name, REGISTRY_BYTES)
+
+    def publish(self, regions: Sequence[Region]) -> None:
+        """Rewrite the region list under the sequence number (odd while writing)."""
+        payload = json.dumps(
+            [[r.base, r.length, r.shm, r.inode, r.offset] for r in regions]
+        ).encode()
+        if len(payload) > REGISTRY_BYTES - PAYLOAD_AT or len(regions) > MAX_REGIONS:
+            raise TransferError(f"{len(regions)} regions do not fit in a registry")
+        mm = self.segment.mm
+        self._seq += 1
+        struct.pack_into("<Q", mm, 16, self._seq)
+        mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
+        pid, start, ns, uid = self._identity
+        self._seq += 1
+        _HEADER.pack_into(mm, 0, MAGIC, FORMAT, 0, self._seq, pid, start, ns, uid, len(payload))
+
+    def close(self) -> None:
+        """Unlink first, then let go of the lock: a peer sees the owner gone either way."""
+        if self._lock_fd < 0:
+            return
+        with contextlib.suppress(ShmSlotsError):
+            self.segment.unlink()
+        self.segment.close()
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
+
+class PeerRegistry:
+    """A peer's registry, opened read-only: its regions, and whether its owner lives."""
+
+    def __init__(self, name: str, inode: int | None) -> None:
+        validate_name(name)
+        try:
+            self.segment = Segment.open(name, writable=False)
+        except ShmSlotsError as exc:
+            raise PeerGone(f"no same-host engine registry {name!r}: {exc}") from None
+        try:
+            st = os.fstat(self.segment.fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise TransferError(
+                    f"registry {name!r} is owned by uid {st.st_uid} with mode "
+                    f"{st.st_mode & 0o777:o}; only this user's 0600 registries are trusted"
+                )
+            if inode is not None and st.st_ino != inode:
+                raise PeerGone(f"registry {name!r} was replaced: the peer restarted")
+            if st.st_size != REGISTRY_BYTES:
+                raise TransferError(f"{name!r} is not a same-host engine registry")
+        except BaseException:
+            self.segment.close()
+            raise
+        self.name = name
+        self.inode = st.st_ino
+        self._seq = -1
+        self.regions: list[Region] = []
+        self._bases: list[int] = []
+        self.pid = self.start_ticks = self.pidns = 0
+
+    def alive(self) -> bool:
+        """Whether the registry's owner still holds its liveness lock (and the name is its)."""
+        if self.segment.fd < 0:
+            return False
+        reply = fcntl.fcntl(
+            self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
+        )
+        return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
+
+    def refresh(self) -> bool:
+        """Re-read the region list if the owner changed it; True if it did."""
+        mm = self.segment.mm
+        for _ in range(100):
+            (seq,) = struct.unpack_from("<Q", mm, 16)
+            if seq == self._seq:
+                return False
+            if seq % 2:
+                continue
+            magic, fmt, _, _, pid, start, ns, _, size = _HEADER.unpack_from(mm, 0)
+            payload = bytes(mm[PAYLOAD_AT : PAYLOAD_AT + min(size, REGISTRY_BYTES - PAYLOAD_AT)])
+            if struct.unpack_from("<Q", mm, 16)[0] != seq:
+                continue
+            if magic != MAGIC or fmt != FORMAT:
+                raise TransferError(f"{self.name!r} is not a same-host engine registry")
+            self.regions = _parse_regions(self.name, payload)
+            self._bases = [r.base for r in self.regions]
+            self.pid, self.start_ticks, self.pidns = pid, start, ns
+            self._seq = seq
+            return True
+        raise TransferError(f"registry {self.name!r} is being rewritten without end")
+
+    def region_of(self, address: int, length: int) -> Region | None:
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i >= 0:
+            r = self.regions[i]
+            if address + length <= r.end:
+                return r
+        return None
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+def _parse_regions(name: str, payload: bytes) -> list[Region]:
+    """The region list as the peer wrote it, every field type- and range-checked."""
+    try:
+        raw = json.loads(payload)
+    except ValueError:
+        raise TransferError(f"registry {name!r} holds no region list") from None
+    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
+        raise TransferError(f"registry {name!r} holds no region list")
+    regions = []
+    for item in raw:
+        ok = isinstance(item, list) and len(item) == 5
+        base, length, shm, inode, offset = item if ok else (0, 0, None, 0, 0)
+        ints = all(type(v) is int and 0 <= v < 1 << 63 for v in (base, length, inode, offset))
+        if not (ok and ints and length > 0 and (shm is None or isinstance(shm, str))):
+            raise TransferError(f"registry {name!r} holds a malformed region: {item!r}")
+        if shm is not None:
+            validate_name(shm)
+        regions.append(Region(base, length, shm, inode, offset))
+    regions.sort(key=lambda r: r.base)
+    for a, b in itertools.pairwise(regions):
+        if a.end > b.base:
+            raise TransferError(f"registry {name!r} holds overlapping regions")
+    return regions
+
+
+class _Peer:
+    """What this engine keeps of one peer session: its registry, and the ways into it."""
+
+    def __init__(self, registry: PeerRegistry) -> None:
+        self.registry = registry
+        self.mem_fd = -1
+        self.maps: dict[tuple[str, int], tuple[mmap.mmap, int]] = {}
+
+    def mem(self) -> int:
+        """The peer's /proc/<pid>/mem, bound to its address space once the lock confirms it."""
+        if self.mem_fd < 0:
+            reg = self.registry
+            if reg.pidns != _pidns():
+                raise TransferError(
+                    f"peer {reg.name!r} runs in another pid namespace: only its /dev/shm "
+                    "regions can be written from here"
+                )
+            try:
+                fd = os.open(f"/proc/{reg.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise TransferError(_mem_refusal(reg.pid, exc)) from None
+            if not reg.alive() or process_start_ticks(reg.pid) != reg.start_ticks:
+                os.close(fd)
+                raise PeerGone(f"peer {reg.name!r} died")
+            self.mem_fd = fd
+        return self.mem_fd
+
+    def mapping(self, region: Region) -> int:
+        """This process's address of `region`'s /dev/shm file, mapped once."""
+        assert region.shm is not None
+        key = (region.shm, region.inode)
+        got = self.maps.get(key)
+        if got is None:
+            fd = os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if st.st_ino != region.inode or st.st_uid != os.geteuid():
+                    raise PeerGone(f"{region.shm!r} is no longer the file the peer registered")
+                mm = mmap.mmap(fd, st.st_size)
+            finally:
+                os.close(fd)
+            got = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+            self.maps[key] = got
+        mm, address = got
+        if region.offset + region.length > len(mm):
+            raise TransferError(f"region of {region.shm!r} lies past its end")
+        return address + region.offset
+
+    def close(self) -> None:
+        if self.mem_fd >= 0:
+            os.close(self.mem_fd)
+            self.mem_fd = -1
+        for mm, _ in self.maps.values():
+            with contextlib.suppress(BufferError):  # a view still exported: it goes with it
+                mm.close()
+        self.maps.clear()
+        self.registry.close()
+
+
+def _mem_refusal(pid: int, exc: OSError) -> str:
+    why = f"cannot open /proc/{pid}/mem ({exc.strerror})"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        scope = "absent"
+        try:
+            with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+                scope = f.read().strip()
+        except OSError:
+            pass
+        why += (
+            f": writing another process's memory needs the same user and ptrace access "
+            f"(Yama ptrace_scope is {scope}; with 1 the receiving engine allows its peers by "
+            "PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
+        )
+    return why
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = -1
+
+
+def allow_peers() -> None:
+    """With Yama's ptrace_scope 1, let processes of this user write this one's registered
+    memory (PR_SET_PTRACER_ANY); with 0 (or no Yama) there is nothing to do."""
+    if _ptrace_scope() == 1:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+class SameHostEngine:
+    """Mooncake's `TransferEngine` surface as SGLang's manager calls it, for one host.
+
+    `name` names the registry segment (one per engine; `session_port` is the number SGLang
+    reads after the session id's last ':' to spread sessions over its queues)."""
+
+    def __init__(self, name: str, session_port: int = 0) -> None:
+        allow_peers()
+        self.registry = Registry(name)
+        self.session_port = session_port
+        self._regions: list[Region] = []
+        self._bases: list[int] = []
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self.refused = 0  # transfers refused for bad input (outside registered memory)
+        self.failed = 0  # transfers that found their peer gone
+
+    # -- Mooncake's calls ---------------------------------------------------------------
+    def get_session_id(self) -> str:
+        return f"{self.registry.name}#{self.registry.inode}:{self.session_port}"
+
+    def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
+        new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
+        with self._lock:
+            regions = sorted(self._regions + new, key=lambda r: r.base)
+            for a, b in itertools.pairwise(regions):
+                if a.end > b.base:
+                    raise TransferError(f"region at {b.base:#x} overlaps one registered before")
+            self.registry.publish(regions)
+            self._regions, self._bases = regions, [r.base for r in regions]
+        return 0
+
+    def register(self, ptr: int, length: int) -> int:
+        return self.batch_register([ptr], [length])
+
+    def batch_deregister(self, ptrs: Sequence[int]) -> int:
+        gone = {int(p) for p in ptrs}
+        with self._lock:
+            regions = [r for r in self._regions if r.base not in gone]
+            self.registry.publish(regions)
+            self._regions, self._bases = regions, [r.base for r in regions]
+        return 0
+
+    def send_probe(self, session: str) -> int:
+        try:
+            return 0 if self._peer(session).registry.alive() else -1
+        except TransferError:
+            return -1
+
+    def batch_transfer_sync(
+        self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
+    ) -> int:
+        """Mooncake's contract: 0 when every byte landed, -1 otherwise (logged by SGLang)."""
+        try:
+            self.transfer(session, sources, targets, lengths)
+        except PeerGone:
+            self.failed += 1
+            return -1
+        except TransferError:
+            self.refused += 1
+            return -1
+        return 0
+
+    # -- the engine itself --------------------------------------------------------------
+    def transfer(
+        self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        """Write each `lengths[i]` bytes at `sources[i]` (registered here) to `targets[i]`
+        (registered by the peer).  Every block is checked before the first is written."""
+        if not len(sources) == len(targets) == len(lengths):
+            raise InvalidArgument("sources, targets and lengths must be as many")
+        peer = self._peer(session)
+        reg = peer.registry
+        if not reg.alive():
+            self._drop(session)
+            raise PeerGone(f"the peer of session {session!r} is dead")
+        reg.refresh()
+        plan = []
+        for src, dst, n in zip(sources, targets, lengths, strict=True):
+            src, dst, n = int(src), int(dst), int(n)
+            if n <= 0:
+                if n < 0:
+                    raise TransferError(f"negative length {n}")
+                continue
+            if self._own_region(src, n) is None:
+                raise TransferError(f"{n} bytes at {src:#x} are not registered here")
+            region = reg.region_of(dst, n)
+            if region is None:
+                raise TransferError(
+                    f"{n} bytes at {dst:#x} are not inside memory the peer {reg.name!r} registered"
+                )
+            plan.append((src, dst, n, region))
+        try:
+            for src, dst, n, region in plan:
+                if region.shm is not None:
+                    ctypes.memmove(peer.mapping(region) + (dst - region.base), src, n)
+                else:
+                    self._pwrite(peer, src, dst, n)
+        except OSError as exc:
+            alive = reg.alive()
+            self._drop(session)
+            kind = TransferError if alive else PeerGone
+            raise kind(f"write into {reg.name!r} failed: {exc}") from None
+
+    @staticmethod
+    def _pwrite(peer: _Peer, src: int, dst: int, n: int) -> None:
+        fd = peer.mem()
+        view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
+        done = 0
+        while done < n:
+            wrote = os.pwrite(fd, view[done:], dst + done)
+            if wrote <= 0:
+                raise OSError(errno.EIO, "short write into the peer's memory")
+            done += wrote
+
+    def _own_region(self, address: int, length: int) -> Region | None:
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i >= 0 and address + length <= self._regions[i].end:
+            return self._regions[i]
+        return None
+
+    def _peer(self, session: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(session)
+            if peer is None:
+                name, inode = parse_session(session)
+                peer = _Peer(PeerRegistry(name, inode))
+                self._peers[session] = peer
+            return peer
+
+    def _drop(self, session: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(session, None)
+        if peer is not None:
+            peer.close()
+
+    def peer_alive(self, name: str) -> bool:
+        """Whether the engine whose registry is `name` lives (False if there is none)."""
+        try:
+            reg = PeerRegistry(name, None)
+        except ShmSlotsError:
+            return False
+        try:
+            return reg.alive()
+        finally:
+            reg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+        self.registry.close()
+
+
+def parse_session(session: str) -> tuple[str, int]:
+    """(registry name, inode) of a session id `<name>#<inode>:<port>`."""
+    head = session.rsplit(":", 1)[0]
+    name, sep, inode = head.rpartition("#")
+    if not sep or not inode.isdigit():
+        raise TransferError(f"{session!r} is not a same-host engine session")
+    return name, int(inode)

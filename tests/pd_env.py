@@ -1,0 +1,433 @@
+"""Prefill and decode on one host, each a spawned process running SGLang 0.5.23's own
+transfer code: its manager, sender, receiver and bootstrap server, looked up by SGLang's
+`get_kv_class` under the backend's name, over CPU KV pages, with the aux rows in SGLang's own
+`MetadataBuffers` on the prefill side and in the plugin's shmslots table on the decode side.
+
+What is SGLang's: `KVArgs`, the manager (`MooncakeKVManager`, under the backend), sender,
+receiver, bootstrap server, `MetadataBuffers.set_buf`, the decode-side allocator and buffers
+as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
+- the scheduler loops (`PrefillBootstrapQueue` / `DecodePreallocQueue` need a model): `Side`
+  makes the calls they make, in their order: `try_ensure_parallel_info`, receiver `init`,
+  `send_metadata`, sender `init`/`send`, `poll`, and on failure the deferred release
+  (`ensure_abort_notified(force_arm=True)`, then `is_abort_release_safe`, as
+  `DecodeTransferQueue._defer_release`/`resolve_deferred_releases` call them);
+- the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
+  a one-rank server (`get_parallel().override_permanently`).
+
+Every KV byte is a function of (room, entry, page, offset), every aux row of the room, so the
+decode side checks all it receives; a failed room's pages and slot are filled with a canary
+when released and checked again later, so a write that lands after release is caught.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import sglang_env as env
+import torch
+
+CANARY = 0xA5
+HIDDEN, TOPK = 64, 4
+STALL_S = 3.0  # a prefill run with no progress for this long gives up its rooms
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The KV layout both sides register: MHA (K and V entries per layer) or MLA (one)."""
+
+    layers: int = 3
+    pages: int = 64
+    page_size: int = 4
+    heads: int = 2
+    head_dim: int = 16
+    mla: bool = False
+    backend: str = "shmslots"
+    slots: int = 8  # aux rows (metadata slots) on the decode side
+    late_write_window_s: float = 0.3
+
+    @property
+    def entries(self) -> int:
+        return self.layers if self.mla else 2 * self.layers
+
+    @property
+    def item_len(self) -> int:  # bytes of one page of one entry (bf16)
+        heads = 1 if self.mla else self.heads
+        return self.page_size * heads * self.head_dim * 2
+
+
+def pattern(room: int, entry: int, page: int, item_len: int) -> torch.Tensor:
+    """The bytes prefill sends for one page of one entry of `room`."""
+    base = (room * 131 + entry * 17 + page * 7) % 256
+    return ((torch.arange(item_len, dtype=torch.int64) + base) % 251).to(torch.uint8)
+
+
+def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
+    faulthandler.register(signal.SIGUSR1)  # Pair.reply asks for stacks when a side hangs
+    env.load_sglang(plugin=True)
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    get_context().override_server_args(
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=shape.backend,
+        disaggregation_bootstrap_port=bootstrap_port,
+        host="127.0.0.1",
+        page_size=shape.page_size,
+    ).install()
+    get_parallel().override_permanently(
+        tp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
+        pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
+    )  # fmt: skip
+
+
+def _kv_args(shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...]) -> Any:
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    args = get_kv_class(TransferBackend(shape.backend), KVClassType.KVARGS)()
+    args.engine_rank = args.pp_rank = args.system_dp_rank = 0
+    args.kv_cache_dtype_str, args.kv_layout = "bfloat16", None
+    args.kv_data_ptrs = [t.data_ptr() for t in kv]
+    args.kv_data_lens = [t.numel() for t in kv]
+    args.kv_item_lens = [shape.item_len] * shape.entries
+    args.kv_layer_ids = list(range(shape.layers)) * (1 if shape.mla else 2)
+    args.num_draft_entries = 0
+    args.kv_head_num = args.total_kv_head_num = 1 if shape.mla else shape.heads
+    args.page_size = shape.page_size
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = aux
+    args.ib_device, args.gpu_id = None, 0
+    args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
+    args.state_item_lens, args.state_layer_ids = [], []
+    args.prefill_start_layer, args.prefill_end_layer = 0, shape.layers
+    return args
+
+
+def _classes(shape: Shape) -> tuple[Any, Any]:
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend(shape.backend)
+    return backend, lambda kind: get_kv_class(backend, getattr(KVClassType, kind))
+
+
+def _manager(shape: Shape, mode: str, kv: list[torch.Tensor], aux: Any) -> Any:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_server_args
+
+    _, cls = _classes(shape)
+    role = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
+    return cls("MANAGER")(_kv_args(shape, kv, aux), role, get_server_args(), shape.mla)
+
+
+def _kv(shape: Shape) -> list[torch.Tensor]:
+    return [
+        torch.zeros(shape.pages * shape.item_len, dtype=torch.uint8) for _ in range(shape.entries)
+    ]
+
+
+@dataclass
+class Outcome:
+    """What the decode side saw of one room."""
+
+    room: int
+    status: str
+    verified: bool = False
+    failed_at: float = 0.0  # monotonic, when poll() first said Failed
+    released_at: float = 0.0  # monotonic, when its pages and slot went back
+    pages: list[int] = field(default_factory=list)
+    slot: int = -1
+
+
+def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
+    """The prefill side: a bootstrap server and a manager; for each room it is told of, a
+    sender that fills its own pages with the room's pattern and sends them."""
+    _runtime("prefill", shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = _kv(shape)
+    buffers = env.SGLANG_CLASSES["buffers"](
+        shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16,
+    )  # fmt: skip
+    _, cls = _classes(shape)
+    server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
+    manager = _manager(shape, "prefill", kv, buffers.get_buf_infos())
+    conn.send(("up", os.getpid()))
+    addr = f"127.0.0.1:{bootstrap_port}"
+    free_pages = list(range(shape.pages))
+    free_slots = list(range(shape.slots))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        _, rooms, pages_per_room, window = msg
+        todo = list(rooms)
+        active: dict[int, tuple[Any, list[int], int, bool]] = {}
+        done: dict[int, str] = {}
+        progress = time.monotonic()
+        while todo or active:
+            if time.monotonic() - progress > STALL_S:
+                # no decode asks for these rooms (it died): abort them, as the bootstrap
+                # timeout would, and start no more
+                for sender, *_ in active.values():
+                    sender.abort()
+                todo.clear()
+            while (
+                todo and len(active) < window and len(free_pages) >= pages_per_room and free_slots
+            ):
+                room = todo.pop(0)
+                sender = cls("SENDER")(manager, addr, room)
+                pages = [free_pages.pop() for _ in range(pages_per_room)]
+                active[room] = (sender, pages, free_slots.pop(), False)
+            for room, (sender, pages, slot, started) in list(active.items()):
+                state = sender.poll()
+                if state == KVPoll.WaitingForInput and not started:
+                    for e, t in enumerate(kv):
+                        for i, p in enumerate(pages):
+                            _page(t, p, shape).copy_(pattern(room, e, i, shape.item_len))
+                    req = env.sglang_req(room, HIDDEN, TOPK)
+                    req.metadata_buffer_index, req.bootstrap_room = slot, room
+                    buffers.set_buf(req)
+                    sender.init(len(pages), slot)
+                    sender.send(np.asarray(pages, dtype=np.int32))
+                    active[room] = (sender, pages, slot, True)
+                    sent.value += 1
+                    progress = time.monotonic()
+                elif state in (KVPoll.Success, KVPoll.Failed):
+                    done[room] = "Success" if state == KVPoll.Success else "Failed"
+                    sender.clear()
+                    free_pages.extend(pages)
+                    free_slots.append(slot)
+                    del active[room]
+                    progress = time.monotonic()
+            time.sleep(0.0005)
+        conn.send(("done", done, manager.engine.refused, manager.engine.failed))
+    manager.close_engine()
+    server.close()
+
+
+def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any) -> None:
+    """The decode side: the plugin's allocator and metadata buffers (a shmslots table), a
+    manager and, for each room it is told of, a receiver over free pages and a free slot."""
+    _runtime("decode", shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers import scheduler
+
+    kv = _kv(shape)
+    allocator = scheduler.ReqToMetadataIdxAllocator(
+        shape.slots, late_write_window_s=shape.late_write_window_s
+    )
+    buffers = scheduler.MetadataBuffers(
+        shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16, custom_mem_pool=None, kv_checksum_enabled=False,
+        output_dsa_topk_indices_dim=0,
+    )  # fmt: skip
+    manager = _manager(shape, "decode", kv, buffers.get_buf_infos())
+    _, cls = _classes(shape)
+    conn.send(("up", os.getpid(), buffers.table.name))
+    free_pages = list(range(shape.pages))
+    released: list[Outcome] = []
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        if msg[0] == "settle":  # failed rooms' canaries intact; then their pages come back
+            intact = _canaries_intact(kv, buffers, released, shape)
+            free_pages.extend(p for out in released for p in out.pages)
+            released.clear()
+            time.sleep(shape.late_write_window_s)
+            conn.send(("settled", intact, len(free_pages), allocator.available_size()))
+            continue
+        _, addr, rooms, pages_per_room, window, abort_rooms = msg
+        deadline = time.monotonic() + 60
+        while not manager.try_ensure_parallel_info(addr):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no prefill bootstrap server")
+            time.sleep(0.05)
+        todo = list(rooms)
+        active: dict[int, tuple[Any, Outcome, Any]] = {}
+        outcomes: dict[int, Outcome] = {}
+        while todo or active:
+            if todo and not active and len(free_pages) < pages_per_room:
+                # every page is a failed room's, cooling until "settle": the rest never start
+                outcomes.update((room, Outcome(room, "NotStarted")) for room in todo)
+                todo.clear()
+            while todo and len(active) < window and len(free_pages) >= pages_per_room:
+                idx = allocator.alloc()
+                if idx is None:
+                    break
+                room = todo.pop(0)
+                req = SimpleNamespace(bootstrap_room=room, rid=room)
+                allocator.bind(req, idx)
+                pages = [free_pages.pop() for _ in range(pages_per_room)]
+                receiver = cls("RECEIVER")(manager, addr, room)
+                receiver.init(0)
+                if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
+                    receiver.send_metadata(np.asarray(pages, dtype=np.int32), idx, None)
+                active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
+            for room, (receiver, out, req) in list(active.items()):
+                if room in abort_rooms and not out.failed_at:
+                    abort_rooms.discard(room)
+                    receiver.abort()
+                state = receiver.poll()
+                if state == KVPoll.Success:
+                    out.status = "Success"
+                    out.verified = _verify(kv, buffers, allocator, req, out, shape)
+                    free_pages.extend(out.pages)
+                    receiver.clear()
+                    landed.value += 1
+                elif state == KVPoll.Failed:
+                    if not out.failed_at:
+                        out.failed_at = time.monotonic()
+                        # DecodeTransferQueue.pop_transferred's failed path, then _defer_release
+                        receiver.ensure_abort_notified(force_arm=True)
+                        out.status = "Failed"
+                    required = len(receiver.bootstrap_infos or ()) if receiver.abort_notified else 0
+                    if not manager.is_abort_release_safe(room, required):
+                        if time.monotonic() - out.failed_at < 30:
+                            continue
+                        out.status = "Failed-timeout"
+                    # _do_release: pages, metadata slot, deferred state, receiver
+                    out.released_at = time.monotonic()
+                    _fill_canary(kv, buffers, out, shape)
+                    buffers.clear_slot(out.slot)
+                    allocator.free(out.slot)
+                    manager.clear_deferred_abort_state(room)
+                    receiver.clear()
+                    released.append(out)  # its pages come back at "settle", after the check
+                else:
+                    continue
+                outcomes[room] = out
+                del active[room]
+            time.sleep(0.0005)
+        conn.send(("done", outcomes))
+    manager.close_engine()
+    buffers.close()
+
+
+def _page(t: torch.Tensor, page: int, shape: Shape) -> torch.Tensor:
+    return t[page * shape.item_len : (page + 1) * shape.item_len]
+
+
+def _verify(
+    kv: list[torch.Tensor], buffers: Any, allocator: Any, req: Any, out: Outcome, shape: Shape
+) -> bool:
+    """Every KV byte and the aux row are the room's; the slot is then consumed and released."""
+    ok = all(
+        torch.equal(_page(t, p, shape), pattern(out.room, e, i, shape.item_len))
+        for e, t in enumerate(kv)
+        for i, p in enumerate(out.pages)
+    )
+    output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)
+    want_p, want_i, want_h = env.expected_draft(out.room, HIDDEN, TOPK)
+    ok = ok and int(room[0]) == out.room and int(output_ids[0]) == out.room % 50_000
+    ok = ok and torch.equal(topk_p[:TOPK], want_p) and torch.equal(topk_index[:TOPK], want_i)
+    ok = ok and torch.equal(hidden, want_h)
+    del output_ids, topk_p, topk_index, hidden, room, _
+    buffers.clear_slot(out.slot)
+    allocator.free(out.slot)
+    allocator.release_consumed([req])
+    return ok
+
+
+def _fill_canary(kv: list[torch.Tensor], buffers: Any, out: Outcome, shape: Shape) -> None:
+    """A released room's pages get the canary; its slot is checked by its column bytes."""
+    for t in kv:
+        for p in out.pages:
+            _page(t, p, shape).fill_(CANARY)
+
+
+def _canaries_intact(
+    kv: list[torch.Tensor], buffers: Any, released: list[Outcome], shape: Shape
+) -> bool:
+    """No byte landed in a released room's pages after its release (pages not reused since)."""
+    return all(
+        bool((_page(t, p, shape) == CANARY).all())
+        for out in released
+        for t in kv
+        for p in out.pages
+    )
+
+
+class Pair:
+    """A prefill process and a decode process on one host; every process it starts is
+    killed and reaped on exit, whatever happened."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.ctx = mp.get_context("spawn")
+        self.port = env.free_port()
+        self.sent = self.ctx.Value("i", 0)
+        self.landed = self.ctx.Value("i", 0)
+        self.procs: list[mp.process.BaseProcess] = []
+        self.prefill: Connection | None = None
+        self.decode: Connection | None = None
+        self.decode_table = ""
+
+    def _start(self, target: Any, counter: Any) -> tuple[Connection, Any, tuple[Any, ...]]:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=target, args=(child, self.shape, self.port, counter))
+        proc.start()
+        self.procs.append(proc)
+        if not parent.poll(120):
+            raise TimeoutError(f"{target.__name__} did not come up")
+        return parent, proc, parent.recv()
+
+    def start_prefill(self) -> None:
+        self.prefill, _, _ = self._start(prefill_main, self.sent)
+
+    def start_decode(self) -> None:
+        self.decode, _, up = self._start(decode_main, self.landed)
+        self.decode_table = up[2]
+
+    def submit(
+        self, rooms: list[int], pages: int, window: int, abort: frozenset[int] = frozenset()
+    ) -> None:
+        """Both sides get the rooms (as SGLang's router would tell them)."""
+        assert self.prefill is not None and self.decode is not None
+        self.prefill.send(("run", rooms, pages, window))
+        self.decode.send(("run", f"127.0.0.1:{self.port}", rooms, pages, window, set(abort)))
+
+    def reply(self, conn: Connection | None, timeout: float = 90) -> Any:
+        assert conn is not None
+        if not conn.poll(timeout):
+            for proc in self.procs:  # their stacks, on stderr, for the report
+                if proc.is_alive() and proc.pid is not None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1)
+            raise TimeoutError("no reply")
+        return conn.recv()
+
+    def settle(self) -> tuple[bool, int, int]:
+        self.decode.send(("settle",))  # type: ignore[union-attr]
+        _, intact, pages, slots = self.reply(self.decode)
+        return intact, pages, slots
+
+    def wait_until(self, counter: Any, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while counter.value < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"counter at {counter.value}, not {n}")
+            time.sleep(0.001)
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for conn in (self.prefill, self.decode):
+            try:
+                if conn is not None:
+                    conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)

@@ -1,0 +1,119 @@
+"""shmslots as SGLang 0.5.23's transfer backend on one host: SGLang's own manager, sender,
+receiver and bootstrap server in two spawned processes (tests/pd_env.py), every byte checked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import sglang_env as env
+
+pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLANG_MISSING or "")
+
+from pd_env import Pair, Shape  # noqa: E402
+
+
+def test_200_requests_through_8_slots_every_byte_checked() -> None:
+    with Pair(Shape()) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1000, 1200))
+        pair.submit(rooms, pages=3, window=6)
+        _, sent, refused, failed = pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert sorted(outcomes) == rooms
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert set(sent.values()) == {"Success"} and refused == failed == 0
+        assert pair.settle() == (True, Shape().pages, Shape().slots)
+
+
+def test_mla_pages_of_one_entry_a_layer() -> None:
+    shape = Shape(mla=True, page_size=8)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1, 41))
+        pair.submit(rooms, pages=5, window=4)
+        pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert pair.settle() == (True, shape.pages, shape.slots)
+
+
+def _kill_mid_transfer(pair: Pair, side: str) -> float:
+    """SIGKILL `side` once transfers are flowing; returns the kill's monotonic time."""
+    pair.wait_until(pair.sent, 20)
+    proc = pair.procs[0 if side == "prefill" else 1]
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    proc.join(10)
+    return killed
+
+
+# big pages, so that a kill lands while transfers are in flight
+BIG = Shape(layers=4, pages=48, page_size=64, heads=8, head_dim=128)
+
+
+def test_prefill_sigkilled_mid_transfer_decode_releases_at_once_and_serves_on() -> None:
+    with Pair(BIG) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1, 2001))
+        pair.submit(rooms, pages=4, window=6)
+        killed = _kill_mid_transfer(pair, "prefill")
+        _, outcomes = pair.reply(pair.decode)
+        failed = [o for o in outcomes.values() if o.status == "Failed"]
+        assert failed, "the kill landed after every transfer"
+        # released on the prefill's death, never by SGLang's 30 s timeout ("Failed-timeout");
+        # rooms after the kill never start once their pages are all a failed room's
+        assert {o.status for o in outcomes.values()} <= {"Success", "Failed", "NotStarted"}
+        assert all(o.verified for o in outcomes.values() if o.status == "Success")
+        # settled from the kill: detected by the registry lock, released without the 30 s
+        assert max(o.released_at for o in failed) - killed < 2.0
+        assert pair.settle() == (True, BIG.pages, BIG.slots)  # nothing landed after release
+        # a new prefill on the same port: the decode serves on
+        pair.start_prefill()
+        more = list(range(5001, 5021))
+        pair.submit(more, pages=4, window=4)
+        pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+
+
+def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:
+    with Pair(BIG) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit(list(range(1, 2001)), pages=4, window=6)
+        _kill_mid_transfer(pair, "decode")
+        _, sent, refused, _ = pair.reply(pair.prefill)
+        assert "Failed" in sent.values() and refused == 0
+        pair.start_decode()  # a restarted decode: a new registry, a new session
+        more = list(range(5001, 5041))
+        pair.submit(more, pages=4, window=4)
+        _, sent, _, _ = pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert set(sent.values()) == {"Success"}
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert pair.settle() == (True, BIG.pages, BIG.slots)
+
+
+def test_decode_abort_mid_transfer_is_acknowledged_at_once() -> None:
+    with Pair(BIG) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1, 61))
+        aborted = set(rooms[5::7])
+        pair.submit(rooms, pages=4, window=6, abort=frozenset(aborted))
+        pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        for room, o in outcomes.items():
+            if room in aborted:
+                # released on prefill's drain ACK, not after SGLang's 30 s deferred timeout
+                assert o.status == "Failed" and o.released_at - o.failed_at < 2.0
+            else:
+                assert o.status == "Success" and o.verified
+        assert pair.settle() == (True, BIG.pages, BIG.slots)
