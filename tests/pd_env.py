@@ -35,6 +35,8 @@ import numpy as np
 import sglang_env as env
 import torch
 
+from shmslots.sglang import samehost
+
 CANARY = 0xA5
 HIDDEN, TOPK = 64, 4
 STALL_S = 3.0  # a prefill run with no progress for this long gives up its rooms
@@ -431,3 +433,4 @@ class Pair:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
+        samehost.sweep()  # the registries of the sides the test killed

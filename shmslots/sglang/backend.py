@@ -30,7 +30,7 @@ import re
 import threading
 from typing import Any
 
-from .samehost import PeerRegistry, SameHostEngine
+from .samehost import PREFIX, PeerRegistry, SameHostEngine
 
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def registry_name(ip: str, port: int) -> str:
     """The registry of the manager listening at ip:port on this host."""
-    return "shmslots-pd-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{ip}-{port}")
+    return PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{ip}-{port}")
 
 
 def register_hooks() -> None:

@@ -41,6 +41,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,37 @@ def classify(base: int, length: int) -> Region:
         name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0]))
     return Region(base, length)
+
+
+PREFIX = "shmslots-pd-"
+SWEEP_AGE_S = 10.0  # a registry with no owner yet, younger than this, is still being made
+
+
+def sweep() -> list[str]:
+    """Remove this user's registries whose owners died (SIGKILL leaves them): those unlocked
+    and either published or older than SWEEP_AGE_S.  Returns the names removed."""
+    removed = []
+    for entry in os.scandir(SHM_DIR):
+        if not entry.name.startswith(PREFIX):
+            continue
+        try:
+            reg = PeerRegistry(entry.name, None)
+        except ShmSlotsError:
+            continue
+        try:
+            if reg.alive():
+                continue
+            made = reg.segment.mm[:8] == MAGIC
+            old = time.time() - os.fstat(reg.segment.fd).st_mtime > SWEEP_AGE_S
+            same = os.stat(entry.path).st_ino == reg.inode
+            if (made or old) and same:
+                unlink(entry.name)
+                removed.append(entry.name)
+        except (OSError, ShmSlotsError):
+            continue
+        finally:
+            reg.close()
+    return removed
 
 
 class Registry:
@@ -345,6 +377,17 @@ class _Peer:
         self.registry.close()
 
 
+def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
+    """Whether the peer lives, once a write into it failed: a dying process loses its address
+    space before its descriptors (and so its lock), so wait a moment before saying it lives."""
+    deadline = time.monotonic() + grace_s
+    while reg.alive():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def _mem_refusal(pid: int, exc: OSError) -> str:
     why = f"cannot open /proc/{pid}/mem ({exc.strerror})"
     if exc.errno in (errno.EACCES, errno.EPERM):
@@ -390,6 +433,7 @@ class SameHostEngine:
 
     def __init__(self, name: str, session_port: int = 0) -> None:
         allow_peers()
+        sweep()
         self.registry = Registry(name)
         self.session_port = session_port
         self._regions: list[Region] = []
@@ -481,7 +525,7 @@ class SameHostEngine:
                 else:
                     self._pwrite(peer, src, dst, n)
         except OSError as exc:
-            alive = reg.alive()
+            alive = _still_alive(reg)
             self._drop(session)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
