@@ -246,7 +246,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
             time.sleep(shape.late_write_window_s)
             conn.send(("settled", intact, len(free_pages), allocator.available_size()))
             continue
-        _, addr, rooms, pages_per_room, window, abort_rooms = msg
+        _, addr, rooms, pages_per_room, window, abort_rooms, bad_rooms = msg
         deadline = time.monotonic() + 60
         while not manager.try_ensure_parallel_info(addr):
             if time.monotonic() > deadline:
@@ -270,8 +270,9 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 pages = [free_pages.pop() for _ in range(pages_per_room)]
                 receiver = cls("RECEIVER")(manager, addr, room)
                 receiver.init(0)
+                asked = pages[:-1] + [shape.pages + 3] if room in bad_rooms else pages
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
-                    receiver.send_metadata(np.asarray(pages, dtype=np.int32), idx, None)
+                    receiver.send_metadata(np.asarray(asked, dtype=np.int32), idx, None)
                 active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
             for room, (receiver, out, req) in list(active.items()):
                 if room in abort_rooms and not out.failed_at:
@@ -389,12 +390,18 @@ class Pair:
         self.decode_table = up[2]
 
     def submit(
-        self, rooms: list[int], pages: int, window: int, abort: frozenset[int] = frozenset()
+        self,
+        rooms: list[int],
+        pages: int,
+        window: int,
+        abort: frozenset[int] = frozenset(),
+        bad: frozenset[int] = frozenset(),
     ) -> None:
-        """Both sides get the rooms (as SGLang's router would tell them)."""
+        """Both sides get the rooms (as SGLang's router would tell them); decode aborts the
+        `abort` rooms mid-transfer and asks for a page past its pool's end for the `bad`."""
         assert self.prefill is not None and self.decode is not None
         self.prefill.send(("run", rooms, pages, window))
-        self.decode.send(("run", f"127.0.0.1:{self.port}", rooms, pages, window, set(abort)))
+        self.decode.send(("run", f"127.0.0.1:{self.port}", rooms, pages, window, set(abort), bad))
 
     def reply(self, conn: Connection | None, timeout: float = 90) -> Any:
         assert conn is not None

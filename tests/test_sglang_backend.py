@@ -3,9 +3,13 @@ receiver and bootstrap server in two spawned processes (tests/pd_env.py), every 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from typing import Any
 
 import pytest
 import sglang_env as env
@@ -13,6 +17,32 @@ import sglang_env as env
 pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLANG_MISSING or "")
 
 from pd_env import Pair, Shape  # noqa: E402
+
+
+def _parse(plugin: bool) -> dict[str, Any]:
+    child = os.path.join(os.path.dirname(__file__), "sglang_backend_child.py")
+    environ = {k: v for k, v in os.environ.items() if k != "SHMSLOTS_SGLANG"}
+    if plugin:
+        environ["SHMSLOTS_SGLANG"] = "1"
+    out = subprocess.run(
+        [sys.executable, child], env=environ, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without() -> None:
+    got = _parse(plugin=True)
+    assert got["backend"] == "shmslots" and got["mooncake"] == "MooncakeKVManager"
+    assert got["classes"] == {
+        "KVARGS": "KVArgs",
+        "MANAGER": "ShmslotsKVManager",
+        "SENDER": "ShmslotsKVSender",
+        "RECEIVER": "ShmslotsKVReceiver",
+        "BOOTSTRAP_SERVER": "ShmslotsKVBootstrapServer",
+    }
+    assert "invalid choice: 'shmslots'" in _parse(plugin=False)["refused"]
 
 
 def test_200_requests_through_8_slots_every_byte_checked() -> None:
@@ -117,3 +147,22 @@ def test_decode_abort_mid_transfer_is_acknowledged_at_once() -> None:
             else:
                 assert o.status == "Success" and o.verified
         assert pair.settle() == (True, BIG.pages, BIG.slots)
+
+
+def test_page_indices_out_of_range_are_refused_and_nothing_is_written() -> None:
+    with Pair(Shape()) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1, 41))
+        bad = frozenset(rooms[3::9])
+        pair.submit(rooms, pages=3, window=4, bad=bad)
+        _, _, refused, _ = pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert refused == len(bad)
+        for room, o in outcomes.items():
+            if room in bad:
+                assert o.status == "Failed" and o.released_at - o.failed_at < 2.0
+            else:
+                assert o.status == "Success" and o.verified
+        # the bad rooms' real pages hold the canary written at their release: untouched
+        assert pair.settle() == (True, Shape().pages, Shape().slots)

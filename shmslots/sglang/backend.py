@@ -66,6 +66,20 @@ def register_hooks() -> None:
     HookRegistry.register(f"{UTILS}.get_kv_class", _get_kv_class, HookType.AROUND)
 
 
+class _DeadSessions(set[str]):
+    """Mooncake's manager blacklists a decode session after any failed transfer, since a
+    network engine cannot tell a dead peer from a refused write; this engine can, so a
+    session is blacklisted only while its engine is gone."""
+
+    def __init__(self, engine: SameHostEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def add(self, session: str) -> None:
+        if self.engine.send_probe(session) != 0:
+            super().add(session)
+
+
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType
 
@@ -91,6 +105,11 @@ def _classes() -> dict[str, type]:
 
     class ShmslotsKVManager(MooncakeKVManager):  # type: ignore[misc]
         """SGLang's Mooncake manager on `SameHostEngine` (see the module's docstring)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                self.failed_sessions = _DeadSessions(self.engine)
 
         def init_engine(self) -> None:
             self.engine = SameHostEngine(

@@ -471,9 +471,12 @@ class SameHostEngine:
 
     def send_probe(self, session: str) -> int:
         try:
-            return 0 if self._peer(session).registry.alive() else -1
+            if self._peer(session).registry.alive():
+                return 0
         except TransferError:
             return -1
+        self._drop(session)
+        return -1
 
     def batch_transfer_sync(
         self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
@@ -579,6 +582,12 @@ class SameHostEngine:
         for peer in peers:
             peer.close()
         self.registry.close()
+
+    def __enter__(self) -> SameHostEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def parse_session(session: str) -> tuple[str, int]:

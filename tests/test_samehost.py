@@ -1,0 +1,124 @@
+"""The same-host engine's trust boundary, with real processes and real registries: a write
+lands only inside memory the peer registered, from memory registered here, into a peer this
+user owns; anything else is refused before a byte moves."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from shmslots.errors import ShmSlotsError
+from shmslots.sglang import samehost
+from shmslots.sglang.samehost import PeerGone, SameHostEngine, TransferError
+
+NAME = "shmslots-pd-test"
+
+
+def _victim(conn: Connection) -> None:
+    """A peer that registers `shown` and not `hidden`, then reports both when asked."""
+    shown = torch.zeros(4096, dtype=torch.uint8)
+    hidden = torch.zeros(4096, dtype=torch.uint8)
+    with SameHostEngine(f"{NAME}-victim-{os.getpid()}") as engine:
+        engine.batch_register([shown.data_ptr()], [shown.numel()])
+        conn.send((engine.get_session_id(), shown.data_ptr(), hidden.data_ptr()))
+        conn.recv()
+        conn.send((shown.tolist(), hidden.tolist()))
+        conn.recv()
+
+
+@pytest.fixture
+def victim() -> Iterator[tuple[Connection, tuple[str, int, int], mp.process.BaseProcess]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_victim, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(60)
+        yield parent, parent.recv(), proc
+    finally:
+        try:
+            parent.send("bye")
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        samehost.sweep()
+
+
+@pytest.fixture
+def writer() -> Iterator[tuple[SameHostEngine, torch.Tensor]]:
+    src = torch.arange(256, dtype=torch.uint8).repeat(16)
+    with SameHostEngine(f"{NAME}-writer-{os.getpid()}") as engine:
+        engine.batch_register([src.data_ptr()], [src.numel()])
+        yield engine, src
+
+
+def test_writes_land_only_inside_what_the_peer_registered(victim, writer) -> None:  # type: ignore[no-untyped-def]
+    conn, (session, shown, hidden), _ = victim
+    engine, src = writer
+    assert engine.batch_transfer_sync(session, [src.data_ptr()], [shown + 8], [16]) == 0
+    # another buffer of the peer's, an overrun of its region, a source not registered here,
+    # and a good block beside a bad one: each refused whole, nothing written
+    bad = [
+        ([src.data_ptr()], [hidden], [16]),
+        ([src.data_ptr()], [shown + 4090], [16]),
+        ([src.data_ptr() + 4090], [shown], [16]),
+        ([src.data_ptr(), src.data_ptr()], [shown + 100, hidden], [4, 4]),
+    ]
+    for sources, targets, lengths in bad:
+        assert engine.batch_transfer_sync(session, sources, targets, lengths) == -1
+        with pytest.raises(TransferError, match="not"):
+            engine.transfer(session, sources, targets, lengths)
+    assert engine.refused == len(bad)
+    conn.send("report")
+    got_shown, got_hidden = conn.recv()
+    assert got_shown[8:24] == list(range(16)) and not any(got_shown[100:104])
+    assert not any(got_hidden) and not any(got_shown[:8]) and not any(got_shown[24:])
+
+
+def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) -> None:  # type: ignore[no-untyped-def]
+    conn, (session, shown, _), proc = victim
+    engine, src = writer
+    assert engine.send_probe(session) == 0
+    proc.kill()
+    proc.join(10)
+    with pytest.raises(PeerGone):
+        engine.transfer(session, [src.data_ptr()], [shown], [8])
+    assert engine.send_probe(session) == -1
+    # a new engine under the dead one's name is another session: the old id stays gone
+    name = samehost.parse_session(session)[0]
+    with SameHostEngine(name) as again:
+        assert again.get_session_id() != session
+        with pytest.raises(PeerGone, match="replaced"):  # by its inode, not its name
+            engine.transfer(session, [src.data_ptr()], [shown], [8])
+
+
+def test_a_registry_that_is_not_this_users_0600_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
+    engine, src = writer
+    name = f"{NAME}-wide-{os.getpid()}"
+    with SameHostEngine(name) as other:
+        path = os.path.join(samehost.SHM_DIR, name)
+        os.chmod(path, 0o644)
+        with pytest.raises(TransferError, match="mode 644"):
+            engine.transfer(other.get_session_id(), [], [], [])
+        os.chmod(path, 0o600)
+        if os.geteuid() == 0:  # root can give the file to another uid, as that user could
+            os.chown(path, 65534, 65534)
+            with pytest.raises(TransferError, match="owned by uid 65534"):
+                engine.transfer(other.get_session_id(), [], [], [])
+            os.chown(path, 0, 0)
+
+
+def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> None:
+    with SameHostEngine(f"{NAME}-reg-{os.getpid()}") as engine:
+        with pytest.raises(TransferError, match="host memory"):
+            engine.batch_register([4096], [4096])  # the zero page's neighbour: unmapped
+        with pytest.raises(ShmSlotsError, match="session"):
+            engine.transfer("127.0.0.1:1234", [], [], [])
