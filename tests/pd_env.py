@@ -55,6 +55,7 @@ class Shape:
     backend: str = "shmslots"
     slots: int = 8  # aux rows (metadata slots) on the decode side
     late_write_window_s: float = 0.3
+    verify: bool = True  # fill and check every byte (the benchmark moves them unread)
 
     @property
     def entries(self) -> int:
@@ -84,6 +85,10 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         host="127.0.0.1",
         page_size=shape.page_size,
     ).install()
+    if shape.backend == "mooncake":  # its D2H-event path needs CUDA (prefill.py:1743-1760)
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+        MooncakeKVSender.supports_host_tensor_indices = False
     get_parallel().override_permanently(
         tp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
@@ -142,6 +147,7 @@ class Outcome:
     verified: bool = False
     failed_at: float = 0.0  # monotonic, when poll() first said Failed
     released_at: float = 0.0  # monotonic, when its pages and slot went back
+    landed_at: float = 0.0  # monotonic, when poll() first said Success
     pages: list[int] = field(default_factory=list)
     slot: int = -1
 
@@ -172,6 +178,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
         todo = list(rooms)
         active: dict[int, tuple[Any, list[int], int, bool]] = {}
         done: dict[int, str] = {}
+        sent_at: dict[int, float] = {}
         progress = time.monotonic()
         while todo or active:
             if time.monotonic() - progress > STALL_S:
@@ -190,7 +197,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
             for room, (sender, pages, slot, started) in list(active.items()):
                 state = sender.poll()
                 if state == KVPoll.WaitingForInput and not started:
-                    for e, t in enumerate(kv):
+                    for e, t in enumerate(kv if shape.verify else ()):
                         for i, p in enumerate(pages):
                             _page(t, p, shape).copy_(pattern(room, e, i, shape.item_len))
                     req = env.sglang_req(room, HIDDEN, TOPK)
@@ -199,6 +206,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     sender.init(len(pages), slot)
                     sender.send(np.asarray(pages, dtype=np.int32))
                     active[room] = (sender, pages, slot, True)
+                    sent_at[room] = time.monotonic()
                     sent.value += 1
                     progress = time.monotonic()
                 elif state in (KVPoll.Success, KVPoll.Failed):
@@ -209,9 +217,14 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     del active[room]
                     progress = time.monotonic()
             time.sleep(0.0005)
-        conn.send(("done", done, manager.engine.refused, manager.engine.failed))
+        conn.send(("done", done, _refused(manager), sent_at))
     manager.close_engine()
     server.close()
+
+
+def _refused(manager: Any) -> int:
+    """Transfers the same-host engine refused as bad input (0 for another backend)."""
+    return int(getattr(manager.engine, "refused", 0))
 
 
 def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any) -> None:
@@ -270,7 +283,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 pages = [free_pages.pop() for _ in range(pages_per_room)]
                 receiver = cls("RECEIVER")(manager, addr, room)
                 receiver.init(0)
-                asked = pages[:-1] + [shape.pages + 3] if room in bad_rooms else pages
+                asked = [*pages[:-1], shape.pages + 3] if room in bad_rooms else pages
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
                     receiver.send_metadata(np.asarray(asked, dtype=np.int32), idx, None)
                 active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
@@ -280,7 +293,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                     receiver.abort()
                 state = receiver.poll()
                 if state == KVPoll.Success:
-                    out.status = "Success"
+                    out.status, out.landed_at = "Success", time.monotonic()
                     out.verified = _verify(kv, buffers, allocator, req, out, shape)
                     free_pages.extend(out.pages)
                     receiver.clear()
@@ -324,7 +337,7 @@ def _verify(
     """Every KV byte and the aux row are the room's; the slot is then consumed and released."""
     ok = all(
         torch.equal(_page(t, p, shape), pattern(out.room, e, i, shape.item_len))
-        for e, t in enumerate(kv)
+        for e, t in enumerate(kv if shape.verify else ())
         for i, p in enumerate(out.pages)
     )
     output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)

@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import io
 import json
-import sys
 
 import sglang_env as env
 
@@ -39,4 +38,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -4,6 +4,7 @@ user owns; anything else is refused before a byte moves."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from shmslots.errors import ShmSlotsError
+from shmslots.segment import SHM_DIR
 from shmslots.sglang import samehost
 from shmslots.sglang.samehost import PeerGone, SameHostEngine, TransferError
 
@@ -41,10 +43,8 @@ def victim() -> Iterator[tuple[Connection, tuple[str, int, int], mp.process.Base
         assert parent.poll(60)
         yield parent, parent.recv(), proc
     finally:
-        try:
+        with contextlib.suppress(OSError):
             parent.send("bye")
-        except OSError:
-            pass
         proc.join(10)
         if proc.is_alive():
             proc.kill()
@@ -84,7 +84,7 @@ def test_writes_land_only_inside_what_the_peer_registered(victim, writer) -> Non
 
 
 def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) -> None:  # type: ignore[no-untyped-def]
-    conn, (session, shown, _), proc = victim
+    _, (session, shown, _), proc = victim
     engine, src = writer
     assert engine.send_probe(session) == 0
     proc.kill()
@@ -101,10 +101,10 @@ def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) 
 
 
 def test_a_registry_that_is_not_this_users_0600_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
-    engine, src = writer
+    engine, _ = writer
     name = f"{NAME}-wide-{os.getpid()}"
     with SameHostEngine(name) as other:
-        path = os.path.join(samehost.SHM_DIR, name)
+        path = os.path.join(SHM_DIR, name)
         os.chmod(path, 0o644)
         with pytest.raises(TransferError, match="mode 644"):
             engine.transfer(other.get_session_id(), [], [], [])

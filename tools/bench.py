@@ -16,6 +16,7 @@ command it runs the full comparison below.  The commands look closer at one thin
     trace    what call-site tracing costs
     remote   remote writes through Mooncake and NIXL beside the local path
     sglang   SGLang's own decode path on shmslots against its clone at commit
+    pd       prefill to decode on one host: the shmslots backend, Mooncake, a memcpy floor
 
 Peers, all real: multiprocessing.Queue, multiprocessing.Pipe, a torch.multiprocessing queue
 passing tensors, iceoryx2 publish-subscribe (busy-polled, and blocking through its event
@@ -60,7 +61,7 @@ import sys
 from pathlib import Path
 
 EXTRAS = ("iceoryx2", "matplotlib")  # the `bench` extras of pyproject.toml
-COMMANDS = ("ab", "steps", "one", "cli", "trace", "remote", "sglang")
+COMMANDS = ("ab", "steps", "one", "cli", "trace", "remote", "sglang", "pd")
 
 
 def _extras_missing() -> bool:

@@ -164,7 +164,8 @@ def _classes() -> dict[str, type]:
                 same = False
             if reg.alive() and same:
                 return True
-            self._peers.pop(name).close()
+            self._peers.pop(name, None)
+            reg.close()
             return False
 
         def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
@@ -191,6 +192,9 @@ def _classes() -> dict[str, type]:
         def close_engine(self) -> None:
             """Remove the registry (peers see this engine gone) and let go of peers."""
             self._watch_stop.set()
+            watcher = getattr(self, "_watcher", None)
+            if watcher is not None and watcher is not threading.current_thread():
+                watcher.join(5)
             for reg in list(self._peers.values()):
                 reg.close()
             self._peers.clear()

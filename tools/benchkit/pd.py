@@ -1,0 +1,177 @@
+"""Prefill to decode on one host through SGLang 0.5.23's own managers: shmslots' same-host
+backend against SGLang's Mooncake manager (TCP), and a memcpy floor.
+
+    python tools/bench.py pd [--layers 4] [--requests 24] [--runs 3]
+
+Needs SGLang 0.5.23 (`pip install --no-deps -r tests/sglang-0.5.23.txt`) and, for the Mooncake
+column, the Mooncake wheel and Debian's libibverbs1 (the test extra; skipped, saying so,
+without them).  The harness is the tests' (tests/pd_env.py): a prefill and a decode process,
+each running SGLang's manager, sender, receiver and bootstrap server, looked up by
+`get_kv_class` under the backend's name, over CPU KV of a Llama-3-8B-like layer (8 KV heads,
+head dim 128, bf16, page size 64; `--layers` of the 32, for memory), aux rows in the plugin's
+table.  Bytes are moved, not filled or checked (the tests check them).
+
+Reported per backend and request size (1k and 8k tokens): GB/s of KV moved, requests/s, p50
+and p99 from the prefill's send to the decode's Success; then, with a prefill SIGKILLed
+mid-transfer, the time from the kill until decode has its pages and slots back (SGLang's
+heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page runs copied
+by one process (`torch` copies of each entry's page runs).  NIXL is not driven: SGLang 0.5.23
+imports `nixl`, and the `nixl-cu12` wheel installs `nixl_cu12`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import command_parser
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import pd_env  # noqa: E402
+import sglang_env  # noqa: E402
+
+TOKENS = (1024, 8192)
+
+
+def _shape(backend: str, layers: int, tokens: int, window: int) -> pd_env.Shape:
+    pages = tokens // 64
+    return pd_env.Shape(
+        layers=layers, page_size=64, heads=8, head_dim=128, pages=pages * (window + 1),
+        backend=backend, slots=max(8, 2 * window), verify=False,
+    )  # fmt: skip
+
+
+def _throughput(shape: pd_env.Shape, requests: int, window: int) -> dict[str, float]:
+    pages = shape.pages // (window + 1)
+    with pd_env.Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit([1, 2], pages, window)  # connect and warm both sides
+        pair.reply(pair.prefill)
+        pair.reply(pair.decode)
+        rooms = list(range(100, 100 + requests))
+        start = time.monotonic()
+        pair.submit(rooms, pages, window)
+        _, _, _, sent_at = pair.reply(pair.prefill, 600)
+        _, outcomes = pair.reply(pair.decode, 600)
+        elapsed = max(o.landed_at for o in outcomes.values()) - start
+    ok = [o for o in outcomes.values() if o.status == "Success"]
+    moved = len(ok) * pages * shape.entries * shape.item_len
+    latency = sorted(o.landed_at - sent_at[o.room] for o in ok)
+    return {
+        "ok": len(ok),
+        "GB/s": moved / elapsed / 1e9,
+        "req/s": len(ok) / elapsed,
+        "p50_ms": 1e3 * latency[len(latency) // 2],
+        "p99_ms": 1e3 * latency[min(len(latency) - 1, int(0.99 * len(latency)))],
+    }
+
+
+def _kill_to_release(shape: pd_env.Shape, window: int) -> float:
+    """Seconds from a prefill's SIGKILL to the last of its failed rooms released at decode."""
+    pages = shape.pages // (window + 1)
+    with pd_env.Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit(list(range(1, 10_000)), pages, window)
+        pair.wait_until(pair.sent, 3, 120)
+        proc = pair.procs[0]
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, outcomes = pair.reply(pair.decode, 120)
+    failed = [o.released_at for o in outcomes.values() if o.released_at]
+    return max(failed) - killed if failed else float("nan")
+
+
+def _floor(shape: pd_env.Shape, runs: int) -> float:
+    """GB/s of the same page runs copied within one process."""
+    pages = shape.pages // 2
+    src = [
+        torch.ones(shape.pages * shape.item_len, dtype=torch.uint8) for _ in range(shape.entries)
+    ]
+    dst = [torch.zeros_like(t) for t in src]
+    n = pages * shape.item_len
+    rates = []
+    for _ in range(runs * 5):
+        start = time.perf_counter()
+        for s, d in zip(src, dst, strict=True):
+            d[:n].copy_(s[n : 2 * n])
+        rates.append(n * shape.entries / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+def _mooncake_missing() -> str | None:
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"Mooncake unavailable here ({exc})"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    parser = command_parser("pd", __doc__)
+    parser.add_argument("--layers", type=int, default=4, help="layers of the 32 (memory)")
+    parser.add_argument("--requests", type=int, default=24, help="requests a run (1k tokens)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--window", type=int, default=4, help="requests in flight")
+    args = parser.parse_args(argv)
+    if sglang_env.SGLANG_MISSING:
+        print(sglang_env.SGLANG_MISSING, file=sys.stderr)
+        return 2
+    backends = ["shmslots"]
+    missing = _mooncake_missing()
+    if missing is None:
+        backends.append("mooncake")
+    else:
+        print(f"mooncake: skipped: {missing}")
+    print(
+        f"KV: {args.layers} layers x K,V x 8 heads x 128 dim, bf16, page 64; "
+        f"{args.window} requests in flight; {args.runs} runs; median (lowest-highest)"
+    )
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    floors: dict[int, float] = {}
+    for tokens in TOKENS:
+        window = args.window if tokens == TOKENS[0] else 1
+        requests = args.requests if tokens == TOKENS[0] else max(4, args.requests // 6)
+        floors[tokens] = _floor(_shape("shmslots", args.layers, tokens, 1), args.runs)
+        for _ in range(args.runs):  # backends alternate within each run
+            for backend in backends:
+                shape = _shape(backend, args.layers, tokens, window)
+                results.setdefault((backend, tokens), []).append(
+                    _throughput(shape, requests, window)
+                )
+    print(f"{'backend':<10}{'tokens':>7}{'GB/s':>22}{'req/s':>20}{'p50 ms':>12}{'p99 ms':>12}")
+    for (backend, tokens), rows in results.items():
+        print(
+            f"{backend:<10}{tokens:>7}{_spread(rows, 'GB/s'):>22}{_spread(rows, 'req/s'):>20}"
+            f"{statistics.median(r['p50_ms'] for r in rows):>12.1f}"
+            f"{statistics.median(r['p99_ms'] for r in rows):>12.1f}"
+        )
+    for tokens in TOKENS:
+        ours = statistics.median(r["GB/s"] for r in results[("shmslots", tokens)])
+        line = f"{tokens} tokens: memcpy floor {floors[tokens]:.2f} GB/s, shmslots at "
+        line += f"{floors[tokens] / ours:.2f}x the floor (target <= 1.5x)"
+        if ("mooncake", tokens) in results:
+            theirs = statistics.median(r["GB/s"] for r in results[("mooncake", tokens)])
+            line += f"; {ours / theirs:.1f}x Mooncake (target >= 10x)"
+        print(line)
+    for backend in backends:
+        shape = _shape(backend, args.layers, TOKENS[0], args.window)
+        print(
+            f"{backend}: prefill SIGKILLed mid-transfer -> decode has its pages back in "
+            f"{_kill_to_release(shape, args.window):.3f} s (target <= 0.1 s)"
+        )
+    return 0
+
+
+def _spread(rows: list[dict[str, Any]], key: str) -> str:
+    values = [r[key] for r in rows]
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
