@@ -34,8 +34,8 @@ import torch
 from . import command_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-import pd_env  # noqa: E402
-import sglang_env  # noqa: E402
+import pd_env
+import sglang_env
 
 TOKENS = (1024, 8192)
 
