@@ -19,9 +19,12 @@ mapping of the old one is dropped.
 A write into a peer goes, per destination region:
 - into a `/dev/shm` file region: by `memmove` into this process's own mapping of that file
   (mapped once, checked to be the inode the peer registered and owned by this user);
-- into any other (anonymous) region: by `pwrite` on the peer's `/proc/<pid>/mem`, opened once
-  and checked against the registry lock after opening, so the descriptor is bound to the
-  peer's address space for good: a pid reused later cannot receive a byte.
+- into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
+  system call (IOV_MAX a call).  The pid comes from the registry; a pidfd of it, opened once
+  and confirmed by the registry's lock and the start time after opening, says before each
+  call that the peer has not been reaped, so its pid number is not yet anyone else's (what
+  remains is the microseconds between that check and the call, in which the peer would have
+  to die, be reaped and have its number handed to another process of this user).
 
 Both are synchronous: when `transfer` returns, or raises, no byte of it can still land.
 Every destination byte must lie inside a region the peer registered and every source byte
@@ -39,6 +42,7 @@ import itertools
 import json
 import mmap
 import os
+import signal
 import struct
 import threading
 import time
@@ -323,12 +327,38 @@ class _Peer:
 
     def __init__(self, registry: PeerRegistry) -> None:
         self.registry = registry
-        self.mem_fd = -1
+        self.pidfd = -1
         self.maps: dict[tuple[str, int], tuple[mmap.mmap, int]] = {}
 
-    def mem(self) -> int:
-        """The peer's /proc/<pid>/mem, bound to its address space once the lock confirms it."""
-        if self.mem_fd < 0:
+    def write(self, blocks: list[tuple[int, int, int]]) -> None:
+        """(source, target, length) blocks into the peer's anonymous memory, by
+        process_vm_writev, IOV_MAX blocks a call.  The pid is the one the registry lock
+        vouched for when the pidfd was opened, and the pidfd says, just before each call,
+        that this process has not been reaped, so its pid number is not yet anyone else's."""
+        pid = self.registry.pid
+        for at in range(0, len(blocks), IOV_MAX):
+            chunk = blocks[at : at + IOV_MAX]
+            local, remote = (_iovec * len(chunk))(), (_iovec * len(chunk))()
+            for i, (src, dst, n) in enumerate(chunk):
+                local[i].base, local[i].len = src, n
+                remote[i].base, remote[i].len = dst, n
+            try:
+                signal.pidfd_send_signal(self._pidfd(), 0)
+            except ProcessLookupError:
+                raise PeerGone(f"peer {self.registry.name!r} died") from None
+            wrote = _libc.process_vm_writev(pid, local, len(chunk), remote, len(chunk), 0)
+            if wrote < 0:
+                err = ctypes.get_errno()
+                if err in (errno.EPERM, errno.EACCES):
+                    raise TransferError(_access_refusal(pid, err))
+                raise OSError(err, os.strerror(err))
+            if wrote != sum(n for _, _, n in chunk):
+                raise OSError(errno.EFAULT, "a partial write into the peer's memory")
+
+    def _pidfd(self) -> int:
+        """A pidfd of the registry's owner, confirmed by its lock and start time after it
+        is opened (so it is the owner's, not a later holder's of the pid number)."""
+        if self.pidfd < 0:
             reg = self.registry
             if reg.pidns != _pidns():
                 raise TransferError(
@@ -336,14 +366,14 @@ class _Peer:
                     "regions can be written from here"
                 )
             try:
-                fd = os.open(f"/proc/{reg.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
-            except OSError as exc:
-                raise TransferError(_mem_refusal(reg.pid, exc)) from None
+                fd = os.pidfd_open(reg.pid)
+            except ProcessLookupError:
+                raise PeerGone(f"peer {reg.name!r} died") from None
             if not reg.alive() or process_start_ticks(reg.pid) != reg.start_ticks:
                 os.close(fd)
                 raise PeerGone(f"peer {reg.name!r} died")
-            self.mem_fd = fd
-        return self.mem_fd
+            self.pidfd = fd
+        return self.pidfd
 
     def mapping(self, region: Region) -> int:
         """This process's address of `region`'s /dev/shm file, mapped once."""
@@ -367,9 +397,9 @@ class _Peer:
         return address + region.offset
 
     def close(self) -> None:
-        if self.mem_fd >= 0:
-            os.close(self.mem_fd)
-            self.mem_fd = -1
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
         for mm, _ in self.maps.values():
             with contextlib.suppress(BufferError):  # a view still exported: it goes with it
                 mm.close()
@@ -388,21 +418,28 @@ def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
     return False
 
 
-def _mem_refusal(pid: int, exc: OSError) -> str:
-    why = f"cannot open /proc/{pid}/mem ({exc.strerror})"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        scope = "absent"
-        try:
-            with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-                scope = f.read().strip()
-        except OSError:
-            pass
-        why += (
-            f": writing another process's memory needs the same user and ptrace access "
-            f"(Yama ptrace_scope is {scope}; with 1 the receiving engine allows its peers by "
-            "PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
-        )
-    return why
+def _access_refusal(pid: int, err: int) -> str:
+    scope = "absent"
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/yama/ptrace_scope") as f:
+        scope = f.read().strip()
+    return (
+        f"cannot write the memory of pid {pid} ({os.strerror(err)}): that needs the same user "
+        f"and ptrace access (Yama ptrace_scope is {scope}; with 1 the receiving engine allows "
+        "its peers by PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
+    )
+
+
+class _iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+IOV_MAX = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_writev.argtypes = [
+    ctypes.c_int, ctypes.POINTER(_iovec), ctypes.c_ulong,
+    ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.c_ulong,
+]  # fmt: skip
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
 
 
 def _ptrace_scope() -> int:
@@ -525,24 +562,14 @@ class SameHostEngine:
             for src, dst, n, region in plan:
                 if region.shm is not None:
                     ctypes.memmove(peer.mapping(region) + (dst - region.base), src, n)
-                else:
-                    self._pwrite(peer, src, dst, n)
+            anonymous = [(src, dst, n) for src, dst, n, region in plan if region.shm is None]
+            if anonymous:
+                peer.write(anonymous)
         except OSError as exc:
             alive = _still_alive(reg)
             self._drop(session)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
-
-    @staticmethod
-    def _pwrite(peer: _Peer, src: int, dst: int, n: int) -> None:
-        fd = peer.mem()
-        view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
-        done = 0
-        while done < n:
-            wrote = os.pwrite(fd, view[done:], dst + done)
-            if wrote <= 0:
-                raise OSError(errno.EIO, "short write into the peer's memory")
-            done += wrote
 
     def _own_region(self, address: int, length: int) -> Region | None:
         i = bisect.bisect_right(self._bases, address) - 1
