@@ -87,8 +87,10 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
     ).install()
     if shape.backend == "mooncake":  # its D2H-event path needs CUDA (prefill.py:1743-1760)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+        from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
 
         MooncakeKVSender.supports_host_tensor_indices = False
+        te.maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # as parallel_state does
     get_parallel().override_permanently(
         tp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
@@ -218,7 +220,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     progress = time.monotonic()
             time.sleep(0.0005)
         conn.send(("done", done, _refused(manager), sent_at))
-    manager.close_engine()
+    getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     server.close()
 
 
@@ -323,7 +325,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 del active[room]
             time.sleep(0.0005)
         conn.send(("done", outcomes))
-    manager.close_engine()
+    getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     buffers.close()
 
 
