@@ -33,6 +33,7 @@ class Membership:
         role: str,
         name: str,
         drop_held: bool,
+        stamp: int | None = None,
     ) -> None:
         self.drop_held = drop_held  # a dead consumer's leases: dropped, or redelivered
         # The liveness lock lives on an open file description of its own, not the one the
@@ -44,7 +45,7 @@ class Membership:
         self.lock_fd = self._lock_file.fileno()
         try:
             self.registry = Registry(atomics, mv, layout, self.lock_fd)
-            self.participant, died_here = self.registry.register(role, name)
+            self.participant, died_here = self.registry.register(role, name, stamp)
             self.own = Ownership(atomics, segment.mm, layout, self.participant + 1)
             self.arena = Arena(atomics, layout) if layout.arena_pages else None
             if died_here:  # the entry we took was a dead participant's: settle its slots first

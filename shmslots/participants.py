@@ -9,6 +9,7 @@ process start time are recorded for people (the CLI), not for decisions.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from . import layout as L
 from ._core import AtomicView
-from .errors import RegistryFull
+from .errors import RegistryFull, TableNotReady
 
 FREE = 0
 ACTIVE = 1
@@ -35,9 +36,40 @@ def _lock_request(kind: int, index: int) -> bytes:
 GATE = 1 << 40
 
 
-def hold_gate(fd: int) -> None:
-    """Say a participant is being made on this table (waits out a replacer that holds it)."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _lock_request(fcntl.F_RDLCK, GATE))
+def hold_gate(fd: int, name: str, deadline: float) -> None:
+    """Say a participant is being made on this table, waiting out a replacer that holds the
+    gate until `deadline` (monotonic s) and no longer: a stopped holder (SIGSTOP, a debugger,
+    a frozen cgroup) keeps its lock, and no caller's bound is to be ignored for it."""
+    while True:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_RDLCK, GATE))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise TableNotReady(
+                f"{name!r} is being replaced or checked by another process that holds its gate "
+                f"({gate_holder(fd)}); it has not let go in time"
+            )
+        time.sleep(0.002)
+
+
+def gate_holder(fd: int) -> str:
+    """Who holds the gate, as /proc/locks tells it (OFD locks name the process that took
+    them there; fcntl's F_OFD_GETLK gives no pid)."""
+    st = os.fstat(fd)
+    inode = f":{st.st_ino} {GATE} "
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                if "OFDLCK" in line and "WRITE" in line and inode in line:
+                    pid = line.split()[4]
+                    if pid != "-1":
+                        return f"pid {pid}"
+    except OSError:
+        pass
+    return "a process this one cannot name"
 
 
 def release_gate(fd: int) -> None:
@@ -139,7 +171,7 @@ class Registry(RegistryReader):
             return False
         return True
 
-    def register(self, role: str, name: str) -> tuple[int, bool]:
+    def register(self, role: str, name: str, stamp: int | None = None) -> tuple[int, bool]:
         """Lock a free entry and fill it; returns (index, previous holder died there).
 
         The lock is taken before the entry is marked ACTIVE, so an ACTIVE
@@ -149,20 +181,24 @@ class Registry(RegistryReader):
             if not self.try_lock(index):
                 continue
             died_here = self.is_active(index)
-            self._fill(index, role, name)
+            self._fill(index, role, name, stamp)
             return index, died_here
         raise RegistryFull(
             f"all {self._layout.registry_capacity} participant entries are held by live "
             "processes; close unused tables or create the table with more participants"
         )
 
-    def _fill(self, index: int, role: str, name: str) -> None:
+    def _fill(self, index: int, role: str, name: str, stamp: int | None) -> None:
+        """`stamp`: the attach time to record (the creator's is the header's created_ns, so
+        that its entry is known by identity, not by pid number)."""
         base = self._layout.registry_entry(index)
         pid = os.getpid()
         now = time.time_ns()
         struct.pack_into("<I", self._mv, base + L.REG_PID, pid)
         struct.pack_into("<Q", self._mv, base + L.REG_START_TICKS, process_start_ticks(pid))
-        struct.pack_into("<QQ", self._mv, base + L.REG_ATTACH_NS, now, now)
+        struct.pack_into(
+            "<QQ", self._mv, base + L.REG_ATTACH_NS, now if stamp is None else stamp, now
+        )
         struct.pack_into(f"{L.ROLE_LEN}s", self._mv, base + L.REG_ROLE, _fit(role, L.ROLE_LEN))
         struct.pack_into(f"{L.NAME_LEN}s", self._mv, base + L.REG_NAME, _fit(name, L.NAME_LEN))
         self._a.store(base + L.REG_STATE, ACTIVE)

@@ -113,10 +113,15 @@ def _open_segment(name: str, timeout: float) -> Segment:
 def _open_gated(name: str, timeout: float) -> Segment:
     """_open_segment, holding the table's gate until the caller registers: a table replaced
     (its name unlinked) between the open and the gate is let go, and the name opened again."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     while True:
         segment = _open_segment(name, max(0.0, deadline - time.monotonic()))
-        hold_gate(segment.fd)
+        try:  # a gate held by a stopped process is waited for as long as a half-made table
+            hold_gate(segment.fd, name, max(deadline, start + INIT_WAIT_S))
+        except BaseException:
+            segment.close()
+            raise
         if not segment.unlinked:
             return segment
         segment.close()
@@ -201,6 +206,7 @@ class SlotTable:
                 role,
                 name,
                 self.drop_on_consumer_death,
+                header.created_ns if segment.created else None,
             )
             self.participant = index = member.participant
             self._own = member.own
@@ -301,8 +307,9 @@ class SlotTable:
             L.FLAG_DROP_ON_CONSUMER_DEATH if on_consumer_death == "drop" else 0
         )
         segment = _create_segment(name, lay.total_size, replace_orphaned)
-        hold_gate(segment.fd)  # until registered: no replacer takes it for an orphan
         try:
+            # until registered: no replacer takes it for an orphan
+            hold_gate(segment.fd, name, time.monotonic() + INIT_WAIT_S)
             mm = segment.mm
             mm[lay.schema : lay.schema + len(blob)] = blob
             ring = hot_path(mm, lay, me=0)
@@ -343,13 +350,16 @@ class SlotTable:
         label: str | None = None,
         timeout: float = 0.0,
         expect: Sequence[Field] | None = None,
+        mode: int = 0o600,
     ) -> SlotTable:
         """Attach to an existing table by name; refuses anything that is not a valid table.
 
         `timeout` s are waited through a table that does not exist yet (TableNotFound after
         them); one being created is waited for at least INIT_WAIT_S whatever `timeout` says,
         so a half-made table is never taken for a corrupt one.  `expect`, the fields the
-        caller will use, refuses with SchemaError a table whose fields differ.
+        caller will use, refuses with SchemaError a table whose fields differ.  The table
+        must be this user's file with no permission bit beyond `mode` (TablePermissionError);
+        a table shared through a wider mode is attached with that mode named here.
         """
         if not isinstance(role, str):
             raise InvalidArgument(
@@ -364,7 +374,7 @@ class SlotTable:
         segment = _open_gated(name, timeout)
         try:
             left = max(INIT_WAIT_S, timeout - (time.monotonic() - start))
-            header = read_valid_header(segment, left)
+            header = read_valid_header(segment, left, mode)
             schema = read_schema(segment, header)
             if wanted is not None and wanted != schema.fields:
                 raise SchemaError(
@@ -752,8 +762,10 @@ class SlotTable:
         """Whether the process that created the table is still attached and alive: a
         consumer whose producer died (or closed) can drain the table and let go of it, so
         that a restart can replace it."""
-        pid = self._header.creator_pid
-        return any(p.pid == pid for p in self.peers()) or pid == os.getpid()
+        if self.created_here:
+            return True
+        h = self._header  # the creator's entry by identity: its pid and its stamp, alive
+        return any(p.pid == h.creator_pid and p.attach_ns == h.created_ns for p in self.peers())
 
     @property
     def identity(self) -> tuple[int, int]:

@@ -20,9 +20,27 @@ INIT_WAIT_S = 2.0
 INSPECT_WAIT_S = 0.2
 
 
-def read_valid_header(segment: Segment, wait_s: float | None = None) -> L.Header:
-    """Read the header, waiting briefly (INIT_WAIT_S unless `wait_s`) for a creator
-    that is still initialising."""
+def check_owner(segment: Segment, mode: int = 0o600) -> None:
+    """Trust a segment for who owns the file, never for what its maker wrote in it: it must
+    be this user's, with no permission bit beyond `mode` (0600: tables are made so)."""
+    st = os.fstat(segment.fd)
+    if st.st_uid != os.geteuid():
+        raise TablePermissionError(
+            f"table {segment.name!r} is owned by uid {st.st_uid}, this process is uid "
+            f"{os.geteuid()}: only this user's tables are trusted"
+        )
+    if st.st_mode & 0o777 & ~mode:
+        raise TablePermissionError(
+            f"table {segment.name!r} has mode {st.st_mode & 0o777:o}, wider than {mode:o}: "
+            "another user may have written it (pass mode= to attach to accept a wider one)"
+        )
+
+
+def read_valid_header(segment: Segment, wait_s: float | None = None, mode: int = 0o600) -> L.Header:
+    """Check the file's owner and mode, then read the header, waiting briefly (INIT_WAIT_S
+    unless `wait_s`) for a creator that is still initialising.  The header's creator uid is
+    for display only."""
+    check_owner(segment, mode)
     deadline = time.monotonic() + (INIT_WAIT_S if wait_s is None else wait_s)
     # The header is copied only once the magic is seen, by an acquire load: on every CPU
     # the copy then holds what the creator wrote before its magic.
@@ -33,13 +51,7 @@ def read_valid_header(segment: Segment, wait_s: float | None = None) -> L.Header
             f"{segment.name!r} is not a shmslots table (yet): no header; its creator has not "
             "finished making it, or died doing so (`shmslots unlink --force` removes it)"
         )
-    header = L.read_header(bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)]), segment.size)
-    if header.creator_uid != os.getuid():
-        raise TablePermissionError(
-            f"table {segment.name!r} belongs to uid {header.creator_uid}, this process is "
-            f"uid {os.getuid()}"
-        )
-    return header
+    return L.read_header(bytes(segment.mm[: min(L.HEADER_SIZE, segment.size)]), segment.size)
 
 
 def read_schema(segment: Segment, header: L.Header) -> RowSchema:

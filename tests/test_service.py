@@ -208,7 +208,7 @@ def test_a_table_being_attached_is_not_replaced_as_an_orphan(name: str) -> None:
     proc.wait(10)
     shm = posix_ipc.SharedMemory("/" + name)  # an attacher, not registered yet
     try:
-        hold_gate(shm.fd)
+        hold_gate(shm.fd, name, time.monotonic() + 1)
         with pytest.raises(TableExists, match="creating it or attaching to it"):
             SlotTable.create(name, SMALL, slots=2, replace_orphaned=True)
         assert os.path.exists(f"/dev/shm/{name}")

@@ -29,6 +29,7 @@ instead of corrupting the free list.  One decode scheduler (one thread) drives a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -49,6 +50,7 @@ from ..errors import (
     SchemaError,
     SlotsExhausted,
     TableClosed,
+    TableNotFound,
 )
 from ..leases import Lease, Reservation
 from ..quarantine import Quarantine
@@ -453,9 +455,14 @@ class MetadataBuffers:
             if self._allocator is not None:
                 self._allocator.close()
         finally:
-            self.table.close()
-            if self.table.created_here:
-                self.table.unlink()
+            # unlinked while still attached: a cleanup that removes tables with no live
+            # participant (another scheduler's start-up) finds none between the two steps
+            try:
+                if self.table.created_here and not self.table.unlinked:
+                    with contextlib.suppress(TableNotFound):  # removed by hand meanwhile
+                        self.table.unlink()
+            finally:
+                self.table.close()
 
 
 @dataclass
