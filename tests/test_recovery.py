@@ -275,7 +275,9 @@ def test_chaos_sigkill_random_participants(name: str, tmp_path: Path) -> None:
     assert report.corrupted == []
     assert report.owned_at_end == 0 and report.dead_participants_at_end == 0
     assert report.inconsistencies == []
-    assert report.reclaims["participants_reaped"] >= 10
+    # how many of the dead were reaped by a survivor rather than found by a newcomer taking
+    # their entry is timing's business: the contract is that none is left (asserted above)
+    print(f"reclaims: {dict(report.reclaims)}")  # reported, not asserted
     assert report.ok
 
 
