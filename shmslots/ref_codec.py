@@ -64,13 +64,35 @@ def _cuda(payload: bytes) -> dict[str, Any]:
     return result
 
 
+# Every key opening a CUDA ref reads (cuda_ipc.open_tensor, refs.Refs.open), by its exact type
+_CUDA_KEYS: dict[str, type] = {
+    "pid": int, "uuid": str, "handle": bytes, "size": int, "soff": int, "event": bytes,
+    "sync": bool, "off": int, "shape": list, "stride": list, "dtype": str,
+}  # fmt: skip
+
+
 def _well_formed(d: object) -> bool:
-    """A CUDA ref's description: shape and dtype, exact types (a bool is no size)."""
+    """A CUDA ref's description: every key opening reads, of its exact type (a bool is no
+    size), sizes and offsets not negative, as many strides as dimensions."""
     if type(d) is not dict or d.get("b") != "cuda":
         return False
-    dtype, shape = d.get("dtype"), d.get("shape")
-    if type(dtype) is not str or dtype not in DTYPE_SIZES:
+    if any(type(d.get(key)) is not kind for key, kind in _CUDA_KEYS.items()):
         return False
-    if type(shape) is not list or len(shape) > _MAX_DIMS:
+    if d["dtype"] not in DTYPE_SIZES or min(d["size"], d["soff"], d["off"], d["pid"]) < 0:
         return False
-    return all(type(size) is int and size >= 0 for size in shape)
+    shape, stride = d["shape"], d["stride"]
+    if len(shape) > _MAX_DIMS or len(stride) != len(shape):
+        return False
+    return all(type(size) is int and size >= 0 for size in shape + stride)
+
+
+def check_fits(d: dict[str, Any], field: Any, name: str) -> None:
+    """A CUDA ref must be of its field's dtype and shape (rank, and every fixed size), as an
+    arena ref must (csrc/refcodec.c): CorruptTable otherwise."""
+    shape = d["shape"]
+    fits = d["dtype"] == field.dtype and len(shape) == len(field.shape)
+    if not (fits and all(f is None or f == s for f, s in zip(field.shape, shape, strict=True))):
+        raise CorruptTable(
+            f"CUDA ref of {name!r} is {d['dtype']}{shape}, its field is "
+            f"{field.dtype}{list(field.shape)}"
+        )

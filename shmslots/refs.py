@@ -25,9 +25,9 @@ from torch.utils.dlpack import from_dlpack
 from . import cuda_ipc
 from ._core import REF_REFUSALS, arena_ref, cuda_ref, mapped
 from .arena import Arena
-from .errors import SchemaError, SlotsExhausted
+from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .ownership import Ownership
-from .ref_codec import decode
+from .ref_codec import check_fits, decode
 from .ref_codec import refusal as ref_refusal
 from .rows import PLAIN, RULES, UNPINNED, Rows, refusal
 from .schema import DTYPE_INDEX, Field
@@ -195,10 +195,12 @@ class RefStore:
         if got != _IS_CUDA:
             raise ref_refusal(got, name)
         d = decode(rows.field_bytes(slot, name))
+        check_fits(d, rows.schema.slots[name].field, name)
         if d["pid"] == os.getpid():  # opening in the producer: the local tensor
             for pin in self._pins:
                 if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
-                    assert pin.tensor is not None
+                    if pin.tensor is None:  # this slot's pin is an arena one: a forged ref
+                        raise CorruptTable(f"CUDA ref of {name!r} where this process lent none")
                     return alias(pin.tensor)
         return alias(self.ipc.open(d))
 

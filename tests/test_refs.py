@@ -435,3 +435,35 @@ def test_a_loan_moved_out_of_the_arena_is_refused_at_publish(name: str) -> None:
         with pytest.raises(SchemaError, match="never written"):
             ws.publish()  # the field must be filled again
         ws.abort()
+
+
+def test_forged_cuda_refs_are_corrupt_tables_not_key_errors(name: str) -> None:
+    """Every key opening a CUDA ref reads is required and type-checked, and the ref must be
+    of its field's dtype and shape, as an arena ref must (#36 item 4)."""
+    fields = (Field("blob", "float32", (None, 4), kind="ref", budget=512),)
+    good = {
+        "b": "cuda", "pid": 1, "uuid": "GPU-0000", "handle": b"\x01" * 64, "size": 4096,
+        "soff": 0, "rc": b"\x02" * 40, "rcoff": 8, "event": b"\x03" * 64, "sync": True,
+        "off": 0, "shape": [2, 4], "stride": [4, 1], "dtype": "float32",
+    }  # fmt: skip
+    forged = [
+        ({k: v for k, v in good.items() if k != "pid"}, "malformed"),
+        ({**good, "stride": [1]}, "malformed"),
+        ({**good, "sync": 1}, "malformed"),
+        ({**good, "off": -8}, "malformed"),
+        ({**good, "dtype": "int32"}, "its field is"),
+        ({**good, "shape": [2, 5], "stride": [5, 1]}, "its field is"),
+        ({**good, "shape": [1, 2, 4], "stride": [8, 4, 1]}, "its field is"),
+        ({**good, "pid": os.getpid()}, "lent none"),  # this process lent an arena tensor
+    ]
+    with SlotTable.create(name, fields, slots=1, arena_bytes=MiB) as t:
+        t.claim().write(blob=torch.zeros(2, 4)).publish()
+        lease = t.take()
+        assert lease is not None
+        off = t._rows.item(lease.slot, "blob")
+        for description, match in forged:
+            item = cuda_ref(msgpack.packb(description))
+            t._segment.mm[off : off + len(item)] = item
+            with pytest.raises(CorruptTable, match=match):
+                lease.tensor("blob")
+        lease.release()
