@@ -23,6 +23,7 @@ _REFUSED = {
     REF_REFUSALS["DTYPE"]: "holds another dtype than its field",
     REF_REFUSALS["SIZE"]: "is not as many bytes as its shape",
     REF_REFUSALS["OUTSIDE"]: "points outside the arena",
+    REF_REFUSALS["SHAPE"]: "is not of its field's shape",
 }
 
 

@@ -249,9 +249,9 @@ _CODEC_REF = SCALARS["ref"]
 
 def _codec_specs(
     schema: RowSchema, items: dict[str, tuple[int, int]]
-) -> tuple[tuple[str, int, int, int, int, int, torch.dtype, int, tuple[int, ...]], ...]:
+) -> tuple[tuple[str, int, int, int, int, int, torch.dtype, int, tuple[int | None, ...]], ...]:
     """(name, column, item_len, nbytes, write kind, read kind, dtype, its index as refs store
-    it, shape) per field, for RowCodec.
+    it, shape) per field, for RowCodec (a ref field's shape as declared, None where free).
 
     Only shape () is written from a Python number; any field of one element reads as one.
     """
@@ -267,7 +267,7 @@ def _codec_specs(
         specs.append(
             (
                 name, column, item_len, f.nbytes, kind, item, f.torch_dtype,
-                DTYPE_INDEX[f.dtype], f.fixed_shape,
+                DTYPE_INDEX[f.dtype], f.shape if f.is_ref else f.fixed_shape,
             )
         )  # fmt: skip
     return tuple(specs)

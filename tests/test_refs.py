@@ -209,6 +209,7 @@ def test_corrupt_refs_are_refused_not_followed(name: str) -> None:
             (arena_ref(dtype, start, nbytes - 4, shape, name), "as many bytes as its shape"),
             (arena_ref(dtype, 2**64 - 8, 64, (16,), name), "outside the arena"),
             (arena_ref(dtype, start, 0, (0, 2**62, 2**62), name), "as many bytes as its shape"),
+            (arena_ref(dtype, start, nbytes, (2, shape[0] // 2), name), "its field's shape"),
             (b"\xff\xff", "no valid ref"),
             (b"\x05\x00\x09abcd", "no valid ref"),  # no such kind
         ]
@@ -466,4 +467,25 @@ def test_forged_cuda_refs_are_corrupt_tables_not_key_errors(name: str) -> None:
             t._segment.mm[off : off + len(item)] = item
             with pytest.raises(CorruptTable, match=match):
                 lease.tensor("blob")
+        lease.release()
+
+
+def test_an_arena_ref_must_have_its_fields_rank_and_fixed_sizes(name: str) -> None:
+    """A field declared (None, HIDDEN) opens no (1, 2, n, HIDDEN) or (2n, HIDDEN/2) tensor from
+    a forged ref, though dtype, byte count and place are right (#36 item 5)."""
+    with _table(name) as t:
+        t.claim().write(id=1, blob=blob(1), hidden=hidden(1, 4)).publish()
+        lease = t.take()
+        assert lease is not None
+        off = t._rows.item(lease.slot, "hidden")
+        _, dtype, start, nbytes, shape, _ = parse_ref(t._rows.field_bytes(lease.slot, "hidden"))
+        assert shape == (4, HIDDEN)
+        for forged in [(1, 2, 2, HIDDEN), (8, HIDDEN // 2), (4 * HIDDEN,)]:
+            item = arena_ref(dtype, start, nbytes, forged, name)
+            t._segment.mm[off : off + len(item)] = item
+            with pytest.raises(CorruptTable, match="its field's shape"):
+                lease.tensor("hidden")
+        item = arena_ref(dtype, start, nbytes // 2, (2, HIDDEN), name)  # a free size may differ
+        t._segment.mm[off : off + len(item)] = item
+        assert lease.tensor("hidden").shape == (2, HIDDEN)
         lease.release()

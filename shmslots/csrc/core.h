@@ -96,19 +96,24 @@ int hot_redeliver(HotPath *h, Py_ssize_t slot, uint64_t gen, int unread);
 #define REF_MAX_DIMS 8 /* of a ref's tensor */
 
 /* Why an arena ref may not be opened (exported as REF_REFUSALS; Python words them). */
-enum { REF_OK, REF_MALFORMED, REF_IS_CUDA, REF_NOT_OURS, REF_DTYPE, REF_SIZE, REF_OUTSIDE };
+enum { REF_OK, REF_MALFORMED, REF_IS_CUDA, REF_NOT_OURS, REF_DTYPE, REF_SIZE, REF_OUTSIDE, REF_SHAPE };
 /* Where this table's arena refs may point: [lo, hi) of the segment, and the table's name. */
 typedef struct {
     uint64_t lo, hi;
     const char *table;
     Py_ssize_t table_len;
 } RefPlace;
+/* The shape a ref field declares: `ndim` sizes, -1 for its free dimension. */
+typedef struct {
+    int ndim;
+    const int64_t *dims;
+} RefShape;
 /* The arena ref in an item of `len` bytes, checked against `place` and a field of `dtype`
- * (its index in schema.DTYPE_CODES) and `itemsize`: REF_OK with *offset, *nbytes, *ndim
- * and sizes (up to REF_MAX_DIMS) set, else a refusal.  No error is set either way. */
+ * (its index in schema.DTYPE_CODES), `itemsize` and `shape`: REF_OK with *offset, *nbytes,
+ * *ndim and sizes (up to REF_MAX_DIMS) set, else a refusal.  No error is set either way. */
 int ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
-                   Py_ssize_t itemsize, uint64_t *offset, uint64_t *nbytes, int *ndim,
-                   int64_t *sizes);
+                   Py_ssize_t itemsize, const RefShape *shape, uint64_t *offset,
+                   uint64_t *nbytes, int *ndim, int64_t *sizes);
 int refcodec_add(PyObject *m);
 
 /* -- rowcodec.c: a row's copies --------------------------------------------------------------- */

@@ -83,8 +83,8 @@ parse(const char *raw, Py_ssize_t len, Ref *ref)
 
 int
 ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
-               Py_ssize_t itemsize, uint64_t *offset, uint64_t *nbytes, int *ndim,
-                   int64_t *sizes)
+               Py_ssize_t itemsize, const RefShape *shape, uint64_t *offset, uint64_t *nbytes,
+               int *ndim, int64_t *sizes)
 {
     Ref ref;
     int code = parse(raw, len, &ref);
@@ -113,6 +113,12 @@ ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype
     if (ref.offset < place->lo || __builtin_add_overflow(ref.offset, ref.nbytes, &end) ||
         end > place->hi)
         return REF_OUTSIDE;
+    /* the field's rank, and each of its fixed sizes */
+    if (ref.ndim != shape->ndim)
+        return REF_SHAPE;
+    for (int d = 0; d < ref.ndim; d++)
+        if (shape->dims[d] >= 0 && (int64_t)ref.sizes[d] != shape->dims[d])
+            return REF_SHAPE;
     *offset = ref.offset;
     *nbytes = ref.nbytes;
     *ndim = ref.ndim;
@@ -252,7 +258,8 @@ refcodec_add(PyObject *m)
     if (PyModule_AddFunctions(m, refcodec_methods) < 0)
         return -1;
     return add_owned(m, "REF_REFUSALS",
-                     Py_BuildValue("{sisisisisisi}", "MALFORMED", REF_MALFORMED, "IS_CUDA",
+                     Py_BuildValue("{sisisisisisisi}", "MALFORMED", REF_MALFORMED, "IS_CUDA",
                                    REF_IS_CUDA, "NOT_OURS", REF_NOT_OURS, "DTYPE", REF_DTYPE,
-                                   "SIZE", REF_SIZE, "OUTSIDE", REF_OUTSIDE));
+                                   "SIZE", REF_SIZE, "OUTSIDE", REF_OUTSIDE, "SHAPE",
+                                   REF_SHAPE));
 }

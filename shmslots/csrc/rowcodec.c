@@ -467,7 +467,13 @@ rc_init(RowCodec *r, PyObject *args, PyObject *kwds)
         Py_ssize_t elements = 1;
         s->ndim = (int)Py_MIN(PyTuple_GET_SIZE(s->shape), MAX_DIMS + 1);
         for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(s->shape); d++) {
-            Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(s->shape, d));
+            PyObject *size = PyTuple_GET_ITEM(s->shape, d);
+            if (s->scalar == REF && size == Py_None) { /* a ref field's free dimension */
+                if (d < MAX_DIMS)
+                    s->dims[d] = -1;
+                continue;
+            }
+            Py_ssize_t dim = PyLong_AsSsize_t(size);
             if (dim < 0 || (dim && elements > PY_SSIZE_T_MAX / dim)) {
                 if (!PyErr_Occurred())
                     PyErr_SetString(PyExc_ValueError, "bad field shape");
@@ -1150,8 +1156,10 @@ codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *pla
     uint64_t offset, nbytes;
     int ndim;
     int64_t sizes[REF_MAX_DIMS];
+    /* a rank past MAX_DIMS matches no ref (REF_MAX_DIMS at most) */
+    RefShape shape = {s->ndim <= MAX_DIMS ? s->ndim : -1, s->dims};
     int code = ref_open_arena(item_at(r, s, slot), s->nbytes, place, s->dtype_index, s->itemsize,
-                              &offset, &nbytes, &ndim, sizes);
+                              &shape, &offset, &nbytes, &ndim, sizes);
     if (code != REF_OK)
         return PyLong_FromLong(code);
     /* inside the place, which lies inside the buffer: tensor_over checks that too */
