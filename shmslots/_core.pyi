@@ -155,7 +155,9 @@ class RowCodec:
         buffer: Buffer,
         seals: int,
         slots: int,
-        specs: tuple[tuple[str, int, int, int, int, int, torch.dtype, int, tuple[int, ...]], ...],
+        specs: tuple[
+            tuple[str, int, int, int, int, int, torch.dtype, int, tuple[int | None, ...]], ...
+        ],
         rules: Rules,
         /,
     ) -> None: ...

@@ -28,7 +28,9 @@ Errors are one line on stderr, `shmslots: error: ...`.
 
 JSON (`--json`, keys sorted; `json_version` changes only on incompatible changes):
 
-* `ls --json`: `{"json_version": 2, "tables": [T...], "skipped": [{"name", "reason"}]}`
+* `ls --json`: `{"json_version": 2, "tables": [T...], "skipped": [{"name", "reason"}],
+  "unfinished": [{"name", "age_s", "gate"}]}` (unfinished: this user's objects whose header
+  is still zeros: a table its creator never finished, or not a table)
   with T = `{"name", "total_size", "slots", "states": {STATE: n}, "queued",
   "participants_alive", "participants_dead", "dead_owned_slots", "creator_pid",
   "creator_uid", "created_ns"}`.
@@ -91,7 +93,8 @@ from .errors import (
     TableNotReady,
     TablePermissionError,
 )
-from .layout import MAGIC, MAX_SLOTS
+from .layout import HEADER_SIZE, MAGIC, MAX_SLOTS
+from .participants import gate_holder
 from .reaper import Reaper
 from .segment import SHM_DIR, unlink, validate_name
 from .snapshot import SlotSnapshot, TableSnapshot, TableView
@@ -140,9 +143,11 @@ def _print_json(doc: dict[str, Any]) -> None:
 
 
 # -- commands --------------------------------------------------------------------------
-def _scan() -> tuple[list[str], int]:
-    """Names in /dev/shm whose first bytes are the table magic, and how many were unreadable."""
-    names, unreadable = [], 0
+def _scan() -> tuple[list[str], list[dict[str, Any]], int]:
+    """Names in /dev/shm whose first bytes are the table magic; this user's objects with no
+    header yet (a table its creator never finished, or not a table); how many were
+    unreadable."""
+    names, unfinished, unreadable = [], [], 0
     for entry in sorted(os.scandir(SHM_DIR), key=lambda e: e.name):
         with contextlib.suppress(ValueError):
             if validate_name(entry.name) and entry.is_file(follow_symlinks=False):
@@ -150,13 +155,35 @@ def _scan() -> tuple[list[str], int]:
                 unreadable += magic is None
                 if magic:
                     names.append(entry.name)
-    return names, unreadable
+                elif magic is False:
+                    found = _unfinished(entry.name)
+                    if found is not None:
+                        unfinished.append(found)
+    return names, unfinished, unreadable
+
+
+def _unfinished(name: str) -> dict[str, Any] | None:
+    """{"name", "age_s", "gate"} for this user's object whose header is still all zeros (the
+    magic is written last), or None."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_size < HEADER_SIZE:
+            return None
+        if any(os.pread(fd, HEADER_SIZE, 0)):
+            return None
+        return {"name": name, "age_s": round(time.time() - st.st_mtime, 3), "gate": gate_holder(fd)}
+    finally:
+        os.close(fd)
 
 
 def _ls(args: argparse.Namespace) -> int:
     found: list[tuple[TableSnapshot, list[SlotSnapshot]]] = []
     skipped: list[tuple[str, str]] = []
-    names, unreadable = _scan()
+    names, unfinished, unreadable = _scan()
     for name in names:
         try:
             found.append(_look(name))
@@ -170,6 +197,7 @@ def _ls(args: argparse.Namespace) -> int:
                 "json_version": R.JSON_VERSION,
                 "tables": [R.summary_doc(snap, dead) for snap, dead in found],
                 "skipped": [{"name": n, "reason": why} for n, why in skipped],
+                "unfinished": unfinished,
             }
         )
     else:
@@ -187,6 +215,14 @@ def _ls(args: argparse.Namespace) -> int:
                     f"or its processes died); `shmslots unlink {snap.name}` removes it"
                 )
                 console.print(Text(f"orphaned: {snap.name}: {line}"), soft_wrap=True)
+    if not args.json:
+        for u in unfinished:
+            line = (
+                f"no header after {u['age_s']:.1f} s: a table its creator never finished (or "
+                f"died making), or not a table; gate held by {u['gate']}; "
+                f"`shmslots unlink --force {u['name']}` removes it"
+            )
+            console.print(Text(f"unfinished: {u['name']}: {line}"), soft_wrap=True)
     for n, why in skipped:
         print(f"shmslots: note: skipped {n}: {why}", file=sys.stderr)
     if unreadable:

@@ -9,6 +9,7 @@ process start time are recorded for people (the CLI), not for decisions.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -56,20 +57,25 @@ def hold_gate(fd: int, name: str, deadline: float) -> None:
 
 
 def gate_holder(fd: int) -> str:
-    """Who holds the gate, as /proc/locks tells it (OFD locks name the process that took
-    them there; fcntl's F_OFD_GETLK gives no pid)."""
-    st = os.fstat(fd)
-    inode = f":{st.st_ino} {GATE} "
-    try:
-        with open("/proc/locks") as f:
-            for line in f:
-                if "OFDLCK" in line and "WRITE" in line and inode in line:
-                    pid = line.split()[4]
-                    if pid != "-1":
-                        return f"pid {pid}"
-    except OSError:
-        pass
-    return "a process this one cannot name"
+    """Who holds the gate: "pid N (exclusive)" for a replacer, "(shared)" for a creator or
+    attacher at work, "nobody" when it is free.  fcntl's F_OFD_GETLK gives no pid and many
+    kernels show OFD locks as pid -1 in /proc/locks, so the holders are found by the
+    descriptors of this file that processes readable here have open, and the locks
+    /proc/PID/fdinfo lists on each (an error path and `shmslots ls` only)."""
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    inode = f":{os.fstat(fd).st_ino} {GATE} "
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for other in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{other}") != path:
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{other}") as f:
+                    for line in f:
+                        if line.startswith("lock:") and "OFDLCK" in line and inode in line:
+                            kind = "exclusive" if "WRITE" in line else "shared"
+                            holders.append(f"pid {pid} ({kind})")
+    return ", ".join(dict.fromkeys(holders)) or "nobody"
 
 
 def release_gate(fd: int) -> None:

@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from shmslots import Field, SlotTable, TableNotFound
 from shmslots.cli import _duration
 from shmslots.layout import VERSION
-from shmslots.segment import unlink
+from shmslots.participants import hold_gate, release_gate
+from shmslots.segment import Segment, unlink
 
 CLI_TIMEOUT = 60
 # Tags the worker leaves its slots under.
@@ -461,6 +462,27 @@ def test_watch_does_not_call_a_table_all_free_while_a_slot_changes(name: str) ->
     assert r.returncode == 0, r.stderr
     assert "CHANGING 1" in r.stdout and "every slot is FREE" not in r.stdout
     assert "none steady (1 slot(s) changed while read)" in r.stdout
+
+
+def test_ls_lists_a_table_its_creator_never_finished(name: str) -> None:
+    """Sized, never given its header (its creator stopped or died there): listed, with its
+    age and who holds its gate, so that `unlink --force` is found from `ls` (#36)."""
+    segment = Segment.create(name, 8192)  # as SlotTable.create leaves it before its header
+    try:
+        hold_gate(segment.fd, name, time.monotonic() + 1)  # a creator at work holds it shared
+        r = cli("ls")
+        assert f"unfinished: {name}: no header after" in r.stdout, r.stdout + r.stderr
+        assert f"pid {os.getpid()} (shared)" in r.stdout
+        assert f"shmslots unlink --force {name}" in r.stdout
+        doc = json.loads(cli("ls", "--json").stdout)
+        ours = next(u for u in doc["unfinished"] if u["name"] == name)
+        assert ours["age_s"] >= 0 and ours["gate"] == f"pid {os.getpid()} (shared)"
+        release_gate(segment.fd)
+        assert cli("unlink", "--force", name).returncode == 0
+    finally:
+        segment.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            unlink(name)
 
 
 def test_ls_flags_a_table_nobody_is_attached_to(name: str) -> None:

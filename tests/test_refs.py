@@ -478,7 +478,9 @@ def test_an_arena_ref_must_have_its_fields_rank_and_fixed_sizes(name: str) -> No
         lease = t.take()
         assert lease is not None
         off = t._rows.item(lease.slot, "hidden")
-        _, dtype, start, nbytes, shape, _ = parse_ref(t._rows.field_bytes(lease.slot, "hidden"))
+        good = parse_ref(t._rows.field_bytes(lease.slot, "hidden"))
+        assert len(good) == 6  # an arena ref
+        _, dtype, start, nbytes, shape, _ = good
         assert shape == (4, HIDDEN)
         for forged in [(1, 2, 2, HIDDEN), (8, HIDDEN // 2), (4 * HIDDEN,)]:
             item = arena_ref(dtype, start, nbytes, forged, name)

@@ -798,3 +798,18 @@ def test_the_engines_log_goes_to_the_file_chosen(
     assert log.read_text().count("listening on") == 2  # our engine and the writer's
     assert len(result.settled.published) + len(result.aborted) + len(result.settled.expired) > 0
     assert result.final.owned == 0
+
+
+@pytest.mark.skipif(bool(MISSING["nixl"]), reason=MISSING["nixl"] or "")
+def test_nixl_sets_its_ucx_settings_only_while_its_agent_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX_TLS, UCX_MODULES and NIXL_LOG_LEVEL are set around the agent's start and only
+    where the user has not set them: every other UCX user in the process sees its own (#36)."""
+    monkeypatch.setenv("UCX_TLS", "^cma,rc")  # the user's own
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
+    with nixl.NixlEngine() as engine:
+        assert engine.session
+        assert os.environ["UCX_TLS"] == "^cma,rc"
+        assert "UCX_MODULES" not in os.environ and "NIXL_LOG_LEVEL" not in os.environ

@@ -12,7 +12,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,19 +23,36 @@ from .engine import Engine, EngineError, RemoteUnavailable
 SPIN_POLLS = 2000  # about a millisecond of polls before a write waits in naps
 
 
+@contextlib.contextmanager
+def _agent_settings() -> Iterator[None]:
+    """NIXL's and UCX's settings for the agent being made, each only where the user has not
+    set it, and only while the agent is made (UCX reads them when its context starts):
+    afterwards the process's environment is as it was, for every other UCX user in it.
+
+    - NIXL_LOG_LEVEL=WARN: its INFO lines go to stdout;
+    - UCX_MODULES=^ib*,rdmacm without an RDMA device: those modules are of no use then, and
+      loading them brings the wheel's own libnl-route, whose destructor crashes every
+      process that made an agent as it exits (SIGSEGV in rtnl_tc_unregister, nixl-cu12 1.5.1);
+    - UCX_TLS=^cma: on one host UCX would write with CMA (process_vm_writev), landing bytes
+      in the owner's memory with no step of the owner's, so closing its engine would not
+      stop a writer that has not yet seen the disconnect; over TCP the owner's worker
+      applies each write, and a closed engine applies none (RemoteServer.close relies on it).
+    """
+    wanted = {"NIXL_LOG_LEVEL": "WARN", "UCX_TLS": "^cma"}
+    if not _rdma_devices():
+        wanted["UCX_MODULES"] = "^ib*,rdmacm"
+    added = [key for key in wanted if key not in os.environ]
+    for key in added:
+        os.environ[key] = wanted[key]
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def load() -> tuple[Any, tuple[type[Exception], ...]]:
     """NIXL's agent class and its error classes; RemoteUnavailable without the wheel."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout
-    if not _rdma_devices():
-        # UCX's InfiniBand modules are of no use without a device, and loading them brings
-        # the wheel's own libnl-route, whose destructor crashes every process that made an
-        # agent as it exits (SIGSEGV in rtnl_tc_unregister, nixl-cu12 1.5.1)
-        os.environ.setdefault("UCX_MODULES", "^ib*,rdmacm")
-    # On one host UCX writes with CMA (process_vm_writev): the bytes land in the owner's
-    # memory with no step of the owner's, so closing its engine would not stop a writer
-    # that has not yet seen the disconnect.  Over TCP the owner's worker applies each
-    # write, and a closed engine applies none (RemoteServer.close relies on it).
-    os.environ.setdefault("UCX_TLS", "^cma")
     try:  # the `nixl` meta-package where installed (as SGLang imports it), else the wheel
         from nixl import _api, _bindings
     except ImportError:
@@ -84,13 +101,14 @@ class NixlEngine(Engine):
         if not 0 < transfer_timeout_s < float("inf"):
             raise InvalidArgument(f"transfer timeout must be > 0 s, got {transfer_timeout_s!r}")
         self.transfer_timeout_s = float(transfer_timeout_s)
-        api, self._errors = load()
         self.session = f"shmslots-{os.getpid()}-{secrets.token_hex(4)}"  # the agent's name
-        try:
-            agent = api.nixl_agent(self.session, api.nixl_agent_config(backends=[]))
-            agent.create_backend("UCX")
-        except Exception as exc:
-            raise EngineError(f"NIXL agent with UCX failed to start: {exc}") from None
+        with _agent_settings():
+            api, self._errors = load()
+            try:
+                agent = api.nixl_agent(self.session, api.nixl_agent_config(backends=[]))
+                agent.create_backend("UCX")
+            except Exception as exc:
+                raise EngineError(f"NIXL agent with UCX failed to start: {exc}") from None
         self._agent: Any = agent
         self._registered: dict[int, Any] = {}  # address -> its registration
         self._peers: set[str] = set()
