@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
@@ -122,3 +124,107 @@ def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> Non
             engine.batch_register([4096], [4096])  # the zero page's neighbour: unmapped
         with pytest.raises(ShmSlotsError, match="session"):
             engine.transfer("127.0.0.1:1234", [], [], [])
+
+
+def _shm_victim(conn: Connection, private: bool) -> None:
+    """A peer whose registered region lies in a /dev/shm file, mapped shared (as a table's
+    columns are) or privately (its own copy of the pages)."""
+    import mmap
+
+    name = f"{NAME}-file-{os.getpid()}"
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 1 << 20)
+    mm = mmap.mmap(fd, 1 << 20, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED)
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    view.fill_(0xEE)  # written: a private mapping now holds its own copies of these pages
+    with SameHostEngine(f"{NAME}-shmvictim-{os.getpid()}") as engine:
+        engine.batch_register([view.data_ptr()], [view.numel()])
+        conn.send((engine.get_session_id(), view.data_ptr()))
+        conn.recv()
+        conn.send(view[:16].tolist())
+        conn.recv()
+    os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_privately_mapped_shm_file_is_written_where_the_peer_reads(
+    writer: tuple[SameHostEngine, torch.Tensor], private: bool
+) -> None:
+    """A private mapping of a /dev/shm file keeps its own pages: writing the file would
+    succeed and never reach the peer, so such a range goes as anonymous memory."""
+    engine, src = writer
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_shm_victim, args=(child, private))
+    proc.start()
+    try:
+        assert parent.poll(60)
+        session, dst = parent.recv()
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [dst], [16]) == 0
+        parent.send("report")
+        assert parent.recv() == list(range(16))
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send("bye")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        samehost.sweep()
+
+
+def test_transfers_on_many_threads_survive_the_peer_dying_under_them(  # type: ignore[no-untyped-def]
+    writer,
+) -> None:
+    """SGLang's manager writes one session from several threads at once (its queues, its
+    executor futures per layer): a thread that finds the peer dead must not unmap what
+    another is still copying into, and none may raise (#35 review)."""
+    import threading
+
+    engine, src = writer
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_shm_victim, args=(child, False))
+    proc.start()
+    results: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def pound() -> None:
+        try:
+            while not stop.is_set():
+                results.append(
+                    engine.batch_transfer_sync(session, [src.data_ptr()] * 8, [dst] * 8, [4096] * 8)
+                )
+        except BaseException as exc:  # any escape is the failure
+            errors.append(exc)
+
+    try:
+        assert parent.poll(60)
+        session, dst = parent.recv()
+        threads = [threading.Thread(target=pound) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not errors and 0 in results and -1 in results
+        assert set(results) <= {0, -1} and engine.refused == 0
+    finally:
+        stop.set()
+        proc.join(10)
+        samehost.sweep()
+        for leftover in os.listdir("/dev/shm"):
+            if leftover.startswith(f"{NAME}-file-"):
+                os.unlink(f"/dev/shm/{leftover}")
+
+
+def test_a_malformed_session_is_a_failed_transfer_not_an_exception(writer) -> None:  # type: ignore[no-untyped-def]
+    engine, src = writer
+    for session in ("a/b#1:7", "../x#1:2", "shmslots-pd-x#notanumber:1", "plain"):
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [4096], [8]) == -1
+        assert engine.send_probe(session) == -1

@@ -10,10 +10,12 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
 - `_poison_unsettled_send` (overridden): Mooncake poisons a failed room because its timed-out
   batch may still be writing; `SameHostEngine` returns only when no write can still land, so
   a failed or aborted room is acknowledged at once and decode frees its pages at once;
-- `_handle_node_failure` and `is_abort_release_safe` (extended, decode side): a watcher
-  thread reads every known prefill rank's registry lock every `SHMSLOTS_PD_WATCH_S`
-  (0.02 s); a dead rank fails its rooms as SGLang's heartbeat would after 2 x 5 s, and those
-  rooms are safe to release at once, since a dead process writes nothing;
+- `_handle_node_failure` (called) and `is_abort_release_safe` (extended, decode side): a
+  watcher thread reads every known prefill rank's registry lock every `SHMSLOTS_PD_WATCH_S`
+  (0.02 s); a dead rank fails its server's rooms as SGLang's heartbeat would after 2 x 5 s,
+  and when every rank of that server is dead those rooms are safe to release at once, since
+  a dead process writes nothing (a heartbeat's failure, which cannot tell dead from slow,
+  keeps SGLang's own path);
 - `teardown` (extended): the engine's registry goes with the manager.
 
 The decode side's aux buffers are the plugin's shmslots table (`DecodeMetadataBuffers`),
@@ -136,17 +138,28 @@ def _classes() -> dict[str, type]:
                     log.exception("shmslots: checking prefill engines failed")
 
         def _check_prefills(self) -> None:
+            """Each prefill server (bootstrap address) with a dead rank has its rooms failed,
+            as SGLang's heartbeat would after 2 x 5 s.  Only if every rank it holds is dead
+            are its rooms safe to release at once: a live rank may still be writing."""
             with self.connection_lock:
-                infos = [
-                    (key, info) for key, entries in self.connection_pool.items() for info in entries
-                ]
-                addrs = list(self.prefill_info_table)
-            dead_addrs: set[str] = set()
-            for key, info in infos:
-                name = registry_name(str(info.get("rank_ip")), int(info.get("rank_port", 0)))
-                if not self._peer_alive(name):
-                    dead_addrs.update(a for a in addrs if key.startswith(a))
-            for addr in dead_addrs:
+                ranks: dict[str, set[str]] = {}
+                for key, entries in self.connection_pool.items():
+                    for addr in self.prefill_info_table:
+                        if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
+                            ranks.setdefault(addr, set()).update(
+                                registry_name(str(info["rank_ip"]), int(info["rank_port"]))
+                                for info in entries
+                            )
+            for addr, names in ranks.items():
+                dead = {name for name in names if not self._peer_alive(name)}
+                if not dead:
+                    continue
+                if dead == names:
+                    with self.connection_lock:
+                        rooms = set(self.addr_to_rooms_tracker.get(addr, ()))
+                    self._dead_rooms |= {
+                        r for r in rooms if self.request_status.get(r) != KVPoll.Success
+                    }
                 self._handle_node_failure(addr)
 
         def _peer_alive(self, name: str) -> bool:
@@ -167,12 +180,6 @@ def _classes() -> dict[str, type]:
             self._peers.pop(name, None)
             reg.close()
             return False
-
-        def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
-            with self.connection_lock:
-                rooms = set(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
-            self._dead_rooms |= {r for r in rooms if self.request_status.get(r) != KVPoll.Success}
-            super()._handle_node_failure(failed_bootstrap_addr)
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
             """A room whose prefill died is safe at once: a dead process writes nothing."""

@@ -40,16 +40,18 @@ import errno
 import fcntl
 import itertools
 import json
+import logging
 import mmap
 import os
 import signal
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidArgument, ShmSlotsError
+from ..errors import InvalidArgument, ShmSlotsError, TableExists
 from ..participants import _lock_request, process_start_ticks
 from ..segment import SHM_DIR, Segment, unlink, validate_name
 
@@ -61,6 +63,9 @@ _HEADER = struct.Struct("<8sIIQQQQII")
 PAYLOAD_AT = 64
 MAX_REGIONS = 4096
 LIVENESS_BYTE = 0
+
+
+log = logging.getLogger(__name__)
 
 
 class TransferError(ShmSlotsError):
@@ -128,7 +133,13 @@ def classify(base: int, length: int) -> Region:
         )
     first = covering[0]
     path = first[5]
-    if len(covering) == 1 and path.startswith(SHM_DIR + "/") and not path.endswith("(deleted)"):
+    shared = first[2][3] == "s"  # a private mapping of the file keeps its own copies of pages
+    if (
+        len(covering) == 1
+        and shared
+        and path.startswith(SHM_DIR + "/")
+        and not path.endswith("(deleted)")
+    ):
         name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0]))
     return Region(base, length)
@@ -179,23 +190,22 @@ class Registry:
         self._seq = 0
         self._identity = (pid, process_start_ticks(pid), _pidns(), os.geteuid())
         self.publish([])
+        _owned.add(self)
 
     @staticmethod
     def _create(name: str) -> Segment:
         """A new registry; one left under the name by a dead owner is removed first."""
         try:
             return Segment.create(name, REGISTRY_BYTES)
-        except ShmSlotsError:
+        except TableExists:
+            old = PeerRegistry(name, None)  # refuses another user's object: never removed here
             try:
-                old = PeerRegistry(name, None)
-            except ShmSlotsError:
-                old = None
-            if old is not None:
-                alive = old.alive()
-                old.close()
-                if alive:
+                if old.alive():
                     raise TransferError(f"registry {name!r} belongs to a live engine") from None
-            unlink(name)
+                if os.stat(os.path.join(SHM_DIR, name)).st_ino == old.inode:
+                    unlink(name)  # a dead engine's, left by SIGKILL
+            finally:
+                old.close()
             return Segment.create(name, REGISTRY_BYTES)
 
     def publish(self, regions: Sequence[Region]) -> None:
@@ -224,6 +234,23 @@ class Registry:
         self._lock_fd = -1
 
 
+_owned: weakref.WeakSet[Registry] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A child made by fork() shares the liveness lock's open file description: its copy is
+    closed, so that the lock goes when the engine's own process dies, not when all children
+    do (the child's engines are its parent's, not its own)."""
+    for reg in list(_owned):
+        if reg._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(reg._lock_fd)
+            reg._lock_fd = -1
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class PeerRegistry:
     """A peer's registry, opened read-only: its regions, and whether its owner lives."""
 
@@ -250,8 +277,8 @@ class PeerRegistry:
         self.name = name
         self.inode = st.st_ino
         self._seq = -1
-        self.regions: list[Region] = []
-        self._bases: list[int] = []
+        # (regions, their bases), swapped whole: transfers on other threads read it unlocked
+        self.table: tuple[list[Region], list[int]] = ([], [])
         self.pid = self.start_ticks = self.pidns = 0
 
     def alive(self) -> bool:
@@ -278,20 +305,15 @@ class PeerRegistry:
                 continue
             if magic != MAGIC or fmt != FORMAT:
                 raise TransferError(f"{self.name!r} is not a same-host engine registry")
-            self.regions = _parse_regions(self.name, payload)
-            self._bases = [r.base for r in self.regions]
+            regions = _parse_regions(self.name, payload)
             self.pid, self.start_ticks, self.pidns = pid, start, ns
+            self.table = (regions, [r.base for r in regions])
             self._seq = seq
             return True
         raise TransferError(f"registry {self.name!r} is being rewritten without end")
 
     def region_of(self, address: int, length: int) -> Region | None:
-        i = bisect.bisect_right(self._bases, address) - 1
-        if i >= 0:
-            r = self.regions[i]
-            if address + length <= r.end:
-                return r
-        return None
+        return _region_of(self.table, address, length)
 
     def close(self) -> None:
         self.segment.close()
@@ -313,7 +335,10 @@ def _parse_regions(name: str, payload: bytes) -> list[Region]:
         if not (ok and ints and length > 0 and (shm is None or isinstance(shm, str))):
             raise TransferError(f"registry {name!r} holds a malformed region: {item!r}")
         if shm is not None:
-            validate_name(shm)
+            try:
+                validate_name(shm)
+            except InvalidArgument:
+                raise TransferError(f"registry {name!r} names no /dev/shm file: {shm!r}") from None
         regions.append(Region(base, length, shm, inode, offset))
     regions.sort(key=lambda r: r.base)
     for a, b in itertools.pairwise(regions):
@@ -329,6 +354,9 @@ class _Peer:
         self.registry = registry
         self.pidfd = -1
         self.maps: dict[tuple[str, int], tuple[mmap.mmap, int]] = {}
+        self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
+        self.users = 0  # transfers and probes using it now (the engine's lock guards this)
+        self.dropped = False  # out of the engine's table: closed by its last user
 
     def write(self, blocks: list[tuple[int, int, int]]) -> None:
         """(source, target, length) blocks into the peer's anonymous memory, by
@@ -358,6 +386,10 @@ class _Peer:
     def _pidfd(self) -> int:
         """A pidfd of the registry's owner, confirmed by its lock and start time after it
         is opened (so it is the owner's, not a later holder's of the pid number)."""
+        with self.lock:
+            return self._open_pidfd()
+
+    def _open_pidfd(self) -> int:
         if self.pidfd < 0:
             reg = self.registry
             if reg.pidns != _pidns():
@@ -377,6 +409,10 @@ class _Peer:
 
     def mapping(self, region: Region) -> int:
         """This process's address of `region`'s /dev/shm file, mapped once."""
+        with self.lock:
+            return self._map(region)
+
+    def _map(self, region: Region) -> int:
         assert region.shm is not None
         key = (region.shm, region.inode)
         got = self.maps.get(key)
@@ -469,14 +505,19 @@ class SameHostEngine:
     reads after the session id's last ':' to spread sessions over its queues)."""
 
     def __init__(self, name: str, session_port: int = 0) -> None:
+        if not name.startswith(PREFIX):
+            raise InvalidArgument(f"a same-host engine's registry name starts with {PREFIX!r}")
         allow_peers()
         sweep()
         self.registry = Registry(name)
         self.session_port = session_port
-        self._regions: list[Region] = []
-        self._bases: list[int] = []
+        self._own: tuple[list[Region], list[int]] = ([], [])  # swapped whole, as a peer's
         self._peers: dict[str, _Peer] = {}
+        # SGLang's manager transfers from several threads at once (its queues, and executor
+        # futures per layer): a peer is closed only by its last user, and close() waits
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
         self.refused = 0  # transfers refused for bad input (outside registered memory)
         self.failed = 0  # transfers that found their peer gone
 
@@ -487,12 +528,12 @@ class SameHostEngine:
     def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
         new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
         with self._lock:
-            regions = sorted(self._regions + new, key=lambda r: r.base)
+            regions = sorted(self._own[0] + new, key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
                 if a.end > b.base:
                     raise TransferError(f"region at {b.base:#x} overlaps one registered before")
             self.registry.publish(regions)
-            self._regions, self._bases = regions, [r.base for r in regions]
+            self._own = (regions, [r.base for r in regions])
         return 0
 
     def register(self, ptr: int, length: int) -> int:
@@ -501,19 +542,24 @@ class SameHostEngine:
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
         gone = {int(p) for p in ptrs}
         with self._lock:
-            regions = [r for r in self._regions if r.base not in gone]
+            regions = [r for r in self._own[0] if r.base not in gone]
             self.registry.publish(regions)
-            self._regions, self._bases = regions, [r.base for r in regions]
+            self._own = (regions, [r.base for r in regions])
         return 0
 
     def send_probe(self, session: str) -> int:
+        """0 while the peer's engine lives, -1 otherwise (and for anything malformed)."""
         try:
-            if self._peer(session).registry.alive():
-                return 0
+            peer = self._acquire(session)
         except TransferError:
             return -1
-        self._drop(session)
-        return -1
+        try:
+            if peer.registry.alive():
+                return 0
+            self._drop(session, peer)
+            return -1
+        finally:
+            self._release(peer)
 
     def batch_transfer_sync(
         self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
@@ -524,7 +570,12 @@ class SameHostEngine:
         except PeerGone:
             self.failed += 1
             return -1
-        except TransferError:
+        except ShmSlotsError as exc:
+            log.warning("shmslots same-host transfer refused: %s", exc)
+            self.refused += 1
+            return -1
+        except Exception:  # SGLang's transfer worker dies on an exception: fail the room
+            log.exception("shmslots same-host transfer failed")
             self.refused += 1
             return -1
         return 0
@@ -537,12 +588,27 @@ class SameHostEngine:
         (registered by the peer).  Every block is checked before the first is written."""
         if not len(sources) == len(targets) == len(lengths):
             raise InvalidArgument("sources, targets and lengths must be as many")
-        peer = self._peer(session)
+        peer = self._acquire(session)
+        try:
+            self._transfer(session, peer, sources, targets, lengths)
+        finally:
+            self._release(peer)
+
+    def _transfer(
+        self,
+        session: str,
+        peer: _Peer,
+        sources: Sequence[int],
+        targets: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
         reg = peer.registry
         if not reg.alive():
-            self._drop(session)
+            self._drop(session, peer)
             raise PeerGone(f"the peer of session {session!r} is dead")
-        reg.refresh()
+        with peer.lock:
+            reg.refresh()
+        own, theirs = self._own, reg.table
         plan = []
         for src, dst, n in zip(sources, targets, lengths, strict=True):
             src, dst, n = int(src), int(dst), int(n)
@@ -550,9 +616,9 @@ class SameHostEngine:
                 if n < 0:
                     raise TransferError(f"negative length {n}")
                 continue
-            if self._own_region(src, n) is None:
+            if _region_of(own, src, n) is None:
                 raise TransferError(f"{n} bytes at {src:#x} are not registered here")
-            region = reg.region_of(dst, n)
+            region = _region_of(theirs, dst, n)
             if region is None:
                 raise TransferError(
                     f"{n} bytes at {dst:#x} are not inside memory the peer {reg.name!r} registered"
@@ -567,30 +633,39 @@ class SameHostEngine:
                 peer.write(anonymous)
         except OSError as exc:
             alive = _still_alive(reg)
-            self._drop(session)
+            self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
 
-    def _own_region(self, address: int, length: int) -> Region | None:
-        i = bisect.bisect_right(self._bases, address) - 1
-        if i >= 0 and address + length <= self._regions[i].end:
-            return self._regions[i]
-        return None
-
-    def _peer(self, session: str) -> _Peer:
+    def _acquire(self, session: str) -> _Peer:
+        """The session's peer, opened on first use, with one more user."""
         with self._lock:
+            if self._closed:
+                raise TransferError("this same-host engine is closed")
             peer = self._peers.get(session)
             if peer is None:
                 name, inode = parse_session(session)
                 peer = _Peer(PeerRegistry(name, inode))
                 self._peers[session] = peer
+            peer.users += 1
             return peer
 
-    def _drop(self, session: str) -> None:
+    def _release(self, peer: _Peer) -> None:
         with self._lock:
-            peer = self._peers.pop(session, None)
-        if peer is not None:
+            peer.users -= 1
+            last = peer.dropped and peer.users == 0
+            if last:
+                self._idle.notify_all()
+        if last:
             peer.close()
+
+    def _drop(self, session: str, peer: _Peer) -> None:
+        """Take a dead or failed peer out of the table; its last user closes it (a mapping is
+        never unmapped under another thread's copy)."""
+        with self._lock:
+            if self._peers.get(session) is peer:
+                del self._peers[session]
+            peer.dropped = True
 
     def peer_alive(self, name: str) -> bool:
         """Whether the engine whose registry is `name` lives (False if there is none)."""
@@ -603,10 +678,18 @@ class SameHostEngine:
         finally:
             reg.close()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Refuse new transfers, wait (up to `wait_s`) for those running, let go of every
+        peer, then remove the registry, so peers see this engine gone only once none of its
+        writes can still land."""
         with self._lock:
+            self._closed = True
             peers, self._peers = list(self._peers.values()), {}
-        for peer in peers:
+            for peer in peers:
+                peer.dropped = True
+            self._idle.wait_for(lambda: all(p.users == 0 for p in peers), timeout=wait_s)
+            idle = [p for p in peers if p.users == 0]
+        for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
         self.registry.close()
 
@@ -619,8 +702,22 @@ class SameHostEngine:
 
 def parse_session(session: str) -> tuple[str, int]:
     """(registry name, inode) of a session id `<name>#<inode>:<port>`."""
-    head = session.rsplit(":", 1)[0]
+    head = str(session).rsplit(":", 1)[0]
     name, sep, inode = head.rpartition("#")
-    if not sep or not inode.isdigit():
-        raise TransferError(f"{session!r} is not a same-host engine session")
-    return name, int(inode)
+    try:
+        if sep and inode.isdigit() and name.startswith(PREFIX):
+            return validate_name(name), int(inode)
+    except InvalidArgument:
+        pass
+    raise TransferError(f"{session!r} is not a same-host engine session")
+
+
+def _region_of(table: tuple[list[Region], list[int]], address: int, length: int) -> Region | None:
+    """The region of `table` that holds all `length` bytes at `address`, or None."""
+    regions, bases = table
+    i = bisect.bisect_right(bases, address) - 1
+    if i >= 0:
+        r = regions[i]
+        if r.base <= address and address + length <= r.end:
+            return r
+    return None
