@@ -355,7 +355,8 @@ def _verify(
 
 
 def _fill_canary(kv: list[torch.Tensor], buffers: Any, out: Outcome, shape: Shape) -> None:
-    """A released room's pages get the canary; its slot is checked by its column bytes."""
+    """A released room's pages get the canary (its aux slot is the plugin's to guard: a
+    failed slot is quarantined for the late-write window, tests/test_sglang.py)."""
     for t in kv:
         for p in out.pages:
             _page(t, p, shape).fill_(CANARY)
