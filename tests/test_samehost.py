@@ -8,9 +8,11 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 import torch
@@ -35,11 +37,15 @@ def _victim(conn: Connection) -> None:
         conn.recv()
 
 
-@pytest.fixture
-def victim() -> Iterator[tuple[Connection, tuple[str, int, int], mp.process.BaseProcess]]:
+@contextlib.contextmanager
+def peer_process(
+    target: Callable[..., None], *args: object
+) -> Iterator[tuple[Connection, Any, mp.process.BaseProcess]]:
+    """A spawned peer that sends what it registered first; reaped, and its registry swept,
+    whatever happens."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_victim, args=(child,))
+    proc = ctx.Process(target=target, args=(child, *args))
     proc.start()
     try:
         assert parent.poll(60)
@@ -52,6 +58,12 @@ def victim() -> Iterator[tuple[Connection, tuple[str, int, int], mp.process.Base
             proc.kill()
             proc.join(10)
         samehost.sweep()
+
+
+@pytest.fixture
+def victim() -> Iterator[tuple[Connection, tuple[str, int, int], mp.process.BaseProcess]]:
+    with peer_process(_victim) as got:
+        yield got
 
 
 @pytest.fixture
@@ -153,44 +165,24 @@ def test_a_privately_mapped_shm_file_is_written_where_the_peer_reads(
     """A private mapping of a /dev/shm file keeps its own pages: writing the file would
     succeed and never reach the peer, so such a range goes as anonymous memory."""
     engine, src = writer
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_shm_victim, args=(child, private))
-    proc.start()
-    try:
-        assert parent.poll(60)
-        session, dst = parent.recv()
+    with peer_process(_shm_victim, private) as (parent, (session, dst), _):
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [dst], [16]) == 0
         parent.send("report")
         assert parent.recv() == list(range(16))
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send("bye")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        samehost.sweep()
 
 
-def test_transfers_on_many_threads_survive_the_peer_dying_under_them(  # type: ignore[no-untyped-def]
-    writer,
+def test_transfers_on_many_threads_survive_the_peer_dying_under_them(
+    writer: tuple[SameHostEngine, torch.Tensor],
 ) -> None:
     """SGLang's manager writes one session from several threads at once (its queues, its
     executor futures per layer): a thread that finds the peer dead must not unmap what
     another is still copying into, and none may raise (#35 review)."""
-    import threading
-
     engine, src = writer
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_shm_victim, args=(child, False))
-    proc.start()
     results: list[int] = []
     errors: list[BaseException] = []
     stop = threading.Event()
 
-    def pound() -> None:
+    def pound(session: str, dst: int) -> None:
         try:
             while not stop.is_set():
                 results.append(
@@ -200,25 +192,22 @@ def test_transfers_on_many_threads_survive_the_peer_dying_under_them(  # type: i
             errors.append(exc)
 
     try:
-        assert parent.poll(60)
-        session, dst = parent.recv()
-        threads = [threading.Thread(target=pound) for _ in range(6)]
-        for t in threads:
-            t.start()
-        time.sleep(0.3)
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        time.sleep(0.5)
-        stop.set()
-        for t in threads:
-            t.join(10)
+        with peer_process(_shm_victim, False) as (_, (session, dst), proc):
+            threads = [threading.Thread(target=pound, args=(session, dst)) for _ in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+            time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join(10)
         assert not errors and 0 in results and -1 in results
         assert set(results) <= {0, -1} and engine.refused == 0
     finally:
         stop.set()
-        proc.join(10)
-        samehost.sweep()
-        for leftover in os.listdir("/dev/shm"):
+        for leftover in os.listdir("/dev/shm"):  # the killed peer's file
             if leftover.startswith(f"{NAME}-file-"):
                 os.unlink(f"/dev/shm/{leftover}")
 

@@ -12,28 +12,19 @@ from multiprocessing.connection import Connection
 
 import pytest
 from conftest import SPAWN, Children
+from test_errors import _header_field_offset
 
 from shmslots import Field, SlotTable, TableNotReady, TablePermissionError
-from shmslots import layout as L
 from shmslots.participants import GATE, _lock_request
 
 FIELDS = [Field("x", "int64")]
 OTHER_UID = 65534  # nobody
 
 
-def _header_offset(field: str) -> int:
-    at = 0
-    for name, code in L._HEADER_FIELDS:
-        if name == field:
-            return at
-        at += struct.calcsize("<" + code)
-    raise KeyError(field)
-
-
 def _forge_header(name: str, field: str, value: int) -> None:
     """Write `value` into the header field, as anyone who can write the file could."""
     with open(f"/dev/shm/{name}", "r+b") as f:
-        f.seek(_header_offset(field))
+        f.seek(_header_field_offset(field))
         f.write(struct.pack("<I", value))
 
 
