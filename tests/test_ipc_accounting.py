@@ -55,7 +55,12 @@ class ShmIpc:
             mm[:] = data
         os.close(shm.fd)
         dtype, shape = DTYPE_NAMES[tensor.dtype], list(tensor.shape)
-        return {"b": "cuda", "pid": os.getpid(), "seg": name, "dtype": dtype, "shape": shape}
+        # every key a CUDA ref must hold (ref_codec checks them), "seg" naming the stand-in's
+        return {
+            "b": "cuda", "pid": os.getpid(), "uuid": "cpu", "handle": b"", "size": len(data),
+            "soff": 0, "event": b"", "sync": False, "off": 0, "shape": shape,
+            "stride": [1] * len(shape), "dtype": dtype, "seg": name,
+        }  # fmt: skip
 
     def release(self, description: dict[str, Any]) -> None:
         posix_ipc.unlink_shared_memory("/" + description["seg"])  # twice: ExistentialError
