@@ -171,11 +171,7 @@ def _classes() -> dict[str, type]:
                 except Exception:
                     return True  # never seen: not this host's engine, or not up yet
                 self._peers[name] = reg
-            try:
-                same = os.stat(f"/dev/shm/{name}").st_ino == reg.inode
-            except OSError:
-                same = False
-            if reg.alive() and same:
+            if reg.alive() and reg.named():
                 return True
             self._peers.pop(name, None)
             reg.close()

@@ -1,5 +1,5 @@
 """A transfer engine for peers on one host: Mooncake's `TransferEngine` calls, answered by
-shared memory and by the peer's own memory file, with no network and no engine thread.
+shared memory and `process_vm_writev`, with no network and no engine thread.
 
 SGLang's Mooncake manager moves every byte through five engine calls (`batch_register`,
 `batch_deregister`, `get_session_id`, `send_probe`, `batch_transfer_sync`); `backend.py` puts
@@ -7,8 +7,8 @@ this class behind them.  Each engine publishes a small *registry* segment, `/dev
 
 - a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
   pid, start time and pid namespace, and the length of the region list;
-- the region list (JSON): every registered range, and for a range that lies in a file of
-  `/dev/shm` (a shmslots table's columns) that file's name, inode and offset.
+- the region list (JSON): every registered range, and for a range mapped shared from a file
+  of `/dev/shm` (a shmslots table's columns) that file's name, inode and offset.
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
@@ -165,8 +165,7 @@ def sweep() -> list[str]:
                 continue
             made = reg.segment.mm[:8] == MAGIC
             old = time.time() - os.fstat(reg.segment.fd).st_mtime > SWEEP_AGE_S
-            same = os.stat(entry.path).st_ino == reg.inode
-            if (made or old) and same:
+            if (made or old) and reg.named():
                 unlink(entry.name)
                 removed.append(entry.name)
         except (OSError, ShmSlotsError):
@@ -202,7 +201,7 @@ class Registry:
             try:
                 if old.alive():
                     raise TransferError(f"registry {name!r} belongs to a live engine") from None
-                if os.stat(os.path.join(SHM_DIR, name)).st_ino == old.inode:
+                if old.named():
                     unlink(name)  # a dead engine's, left by SIGKILL
             finally:
                 old.close()
@@ -281,8 +280,15 @@ class PeerRegistry:
         self.table: tuple[list[Region], list[int]] = ([], [])
         self.pid = self.start_ticks = self.pidns = 0
 
+    def named(self) -> bool:
+        """Whether its name still refers to this registry (not removed, nor made anew)."""
+        try:
+            return os.stat(os.path.join(SHM_DIR, self.name)).st_ino == self.inode
+        except OSError:
+            return False
+
     def alive(self) -> bool:
-        """Whether the registry's owner still holds its liveness lock (and the name is its)."""
+        """Whether the registry's owner still holds its liveness lock."""
         if self.segment.fd < 0:
             return False
         reply = fcntl.fcntl(
@@ -455,12 +461,11 @@ def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
 
 
 def _access_refusal(pid: int, err: int) -> str:
-    scope = "absent"
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/yama/ptrace_scope") as f:
-        scope = f.read().strip()
+    scope = _ptrace_scope()
     return (
         f"cannot write the memory of pid {pid} ({os.strerror(err)}): that needs the same user "
-        f"and ptrace access (Yama ptrace_scope is {scope}; with 1 the receiving engine allows "
+        f"and ptrace access (Yama ptrace_scope is {'absent' if scope is None else scope}; with 1 "
+        "the receiving engine allows "
         "its peers by PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
     )
 
@@ -478,12 +483,13 @@ _libc.process_vm_writev.argtypes = [
 _libc.process_vm_writev.restype = ctypes.c_ssize_t
 
 
-def _ptrace_scope() -> int:
+def _ptrace_scope() -> int | None:
+    """Yama's ptrace_scope, or None where there is no Yama."""
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             return int(f.read().strip())
     except (OSError, ValueError):
-        return 0
+        return None
 
 
 PR_SET_PTRACER = 0x59616D61
@@ -494,8 +500,7 @@ def allow_peers() -> None:
     """With Yama's ptrace_scope 1, let processes of this user write this one's registered
     memory (PR_SET_PTRACER_ANY); with 0 (or no Yama) there is nothing to do."""
     if _ptrace_scope() == 1:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
+        _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
 
 
 class SameHostEngine:
@@ -666,17 +671,6 @@ class SameHostEngine:
             if self._peers.get(session) is peer:
                 del self._peers[session]
             peer.dropped = True
-
-    def peer_alive(self, name: str) -> bool:
-        """Whether the engine whose registry is `name` lives (False if there is none)."""
-        try:
-            reg = PeerRegistry(name, None)
-        except ShmSlotsError:
-            return False
-        try:
-            return reg.alive()
-        finally:
-            reg.close()
 
     def close(self, wait_s: float = 10.0) -> None:
         """Refuse new transfers, wait (up to `wait_s`) for those running, let go of every
