@@ -13,7 +13,7 @@ import msgpack
 
 from ._core import REF_REFUSALS, parse_ref
 from .errors import CorruptTable
-from .schema import DTYPE_CODES, DTYPE_SIZES, contiguous_strides
+from .schema import DTYPE_CODES, DTYPE_SIZES, Field, contiguous_strides
 
 _DTYPES = list(DTYPE_CODES)  # by the index a ref stores
 _MAX_DIMS = 8
@@ -87,12 +87,11 @@ def _well_formed(d: object) -> bool:
     return all(type(size) is int and size >= 0 for size in shape + stride)
 
 
-def check_fits(d: dict[str, Any], field: Any, name: str) -> None:
+def check_fits(d: dict[str, Any], field: Field, name: str) -> None:
     """A CUDA ref must be of its field's dtype and shape (rank, and every fixed size), as an
     arena ref must (csrc/refcodec.c): CorruptTable otherwise."""
     shape = d["shape"]
-    fits = d["dtype"] == field.dtype and len(shape) == len(field.shape)
-    if not (fits and all(f is None or f == s for f, s in zip(field.shape, shape, strict=True))):
+    if not (d["dtype"] == field.dtype and field.accepts_shape(tuple(shape))):
         raise CorruptTable(
             f"CUDA ref of {name!r} is {d['dtype']}{shape}, its field is "
             f"{field.dtype}{list(field.shape)}"
