@@ -57,7 +57,8 @@ static const struct {
  * not show (sparse, mkldnn and nested layouts, a __torch_dispatch__ subclass) is refused as
  * having none.  The facts are read from torch's C++ objects (tensors.h): no Python runs, so
  * neither a subclass, a torch-function mode nor a method set on the instance answers for the
- * tensor, and nothing can change between the checks and the copy.
+ * tensor, and no Python runs between the checks and the copy.  A big copy lets other threads
+ * run; copy_start pins the tensor for it, so its bytes stay where the checks found them.
  */
 
 /* Reason codes, exported as REASONS (add_enums).  0: plain.  Positive: acceptable once torch has made a
@@ -225,6 +226,65 @@ rules_check(Rules *r, PyObject *const *args, Py_ssize_t nargs)
     return code_or_error(check(r, args[0], dtype, itemsize, args[2], &src, &nbytes));
 }
 
+/* Copies of BIG_COPY bytes or more let other threads run.  One of them may close the table
+ * meanwhile: an export of the buffer, held for the copy, makes the mapping refuse to unmap.
+ * Another may free the bytes of a tensor the copy reads or fills (resize_ its storage, set_
+ * the tensor to another, drop its last reference): each such tensor is pinned for the copy
+ * (tensors.h), so resize_ raises and the rest leave the bytes to the pin.  A table object is
+ * one thread's (README, Use): a thread of its own, with its own attach, cannot hand these
+ * handles back. */
+typedef struct {
+    Py_buffer keep;
+    PyThreadState *saved; /* NULL: a small copy, the GIL kept */
+    Py_ssize_t npins;
+    void *pins[MAX_FIELDS];
+} CopyWindow;
+
+static void
+unpin_all(CopyWindow *w)
+{
+    while (w->npins)
+        tensor_api->unpin(w->pins[--w->npins]);
+}
+
+/* Before a copy of `total` bytes out of or into `buffer`, from or to the `n` `tensors` (up
+ * to MAX_FIELDS; NULL entries are not tensors): 0 (copy_done after it), or -1 with an error
+ * set. */
+static int
+copy_start(PyObject *buffer, Py_ssize_t total, PyObject *const *tensors, Py_ssize_t n,
+           CopyWindow *w)
+{
+    w->saved = NULL;
+    w->npins = 0;
+    if (total < BIG_COPY)
+        return 0;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (tensors[j]) {
+            void *pin = tensor_api->pin(tensors[j]);
+            if (!pin) {
+                unpin_all(w);
+                return -1;
+            }
+            w->pins[w->npins++] = pin;
+        }
+    if (PyObject_GetBuffer(buffer, &w->keep, PyBUF_SIMPLE) < 0) {
+        unpin_all(w);
+        return -1;
+    }
+    w->saved = PyEval_SaveThread();
+    return 0;
+}
+
+static void
+copy_done(CopyWindow *w)
+{
+    if (!w->saved)
+        return;
+    PyEval_RestoreThread(w->saved);
+    PyBuffer_Release(&w->keep);
+    unpin_all(w);
+}
+
 /* copy_into(buffer, offset, nbytes, value, dtype, shape) -> reason code: copies the value's
  * nbytes bytes to buffer[offset:] if it is plain (0), else writes nothing. */
 static PyObject *
@@ -261,14 +321,14 @@ rules_copy_into(Rules *r, PyObject *const *args, Py_ssize_t nargs)
                      offset);
         return NULL;
     }
-    char *at = (char *)dst.buf + offset;
-    if (nbytes >= BIG_COPY) { /* our export of dst is held for the copy */
-        Py_BEGIN_ALLOW_THREADS
-        memmove(at, src, (size_t)nbytes);
-        Py_END_ALLOW_THREADS
-    } else if (nbytes) {
-        memmove(at, src, (size_t)nbytes); /* memmove: the source may be a view of the buffer */
+    CopyWindow w;
+    if (copy_start(args[0], nbytes, &args[3], 1, &w) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
     }
+    if (nbytes) /* memmove: the source may be a view of the buffer */
+        memmove((char *)dst.buf + offset, src, (size_t)nbytes);
+    copy_done(&w);
     PyBuffer_Release(&dst);
     return PyLong_FromLong(T_PLAIN);
 }
@@ -611,38 +671,6 @@ plain_number(Spec *s, PyObject *v, Copy *c)
     return 1;
 }
 
-/* Copies of BIG_COPY bytes or more let other threads run.  One of them may close the table
- * meanwhile: an export of the buffer, held for the copy, makes the mapping refuse to unmap.
- * A table object is one thread's (README, Use): a thread of its own, with its own attach,
- * cannot hand these handles back. */
-typedef struct {
-    Py_buffer keep;
-    PyThreadState *saved; /* NULL: a small copy, the GIL kept */
-} CopyWindow;
-
-/* Before a copy of `total` bytes out of or into `buffer`: 0 (copy_done after it), or -1
- * with an error set. */
-static int
-copy_start(PyObject *buffer, Py_ssize_t total, CopyWindow *w)
-{
-    w->saved = NULL;
-    if (total < BIG_COPY)
-        return 0;
-    if (PyObject_GetBuffer(buffer, &w->keep, PyBUF_SIMPLE) < 0)
-        return -1;
-    w->saved = PyEval_SaveThread();
-    return 0;
-}
-
-static void
-copy_done(CopyWindow *w)
-{
-    if (!w->saved)
-        return;
-    PyEval_RestoreThread(w->saved);
-    PyBuffer_Release(&w->keep);
-}
-
 int
 codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
 {
@@ -667,6 +695,7 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         held[k++] = Py_NewRef(value);
     }
     Copy copies[MAX_FIELDS];
+    PyObject *tensors[MAX_FIELDS]; /* the values copied as bytes (NULL: a number) */
     Py_ssize_t total = 0;
     for (Py_ssize_t j = 0; j < k; j++) {
         Spec *s = spec[j];
@@ -676,12 +705,14 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         total += s->nbytes;
         PyObject *v = held[j];
         int ok;
+        tensors[j] = NULL;
         if (s->scalar == REF)
             ok = 0;
         else if (Py_TYPE(v) == (PyTypeObject *)r->rules->tensor_type) {
             Py_ssize_t nbytes; /* the shape fixes it to c->nbytes */
             int code = check(r->rules, v, s->dtype, s->itemsize, s->shape, &c->src, &nbytes);
             ok = code == T_PLAIN ? 1 : code == T_ERROR ? -1 : 0;
+            tensors[j] = v;
         } else if (s->scalar != NO_SCALAR)
             ok = plain_number(s, v, c);
         else
@@ -697,7 +728,7 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         goto done;
     }
     CopyWindow w;
-    if (copy_start(r->buf.obj, total, &w) < 0) {
+    if (copy_start(r->buf.obj, total, tensors, k, &w) < 0) {
         result = -1;
         goto done;
     }
@@ -822,12 +853,13 @@ plain_field(RowCodec *r, PyObject *name, Spec **spec)
 }
 
 /* Copy field `s` of each of the n slots (a tuple if `batched`, else one int) between its
- * item and row k of `flat` (contiguous, n x nbytes): out of the rows if `out`, else into
- * them.  Every slot is checked before the first copy; -1 (error set) if one is out of
+ * item and row k of `flat` (contiguous, n x nbytes; the bytes of `tensor`, or of no tensor
+ * when NULL): out of the rows if `out`, else into them.  Every slot is checked before the first copy; -1 (error set) if one is out of
  * range or the codec was released (the checks before may have run Python, which may have
  * closed the table), and nothing was copied. */
 static int
-move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, char *flat, int out)
+move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, char *flat,
+           PyObject *tensor, int out)
 {
     if (!r->held) {
         PyErr_SetString(PyExc_ValueError, "RowCodec released");
@@ -869,7 +901,7 @@ move_items(RowCodec *r, Spec *s, PyObject *slots, Py_ssize_t n, int batched, cha
     }
     char *rows = stage ? stage : flat;
     CopyWindow w;
-    if (copy_start(r->buf.obj, (Py_ssize_t)total, &w) < 0) {
+    if (copy_start(r->buf.obj, (Py_ssize_t)total, &tensor, 1, &w) < 0) {
         PyMem_Free(stage);
         if (at != local)
             PyMem_Free(at);
@@ -946,7 +978,7 @@ codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat_tensor, 
     }
     if (ok != 1)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
-    ok = move_items(r, s, slots, n, batched, flat, out);
+    ok = move_items(r, s, slots, n, batched, flat, packed ? NULL : flat_tensor, out);
     PyMem_Free(packed);
     return ok < 0 ? NULL : Py_NewRef(Py_True);
 }
@@ -988,7 +1020,7 @@ codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
         return NULL;
     }
     CopyWindow w; /* the slot was checked after the allocation, which may have run Python */
-    if (copy_start(r->buf.obj, s->nbytes, &w) < 0)
+    if (copy_start(r->buf.obj, s->nbytes, NULL, 0, &w) < 0) /* `out` is ours alone */
         Py_CLEAR(out);
     else {
         memcpy(f.data, item_at(r, s, slot), (size_t)s->nbytes);

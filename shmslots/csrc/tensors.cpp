@@ -17,6 +17,7 @@
 
 #include <exception>
 #include <new>
+#include <unordered_map>
 
 namespace {
 
@@ -145,7 +146,45 @@ Py_ssize_t storage_uses(PyObject *storage)
     return static_cast<Py_ssize_t>(THPStorage_Unpack(storage).use_count());
 }
 
-const TensorApi api = {facts, empty, over, dtype_of, storage_uses};
+// The storages pinned now, each with its pins and whether it was resizable before the first.
+// Only touched with the GIL held.
+struct Pinned {
+    c10::Storage storage;
+    Py_ssize_t pins;
+    bool was_resizable;
+};
+std::unordered_map<c10::StorageImpl *, Pinned> *pinned;
+
+void *pin(PyObject *tensor)
+{
+    try {
+        if (!pinned)
+            pinned = new std::unordered_map<c10::StorageImpl *, Pinned>();
+        const c10::Storage &storage = THPVariable_Unpack(tensor).storage();
+        c10::StorageImpl *impl = storage.unsafeGetStorageImpl();
+        auto [at, first] = pinned->try_emplace(impl, Pinned{storage, 0, impl->resizable()});
+        if (first)
+            impl->set_resizable(false);
+        at->second.pins++;
+        return impl;
+    } catch (const std::exception &e) {
+        set_error(e);
+        return nullptr;
+    }
+}
+
+void unpin(void *handle)
+{
+    auto at = pinned->find(static_cast<c10::StorageImpl *>(handle));
+    if (--at->second.pins)
+        return;
+    c10::Storage storage = std::move(at->second.storage);
+    if (at->second.was_resizable)
+        storage.unsafeGetStorageImpl()->set_resizable(true);
+    pinned->erase(at);
+} // `storage` goes last, after the map is done: it may free the storage, its tensors gone
+
+const TensorApi api = {facts, empty, over, dtype_of, storage_uses, pin, unpin};
 
 PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "shmslots._tensors",

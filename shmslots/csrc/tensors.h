@@ -49,6 +49,13 @@ typedef struct {
     int (*dtype_of)(PyObject *dtype);
     /* The use count of a torch.UntypedStorage's storage, or -1 with an error set. */
     Py_ssize_t (*storage_uses)(PyObject *storage);
+    /* Keep `tensor`'s bytes where they are while a copy reads them with the GIL released:
+     * a reference to its storage (so neither its last tensor nor set_ frees it) and, while
+     * any pin holds it, the storage made not resizable (so resize_ raises instead of freeing
+     * it).  Both run with the GIL held, which orders the pins; unpin(pin(t)) once each.
+     * NULL with an error set. */
+    void *(*pin)(PyObject *tensor);
+    void (*unpin)(void *pinned);
 } TensorApi;
 
 #endif
