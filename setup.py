@@ -21,6 +21,11 @@ except ImportError as e:
 
 TORCH = os.path.dirname(torch.__file__)
 BUILT_FOR = ("SHMSLOTS_TORCH_VERSION", f'"{torch.__version__}"')
+# The test build: SHMSLOTS_KILL_POINTS=1 at install compiles in the points where a test may
+# SIGKILL the process inside a compiled step (_core._kill_at).  Any other build lacks them.
+KILL_POINTS = (
+    [("SHMSLOTS_KILL_POINTS", None)] if os.environ.get("SHMSLOTS_KILL_POINTS") == "1" else []
+)
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"]
 HIDDEN = "-fvisibility=hidden"  # one exported symbol per module, its PyInit
 CORE_FILES = ["module", "atomic", "hotpath", "rowcodec", "refcodec", "leases"]
@@ -39,7 +44,7 @@ setup(
             "shmslots._core",
             sources=[f"shmslots/csrc/{name}.c" for name in CORE_FILES],
             depends=["shmslots/csrc/core.h", "shmslots/csrc/tensors.h"],
-            define_macros=[BUILT_FOR],
+            define_macros=[BUILT_FOR, *KILL_POINTS],
             extra_compile_args=["-O2", "-std=gnu11", *WARNINGS, HIDDEN],
         ),
         Extension(

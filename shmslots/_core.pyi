@@ -265,6 +265,8 @@ class LeaseCore(HandleBase):
     def abort(self) -> None: ...
 
 # -- module.c --------------------------------------------------------------------
+# the test build's only (SHMSLOTS_KILL_POINTS=1 at install, setup.py): points inside a step
+# where _kill_at SIGKILLs the process
 KILL_POINTS: dict[str, int]
 # the slot word's and the ready ring cell's bits (core.h, their one definition)
 WORD_BITS: dict[str, int]

@@ -40,6 +40,21 @@ def small_row(i: int) -> dict[str, Any]:
     }
 
 
+def kill_point(point: str) -> int:
+    """A point inside a compiled step where `_core._kill_at` SIGKILLs the process; only the
+    test build has them (setup.py), and a test that needs one fails without it."""
+    from shmslots import _core
+
+    points: dict[str, int] | None = getattr(_core, "KILL_POINTS", None)
+    if points is None:
+        pytest.fail(
+            "shmslots is not the test build: install it with SHMSLOTS_KILL_POINTS=1 "
+            "(the README's test command does)",
+            pytrace=False,
+        )
+    return points[point]
+
+
 def _ours() -> set[str]:
     """This run's segments: the tests' own names, and the SGLang plugin's tables made here."""
     mine = f"-{os.getpid()}-"

@@ -45,18 +45,21 @@ def _bits(diagram: str) -> dict[str, tuple[int, int]]:
 
 
 def _steps(commands: str) -> list[list[str]]:
-    """Each `&&`-joined step of each command line, as words: no --quiet, no environment
-    assignment in front, programs of the virtualenv by their name."""
+    """Each `&&`-joined step of each command line, as words: no --quiet, no PATH set in
+    front (other settings kept: they change what the step does), programs of the virtualenv
+    by their name."""
     steps = []
     for line in commands.replace("\\\n", " ").splitlines():
         if line.lstrip().startswith("#"):
             continue
         for step in line.split(" && "):
             words = [w for w in shlex.split(step) if w != "--quiet"]
-            if words and re.match(r"^[A-Z_]+=", words[0]):
-                words = words[1:]
+            settings = [w for w in words if re.match(r"^[A-Z_]+=", w)]
+            words = words[len(settings) :]
             if words:
-                steps.append([words[0].removeprefix(".venv/bin/"), *words[1:]])
+                program = words[0].removeprefix(".venv/bin/")
+                kept = [w for w in settings if not w.startswith("PATH=")]
+                steps.append([*kept, program, *words[1:]])
     return steps
 
 

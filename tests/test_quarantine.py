@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import SMALL, Children, small_row
+from conftest import SMALL, Children, kill_point, small_row
 
 from shmslots import (
     InvalidArgument,
@@ -187,10 +187,7 @@ def test_a_view_kept_past_a_quarantine_is_reported(name: str) -> None:
         del view
 
 
-KILL_QUARANTINED, KILL_RECLAIMING = (
-    _core.KILL_POINTS["QUARANTINED"],
-    _core.KILL_POINTS["RECLAIMING"],
-)
+KILL_QUARANTINED, KILL_RECLAIMING = kill_point("QUARANTINED"), kill_point("RECLAIMING")
 
 
 def _quarantine_killed_at(name: str, point: int) -> None:

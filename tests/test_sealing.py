@@ -10,12 +10,12 @@ step (`_core._kill_at`), and the table is checked with public calls after a reap
 from __future__ import annotations
 
 import pytest
-from conftest import SMALL, Children, small_row
+from conftest import SMALL, Children, kill_point, small_row
 
 from shmslots import SlotTable, _core
 
 PUBLISH_SEALED, KEEP_SEALED, KEEP_HELD = (
-    _core.KILL_POINTS[p] for p in ("PUBLISH_SEALED", "KEEP_SEALED", "KEEP_HELD")
+    kill_point(p) for p in ("PUBLISH_SEALED", "KEEP_SEALED", "KEEP_HELD")
 )
 
 

@@ -34,10 +34,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ".git", ".venv", "build", "*.egg-info", "__pycache__", "*.so", "bench-out"
     )
     shutil.copytree(ROOT, source, ignore=skip)
+    production = {k: v for k, v in os.environ.items() if k != "SHMSLOTS_KILL_POINTS"}
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp / "dist"), str(source)],
-        check=True, capture_output=True, timeout=300,
+        check=True, capture_output=True, timeout=300, env=production,
     )  # fmt: skip
     [wheel] = (tmp / "dist").glob("shmslots-*.whl")
     tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
@@ -78,6 +79,19 @@ def test_the_wheel_installs_only_shmslots_and_runs_the_demo_beside_another_worke
         [str(installed / "python"), "-c", "import shmslots; print(shmslots.__file__)"], tmp_path
     )
     assert str(installed.parent) in where.stdout  # the wheel's, not the checkout's
+
+
+@pytest.mark.timeout(120)
+def test_the_wheel_has_no_kill_switch(installed: Path, tmp_path: Path) -> None:
+    """The points where tests SIGKILL a process inside a compiled step are the test build's
+    only (#36, item 8): a wheel built without SHMSLOTS_KILL_POINTS has neither name."""
+    probe = _run(
+        [str(installed / "python"), "-c",
+         "from shmslots import _core; print(sorted(n for n in dir(_core) if 'KILL' in n.upper()))"],
+        tmp_path,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "[]"
 
 
 @pytest.mark.timeout(300)

@@ -58,14 +58,19 @@ static inline uint64_t full_cell(uint64_t pos, uint64_t slot)
 }
 static inline uint64_t cell_pos(uint64_t cell) { return cell >> POS_SHIFT; }
 
-/* -- test-only kill points: SIGKILL inside a step (_kill_at, KILL_POINTS) ------------------- */
+/* -- test-only kill points: SIGKILL inside a step (_kill_at, KILL_POINTS) -------------------
+ * Compiled only into the test build (SHMSLOTS_KILL_POINTS, setup.py); elsewhere each point is
+ * nothing and the module has neither name. */
 
 enum {
     KILL_NONE, KILL_QUARANTINED, KILL_RECLAIMING, KILL_PUBLISH_SEALED, KILL_KEEP_SEALED,
     KILL_KEEP_HELD, KILL_COUNT
 };
-extern int kill_at;
+#ifdef SHMSLOTS_KILL_POINTS
 void kill_point(int point);
+#else
+#define kill_point(point) ((void)(point))
+#endif
 
 /* -- hotpath.c: the transitions a handle makes ------------------------------------------------
  * Each checks that the participant may act and that `slot` is in range (error set, STEP_ERROR

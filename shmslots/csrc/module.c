@@ -1,10 +1,9 @@
-/* shmslots._core: the module, made of its four files (core.h says which does what), and the
- * test-only kill points that SIGKILL this process inside a compiled step. */
+/* shmslots._core: the module, made of its four files (core.h says which does what), and, in
+ * the test build only, the kill points that SIGKILL this process inside a compiled step. */
 #include "core.h"
 #include <signal.h>
 #include <string.h>
 
-int kill_at = KILL_NONE;
 const TensorApi *tensor_api;
 
 /* The torch imported is the one shmslots._tensors was built against, or ImportError saying
@@ -46,6 +45,9 @@ bind_tensors(void)
     return tensor_api ? 0 : -1;
 }
 
+#ifdef SHMSLOTS_KILL_POINTS
+static int kill_at = KILL_NONE;
+
 void
 kill_point(int point)
 {
@@ -67,6 +69,23 @@ core_kill_at(PyObject *module, PyObject *point)
     Py_RETURN_NONE;
 }
 
+/* KILL_POINTS, each point by name; 0, or -1 with an error set. */
+static int
+add_kill_points(PyObject *m)
+{
+    return add_owned(m, "KILL_POINTS",
+                     Py_BuildValue("{sisisisisi}", "QUARANTINED", KILL_QUARANTINED, "RECLAIMING",
+                                   KILL_RECLAIMING, "PUBLISH_SEALED", KILL_PUBLISH_SEALED,
+                                   "KEEP_SEALED", KILL_KEEP_SEALED, "KEEP_HELD", KILL_KEEP_HELD));
+}
+#else
+static int
+add_kill_points(PyObject *m)
+{
+    return 0;
+}
+#endif
+
 int
 add_owned(PyObject *m, const char *name, PyObject *value)
 {
@@ -76,7 +95,9 @@ add_owned(PyObject *m, const char *name, PyObject *value)
 }
 
 static PyMethodDef module_methods[] = {
+#ifdef SHMSLOTS_KILL_POINTS
     {"_kill_at", core_kill_at, METH_O, "_kill_at(point): SIGKILL inside a step (tests)"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -93,12 +114,7 @@ PyInit__core(void)
     if (!m)
         return NULL;
     if (atomic_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 || refcodec_add(m) < 0 ||
-        leases_add(m) < 0 ||
-        add_owned(m, "KILL_POINTS",
-                  Py_BuildValue("{sisisisisi}", "QUARANTINED", KILL_QUARANTINED, "RECLAIMING",
-                                KILL_RECLAIMING, "PUBLISH_SEALED", KILL_PUBLISH_SEALED,
-                                "KEEP_SEALED", KILL_KEEP_SEALED, "KEEP_HELD",
-                                KILL_KEEP_HELD)) < 0 ||
+        leases_add(m) < 0 || add_kill_points(m) < 0 ||
         PyModule_AddIntConstant(m, "STEP_DONE", STEP_DONE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REFUSED", STEP_REFUSED) < 0 ||
         PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0 ||
