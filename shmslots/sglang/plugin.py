@@ -21,6 +21,8 @@ registers hooks with SGLang's `HookRegistry`:
   `_handle_kv_checksum_mismatch` (a request dropped from its prebuilt batch), the slot is
   aborted; a request garbage-collected holding a slot hands it back; at exit, or when a role
   switch tears the decode side down, every slot is handed back and the table unlinked;
+- SGLang stops its schedulers with SIGKILL, so their exit handlers never run: the server's
+  own process, at its exit, removes the tables and same-host registries of dead schedulers;
 - a request retracted after its slot went back is resumed with a zero draft state, which the
   target model's verify rejects (SGLang reuses the first token's stale one there).
 """
@@ -41,7 +43,7 @@ import torch
 from .. import orphans
 from ..errors import SchemaError, ShmSlotsError
 from ..segment import SHM_DIR
-from . import backend
+from . import backend, samehost
 from .buffers import (
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
@@ -65,6 +67,7 @@ _sglang_classes: dict[str, Any] = {}  # SGLang's own classes, for the prefill si
 _built = itertools.count()
 _allocators: weakref.WeakSet[ReqToMetadataIdxAllocator] = weakref.WeakSet()
 _drained: weakref.WeakKeyDictionary[Any, ReqToMetadataIdxAllocator] = weakref.WeakKeyDictionary()
+_registered_at_exit: list[object] = []
 
 
 def active() -> bool:
@@ -101,6 +104,20 @@ def register() -> None:
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
     backend.register_hooks()
+    if not _registered_at_exit:
+        _registered_at_exit.append(atexit.register(_remove_what_dead_schedulers_left))
+
+
+def _remove_what_dead_schedulers_left() -> None:
+    """At a process's exit (the server's own, after SGLang's shutdown has SIGKILLed its
+    schedulers, which therefore run no exit handler): remove every plugin table and every
+    same-host registry whose makers are all dead.  Live ones, another server's included,
+    are spared: each is checked by its makers' liveness locks, never by name."""
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith("sglang-"):
+            _remove_if_orphaned(entry.name)
+    with contextlib.suppress(ShmSlotsError, OSError):
+        samehost.sweep()
 
 
 def _on_decode_side() -> bool:
