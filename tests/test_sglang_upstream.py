@@ -167,6 +167,24 @@ def test_a_failed_transfer_holds_its_slot_for_the_late_write_window(
     assert torch.equal(spec.hidden_states[0], env.expected_draft(3, HIDDEN, TOPK)[2])
 
 
+def test_an_idle_decode_loop_frees_a_quarantined_slot_when_its_window_ends(
+    lanes: list[env.Lane],
+) -> None:
+    """No allocation follows (the server is idle): SGLang's own per-turn
+    `resolve_deferred_releases` is the beat that frees the slot in the table."""
+    lane = _lane(lanes, slots=2)
+    lane.allocator.quarantine.window_s = 0.2
+    failed = lane.send(1)
+    failed.kv_receiver.fail()
+    assert lane.pop() == []
+    lane.queue.resolve_deferred_releases()
+    assert _owned(lane) == 1  # quarantined: its window has not passed
+    time.sleep(0.25)
+    assert _owned(lane) == 1  # nothing swept yet
+    lane.queue.resolve_deferred_releases()
+    assert _owned(lane) == 0 and lane.allocator.quarantine.released == 1
+
+
 def test_a_room_mismatch_at_commit_hands_the_slot_back_at_once(lanes: list[env.Lane]) -> None:
     lane = _lane(lanes, slots=2)
     decode_req = lane.send(5)

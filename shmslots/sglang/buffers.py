@@ -522,7 +522,7 @@ class ReqToMetadataIdxAllocator:
         return self.buffers
 
     def available_size(self) -> int:
-        self._sweep()
+        self.sweep()
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
@@ -530,7 +530,7 @@ class ReqToMetadataIdxAllocator:
         (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
         for this transfer's room."""
         buffers = self._decode_buffers()
-        self._sweep()
+        self.sweep()
         try:
             reservation = self.table.reserve(tag=next(self._tags), timeout=0)
         except SlotsExhausted:
@@ -701,9 +701,10 @@ class ReqToMetadataIdxAllocator:
         self.quarantine.hold(reservation)
         self.stats.aborted_before_commit += 1
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Free quarantined slots whose window passed, and hand back the slots of requests
-        that were garbage-collected holding them."""
+        that were garbage-collected holding them.  Allocating sweeps; so does the plugin on
+        each turn of the decode loop, so an idle server's slots do not stay QUARANTINED."""
         self.quarantine.sweep()
         while self._orphans:
             idx = self._orphans.pop()

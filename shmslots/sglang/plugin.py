@@ -15,6 +15,8 @@ registers hooks with SGLang's `HookRegistry`:
   its `Req` if the request was kept, and handed back at once if it was aborted at commit
   (room mismatch, room 0); failed transfers are SGLang's own `free()` before commit, which
   holds the slot for the late-write window;
+- after `DecodeTransferQueue.resolve_deferred_releases` (every turn of the decode loop, idle
+  or not), slots whose late-write window has passed are freed;
 - after `process_prebuilt` has stacked each request's draft state into the batch, that state
   is dropped from the `Req` and its slot is released;
 - after `Scheduler._release_aborted_request` (an abort in the waiting queue) and
@@ -88,6 +90,7 @@ def register() -> None:
         (f"{UTILS}.MetadataBuffers", DecodeMetadataBuffers, HookType.REPLACE),
         (f"{DECODE}.DecodeTransferQueue.pop_transferred", _pop_transferred, HookType.AROUND),
         (f"{DECODE}.DecodePreallocQueue.resume_retracted_reqs", _resumed, HookType.AFTER),
+        (f"{DECODE}.DecodeTransferQueue.resolve_deferred_releases", _resolved, HookType.AFTER),
         (
             f"{MIXIN}.ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
             _prebuilt,
@@ -242,6 +245,14 @@ def _pop_transferred(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
     kept = original(queue, *args, **kwargs)
     allocator.settle_commits(pending, kept)
     return kept
+
+
+def _resolved(result: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """SGLang resolves its deferred releases on every turn of the decode loop, idle or not:
+    the quarantine, their sibling for metadata slots, frees what is due on the same beat."""
+    allocator = _allocator_of(queue)
+    if allocator is not None:
+        allocator.sweep()
 
 
 def _prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
