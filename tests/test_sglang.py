@@ -247,6 +247,27 @@ def test_abort_at_every_stage(name: str, stage: str) -> None:
         assert again == idx and buffers.bootstrap_room[idx, 0] == 0  # the gate is closed
 
 
+def test_a_transfer_whose_writers_are_dead_frees_its_slot_at_once(name: str) -> None:
+    """A dead writer writes nothing, so its aborted reservation needs no quarantine; the mark
+    is that reservation's, and the next one of the same slot is quarantined as usual."""
+    buffers, allocator = _decode_side(name, size=2, window_s=30)
+    with buffers:
+        dead, alive = allocator.alloc(), allocator.alloc()
+        assert dead is not None and alive is not None
+        allocator.writers_gone(dead)
+        allocator.free(dead)
+        allocator.free(alive)
+        assert buffers.table.slot_info(dead)[0] is State.FREE
+        assert buffers.table.slot_info(alive)[0] is State.QUARANTINED
+        assert allocator.stats.aborted_writers_gone == 1 and allocator.available_size() == 1
+        again = allocator.alloc()
+        assert again == dead
+        allocator.free(again)  # a new reservation: the old mark does not carry over
+        assert buffers.table.slot_info(dead)[0] is State.QUARANTINED
+        with pytest.raises(InvalidSlot):
+            allocator.writers_gone(2)
+
+
 @pytest.mark.timeout(60)
 def test_a_late_write_from_an_aborted_transfer_never_reaches_the_next_request(
     name: str, children: Children

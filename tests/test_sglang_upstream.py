@@ -313,10 +313,12 @@ def test_a_role_switch_removes_the_table_and_a_dead_schedulers_table_is_removed_
     assert isinstance(first, MetadataBuffers)
     name = first.table.name
     prefix = name[: name.rindex("-", 0, name.rindex("-")) + 1]  # sglang-<port>-tp<rank>-
+    other_server = "sglang-1-tp0-"  # another server's, killed whole: no exit of its ran
     dead = subprocess.Popen(
         [sys.executable, "-c", "import sys, time, torch; from shmslots import SlotTable, Field; "
-         "import os; t = SlotTable.create(sys.argv[1] + str(os.getpid()) + '-0', "
-         "[Field('x', 'int64')], slots=2); print('up', flush=True); time.sleep(60)", prefix],
+         "import os; t = [SlotTable.create(p + str(os.getpid()) + '-0', [Field('x', 'int64')], "
+         "slots=2) for p in sys.argv[1:]]; print('up', flush=True); time.sleep(60)",
+         prefix, other_server],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -324,8 +326,8 @@ def test_a_role_switch_removes_the_table_and_a_dead_schedulers_table_is_removed_
     finally:
         dead.kill()
         dead.wait(10)
-    orphan = f"{prefix}{dead.pid}-0"
-    assert os.path.exists(f"/dev/shm/{orphan}")
+    orphans = [f"{prefix}{dead.pid}-0", f"{other_server}{dead.pid}-0"]
+    assert all(os.path.exists(f"/dev/shm/{orphan}") for orphan in orphans)
     standin = SimpleNamespace(  # a mode with nothing else to tear down
         disaggregation_mode=DisaggregationMode.NULL, disagg_metadata_buffers=first
     )
@@ -335,7 +337,7 @@ def test_a_role_switch_removes_the_table_and_a_dead_schedulers_table_is_removed_
     scheduler.ReqToMetadataIdxAllocator(4)
     with scheduler.MetadataBuffers(4, **args) as second:  # decode again: a fresh table
         assert second.table.name != name
-        assert not os.path.exists(f"/dev/shm/{orphan}")  # the dead scheduler's, removed
+        assert not any(os.path.exists(f"/dev/shm/{o}") for o in orphans)  # the dead's, removed
 
 
 CHILD = Path(__file__).with_name("sglang_plugin_child.py")

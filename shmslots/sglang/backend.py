@@ -183,6 +183,11 @@ def _classes() -> dict[str, type]:
                 return True
             return bool(super().is_abort_release_safe(bootstrap_room, required_acks))
 
+        def writers_gone(self, bootstrap_room: int) -> bool:
+            """Every prefill rank that could write this room is dead (the plugin frees its
+            metadata slot at once instead of quarantining it)."""
+            return bootstrap_room in self._dead_rooms
+
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
             self._dead_rooms.discard(bootstrap_room)
             super().clear_deferred_abort_state(bootstrap_room)

@@ -471,6 +471,7 @@ class AllocatorStats:
     committed: int = 0  # get_buf: transfers committed in place
     deferred_frees: int = 0  # free() after commit: the request still owns the slot
     aborted_before_commit: int = 0  # reservations aborted (freed after the quarantine)
+    aborted_writers_gone: int = 0  # of those, freed at once: their writers were dead
     aborted_after_commit: int = 0  # committed rows of aborted requests: released at once
     released: int = 0  # rows consumed and handed back
     stale_calls: int = 0  # a release or abort for a request that holds no slot any more
@@ -491,6 +492,7 @@ class ReqToMetadataIdxAllocator:
         self._reserved: dict[int, Reservation] = {}  # allocated, not yet committed
         self._held: dict[int, Lease] = {}  # committed, not yet consumed
         self._freed: set[int] = set()  # committed and free()d by SGLang: still ours
+        self._writers_gone: dict[int, Reservation] = {}  # reservations no write can reach
         self._slot_of: dict[int, int] = {}  # id(request) -> its index
         # index -> (id of its request, a weak reference to it)
         self._request_of: dict[int, tuple[int, Callable[[], Any]]] = {}
@@ -695,10 +697,23 @@ class ReqToMetadataIdxAllocator:
         if key is not None and self._slot_of.get(key) == idx:
             del self._slot_of[key]
 
+    def writers_gone(self, idx: int) -> None:
+        """Every process that could write into reservation `idx` is dead (a transfer
+        backend that knows it exactly says so): aborting it frees the slot at once, since a
+        dead process writes nothing.  It applies to this reservation only, never to the
+        next one of the same slot."""
+        reservation = self._reserved.get(self._check(idx))
+        if reservation is not None:
+            self._writers_gone[idx] = reservation
+
     def _abort_reserved(self, idx: int) -> None:
         reservation = self._reserved.pop(idx)
         self._unbind(idx)
-        self.quarantine.hold(reservation)
+        if self._writers_gone.pop(idx, None) is reservation:
+            reservation.end()
+            self.stats.aborted_writers_gone += 1
+        else:
+            self.quarantine.hold(reservation)
         self.stats.aborted_before_commit += 1
 
     def sweep(self) -> None:
@@ -729,6 +744,7 @@ class ReqToMetadataIdxAllocator:
         """Hand every slot back (the decode side is stopping); each handle once, so a close
         that raised part-way can be called again."""
         self._freed.clear()
+        self._writers_gone.clear()
         self._slot_of.clear()
         self._request_of.clear()
         while self._held:

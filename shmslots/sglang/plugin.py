@@ -6,8 +6,8 @@ Registered under the `sglang.srt.plugins` entry-point group as `shmslots`; SGLan
 registers hooks with SGLang's `HookRegistry`:
 
 - the decode side's `ReqToMetadataIdxAllocator` and `MetadataBuffers` are shmslots' (one
-  table per scheduler process, named `sglang-<port>-tp<rank>-<pid>-<n>`; tables of the same
-  server and rank whose schedulers died are removed first).  The prefill side keeps SGLang's
+  table per scheduler process, named `sglang-<port>-tp<rank>-<pid>-<n>`; tables whose
+  schedulers all died, any server's, are removed first).  The prefill side keeps SGLang's
   own: it frees an index only after its transfer is done, and nothing there holds views of a
   row past that, so it has no bug to fix.  Where SGLang's arguments give an item length that
   is not a multiple of 64 bytes, SGLang keeps its own classes there too, with a warning;
@@ -16,7 +16,8 @@ registers hooks with SGLang's `HookRegistry`:
   (room mismatch, room 0); failed transfers are SGLang's own `free()` before commit, which
   holds the slot for the late-write window;
 - after `DecodeTransferQueue.resolve_deferred_releases` (every turn of the decode loop, idle
-  or not), slots whose late-write window has passed are freed;
+  or not), slots whose late-write window has passed are freed; a failed transfer whose
+  writers the same-host backend knows to be dead frees its slot at once, with no window;
 - after `process_prebuilt` has stacked each request's draft state into the batch, that state
   is dropped from the `Req` and its slot is released;
 - after `Scheduler._release_aborted_request` (an abort in the waiting queue) and
@@ -37,7 +38,9 @@ import inspect
 import itertools
 import logging
 import os
+import time
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -70,6 +73,8 @@ _built = itertools.count()
 _allocators: weakref.WeakSet[ReqToMetadataIdxAllocator] = weakref.WeakSet()
 _drained: weakref.WeakKeyDictionary[Any, ReqToMetadataIdxAllocator] = weakref.WeakKeyDictionary()
 _registered_at_exit: list[object] = []
+TABLE_PREFIX = "sglang-"
+CHILDREN_DYING_S = 5.0  # the exit sweep's wait for SIGKILLed schedulers to be dead
 
 
 def active() -> bool:
@@ -90,7 +95,7 @@ def register() -> None:
         (f"{UTILS}.MetadataBuffers", DecodeMetadataBuffers, HookType.REPLACE),
         (f"{DECODE}.DecodeTransferQueue.pop_transferred", _pop_transferred, HookType.AROUND),
         (f"{DECODE}.DecodePreallocQueue.resume_retracted_reqs", _resumed, HookType.AFTER),
-        (f"{DECODE}.DecodeTransferQueue.resolve_deferred_releases", _resolved, HookType.AFTER),
+        (f"{DECODE}.DecodeTransferQueue.resolve_deferred_releases", _resolved, HookType.AROUND),
         (
             f"{MIXIN}.ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
             _prebuilt,
@@ -113,14 +118,45 @@ def register() -> None:
 
 def _remove_what_dead_schedulers_left() -> None:
     """At a process's exit (the server's own, after SGLang's shutdown has SIGKILLed its
-    schedulers, which therefore run no exit handler): remove every plugin table and every
-    same-host registry whose makers are all dead.  Live ones, another server's included,
-    are spared: each is checked by its makers' liveness locks, never by name."""
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith("sglang-"):
-            _remove_if_orphaned(entry.name)
+    schedulers, which therefore run no exit handler): remove the plugin tables and same-host
+    registries whose makers are all dead."""
+    _wait_for_dying_children(CHILDREN_DYING_S)
+    _remove_orphaned_tables()
     with contextlib.suppress(ShmSlotsError, OSError):
         samehost.sweep()
+
+
+def _remove_orphaned_tables() -> None:
+    """Remove every plugin table whose makers are all dead.  Live ones, another server's
+    included, are spared: each is judged by its makers' liveness locks, never by name."""
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(TABLE_PREFIX):
+            with contextlib.suppress(ShmSlotsError, OSError):
+                if orphans.remove_if_orphaned(entry.name):
+                    log.warning("shmslots: removed %s, left by a scheduler that died", entry.name)
+
+
+def _wait_for_dying_children(timeout_s: float) -> None:
+    """SGLang's shutdown SIGKILLs its children and exits without waiting for them; a child's
+    liveness locks go only as it dies.  Wait, at most `timeout_s`, until none is still
+    running (each is a zombie or gone), so the sweep does not find a dying one alive."""
+    deadline = time.monotonic() + timeout_s
+    while _running_children(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _running_children(parent: int) -> list[int]:
+    running = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            if int(ppid) == parent and state not in (b"Z", b"X"):
+                running.append(int(entry))
+    return running
 
 
 def _on_decode_side() -> bool:
@@ -130,26 +166,16 @@ def _on_decode_side() -> bool:
 
 
 def _table_name() -> str:
-    """Which server and TP rank a table belongs to, for `shmslots ls` and `inspect`; the
-    tables of this server and rank left by dead schedulers (SGLang stops them with SIGKILL,
-    so no exit handler runs) are removed first."""
+    """Which server and TP rank a table belongs to, for `shmslots ls` and `inspect`; tables
+    left by dead schedulers (a server killed whole, so no exit of its ran) are removed first."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
     try:
         port, rank = get_server_args().port, get_parallel().tp_rank
     except (AttributeError, RuntimeError, ValueError):
         port, rank = "x", "x"
-    prefix = f"sglang-{port}-tp{rank}-"
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(prefix) and not entry.name.startswith(f"{prefix}{os.getpid()}-"):
-            _remove_if_orphaned(entry.name)
-    return f"{prefix}{os.getpid()}-{next(_built)}"
-
-
-def _remove_if_orphaned(name: str) -> None:
-    with contextlib.suppress(ShmSlotsError, OSError):
-        if orphans.remove_if_orphaned(name):
-            log.warning("shmslots: removed %s, left by a scheduler that died", name)
+    _remove_orphaned_tables()
+    return f"{TABLE_PREFIX}{port}-tp{rank}-{os.getpid()}-{next(_built)}"
 
 
 class DecodeAllocator(ReqToMetadataIdxAllocator):
@@ -242,17 +268,33 @@ def _pop_transferred(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
     if allocator is None:
         return original(queue, *args, **kwargs)
     pending = [(dr.req, dr.metadata_buffer_index) for dr in queue.queue]
+    _mark_writers_gone(allocator, queue.queue)
     kept = original(queue, *args, **kwargs)
     allocator.settle_commits(pending, kept)
     return kept
 
 
-def _resolved(result: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+def _resolved(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang resolves its deferred releases on every turn of the decode loop, idle or not:
     the quarantine, their sibling for metadata slots, frees what is due on the same beat."""
     allocator = _allocator_of(queue)
-    if allocator is not None:
-        allocator.sweep()
+    if allocator is None:
+        return original(queue, *args, **kwargs)
+    _mark_writers_gone(allocator, [entry[0] for entry in queue._deferred_releases])
+    result = original(queue, *args, **kwargs)
+    allocator.sweep()
+    return result
+
+
+def _mark_writers_gone(allocator: ReqToMetadataIdxAllocator, decode_reqs: Iterable[Any]) -> None:
+    """Before SGLang frees the slots of failed transfers: those whose writers its manager
+    knows to be dead (shmslots' same-host one: `writers_gone`) are freed at once, the
+    others quarantined.  A network engine cannot know, so its slots keep the window."""
+    for decode_req in decode_reqs:
+        manager = getattr(decode_req.kv_receiver, "kv_mgr", None)
+        writers_gone = getattr(manager, "writers_gone", None)
+        if writers_gone is not None and writers_gone(decode_req.req.bootstrap_room):
+            allocator.writers_gone(decode_req.metadata_buffer_index)
 
 
 def _prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
