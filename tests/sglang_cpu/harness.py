@@ -1,0 +1,233 @@
+"""SGLang servers started as a user starts them (`python -m sglang.launch_server`, SGLang's
+router), on this CPU, and stopped on every exit path.
+
+`Deployment` is a context manager: each server or router it starts runs in a session of its
+own, and leaving the block (normally, by an exception, or by a test's timeout) SIGTERMs
+each, SIGKILLs what is left of its session after a grace period, and waits for it.  The /dev/shm
+entries SGLang made meanwhile (its own `sglang*` segments and multiprocessing's semaphores)
+are removed then, and counted in `left_in_shm`: a clean run leaves none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SITE = Path(__file__).resolve().parent / "site"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+START_TIMEOUT_S = 300.0  # a server is up in 40-90 s on a loaded 2-core machine
+# What makes SGLang 0.5.23 serve on a CPU (the source line behind each):
+FLAGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",  # the CPU attention backend with no kernels
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--tp", "1",
+    "--dtype", "float32",
+    "--max-total-tokens", "8192",  # without it SGLang sizes the KV cache from free memory
+    "--max-running-requests", "8",
+    "--chunked-prefill-size", "1024",
+    "--host", "127.0.0.1",
+]  # fmt: skip
+# A prefill/decode pair on CPU: overlap scheduling makes a torch.cuda.Event()
+# (disaggregation/prefill.py:1496), and the decode's default retraction backup registers CUDA
+# host memory (mem_cache/pool_host/common.py:147).
+PD_FLAGS = ["--disable-overlap-schedule"]
+DECODE_FLAGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a server: the stand-ins on PYTHONPATH (site/sitecustomize.py), and
+    `SGLANG_USE_CPU_ENGINE=1`, without which `is_cpu()` is false (`srt/utils/common.py:222`)
+    and the rotary embedding imports vLLM's ops (`layers/rotary_embedding/base.py:138`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMSLOTS_SGLANG", "PYTEST"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p),
+        SHMSLOTS_SGLANG_CPU="1",
+        SGLANG_USE_CPU_ENGINE="1",
+        MOONCAKE_PROTOCOL="tcp",
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Process:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ServerFailed(RuntimeError):
+    """A server that exited, or was not up in time; the message carries its log's tail."""
+
+
+class Deployment:
+    """Servers and routers started by this harness, all stopped when the block ends."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model = model
+        self.logs = logs
+        self.started: list[Process] = []
+        self.left_in_shm: list[str] = []
+        self._shm_before = set(os.listdir("/dev/shm"))
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def server(
+        self, name: str, *flags: str, env: dict[str, str] | None = None, port: int | None = None
+    ) -> Process:
+        """`python -m sglang.launch_server` with the CPU flags and `flags`; up when this returns."""
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
+               *FLAGS, "--port", str(port), *flags]  # fmt: skip
+        return self._start(name, cmd, f"http://127.0.0.1:{port}", env)
+
+    def router(self, prefill: Process, bootstrap_port: int, decode: Process) -> Process:
+        """SGLang's router in front of a prefill/decode pair (0.5.23 has no
+        `sglang.srt.disaggregation.mini_lb`; `sglang_router`'s mini-lb is its successor)."""
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--mini-lb", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        return self._start("router", cmd, f"http://127.0.0.1:{port}", None)
+
+    def _start(self, name: str, cmd: list[str], url: str, env: dict[str, str] | None) -> Process:
+        log = self.logs / f"{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=server_env(env),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        started = Process(name, url, proc, log)
+        self.started.append(started)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ServerFailed(f"{name} exited with {proc.returncode}:\n{started.tail()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerFailed(f"{name} not up after {START_TIMEOUT_S:.0f} s:\n{started.tail()}")
+
+    def kill(self, process: Process) -> None:
+        """SIGKILL a server and everything it spawned at once, as the OOM killer or a crash
+        would, and reap them all."""
+        _signal_session(process.proc, signal.SIGKILL)
+        process.proc.wait()
+        _wait_for_session_gone([process.proc.pid], time.monotonic() + 30)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM each process started (as `kill PID` does: SGLang then shuts its own
+        children down), SIGKILL what is left of its session after `grace_s`, reap each; then
+        remove (and count) the /dev/shm entries SGLang made."""
+        for p in reversed(self.started):  # the router first, then decode, then prefill
+            p.proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            _signal_session(p.proc, signal.SIGKILL)  # the children of a server that exited too
+            p.proc.wait()
+        _wait_for_session_gone([p.proc.pid for p in self.started], deadline + 10)
+        self.started.clear()
+        for entry in sorted(set(os.listdir("/dev/shm")) - self._shm_before):
+            if entry.startswith(("sglang", "sem.mp-", "psm_")):
+                self.left_in_shm.append(entry)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{entry}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILLed if this harness dies first (even by SIGKILL, when
+    no exit path of ours runs); SGLang's own children die with their parent in turn
+    (`kill_itself_when_parent_died`, `srt/managers/scheduler.py:6269`)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        os._exit(127)
+
+
+def _signal_session(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # its session's group: the server and what it spawned
+
+
+def _wait_for_session_gone(sessions: Sequence[int], deadline: float) -> None:
+    """Until no process is left in these sessions (children exit after their parent)."""
+    while time.monotonic() < deadline:
+        alive = [s for s in sessions if _session_members(s)]
+        if not alive:
+            return
+        for s in alive:
+            for pid in _session_members(s):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    raise RuntimeError(f"processes left in sessions {list(sessions)}")
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[3]) == session and fields[0] != "Z":  # session id; not a zombie
+                members.append(int(entry))
+    return members
+
+
+def generate(
+    url: str, text: str, max_new_tokens: int = 8, timeout: float = 120.0, **extra: Any
+) -> dict[str, Any]:
+    """POST /generate at temperature 0; the reply as a dict."""
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    body.update(extra)
+    reply: dict[str, Any] = post(url, "/generate", body, timeout)
+    return reply
+
+
+def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    request = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")

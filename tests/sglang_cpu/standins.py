@@ -1,0 +1,77 @@
+"""Stand-ins for the two packages SGLang 0.5.23 imports that have no CPU build, each strict:
+importing works and any attribute can be named, but calling anything raises, so a run that
+gets through proves SGLang never used it.
+
+- `torchvision`: PyPI's build is CUDA's and fails beside CPU torch ("operator
+  torchvision::nms does not exist").  SGLang imports it at module level for multimodal models
+  (`srt/multimodal/internvl_utils.py:5`); a text model never calls it.  transformers is asked
+  first, so it caches "no torchvision" and takes its own text-only paths.
+- `sgl_kernel`: PyPI's `sgl-kernel` is CUDA-only.  SGLang imports it at module level
+  (`kernels/ops/kvcache/cache_move.py:10`) and reads `scalar_types.uint4b8` at import
+  (`srt/layers/quantization/utils.py:521`); on a CPU without AMX every op it would run takes
+  `forward_native` (`kernels/fused_op.py` `_platform_key()`).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+ROOTS = ("torchvision", "sgl_kernel")
+
+
+class _Placeholder:
+    """Any attribute is another placeholder; calling one raises, naming it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> _Placeholder:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Placeholder(f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{self._name} was called: it is a stand-in (no CPU build)")
+
+    def __mro_entries__(self, bases: tuple[object, ...]) -> tuple[type, ...]:
+        return (object,)  # `class X(torchvision.Something)`: defining it is not calling it
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, attr: str) -> _Placeholder:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Placeholder(f"{self.__name__}.{attr}")
+
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _PlaceholderModule(spec.name)
+        module.__version__ = "0+stand-in"  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []
+
+
+def install(roots: tuple[str, ...] = ROOTS) -> None:
+    """Before SGLang is imported: transformers answers "no torchvision" (cached), then
+    imports of `roots` find placeholders."""
+    import transformers.utils.import_utils as transformers_imports
+
+    transformers_imports.is_torchvision_available()
+    transformers_imports.is_torchvision_v2_available()
+    if not any(isinstance(f, _StandIns) for f in sys.meta_path):
+        sys.meta_path.insert(0, _StandIns(roots))
