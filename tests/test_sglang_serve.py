@@ -46,6 +46,7 @@ from sglang_cpu.harness import (
     free_port,
     generate,
     post,
+    server_env,
 )
 from sglang_cpu.model import make_model
 
@@ -142,6 +143,16 @@ def test_the_stand_ins_can_be_named_but_refuse_every_call() -> None:
         pass
 
     assert Defined() is not None
+
+
+def test_mooncakes_sender_takes_the_plain_path_on_cpu_in_a_server_process() -> None:
+    """The one workaround (standins.py): set after SGLang's own module is imported."""
+    code = "from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender as S; print("
+    shown = subprocess.run(
+        [sys.executable, "-c", code + "S.supports_host_tensor_indices)"],
+        env=server_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert shown.stdout.strip() == "False", shown.stderr[-2000:]
 
 
 def test_the_pair_gives_the_single_servers_tokens(single: Process, pair: Pair) -> None:

@@ -17,7 +17,8 @@ registers hooks with SGLang's `HookRegistry`:
   holds the slot for the late-write window;
 - after `DecodeTransferQueue.resolve_deferred_releases` (every turn of the decode loop, idle
   or not), slots whose late-write window has passed are freed; a failed transfer whose
-  writers the same-host backend knows to be dead frees its slot at once, with no window;
+  writers the same-host backend knows to be dead frees its slot at once, with no window
+  (read before SGLang frees them: the transfer queue's entries and its `_deferred_releases`);
 - after `process_prebuilt` has stacked each request's draft state into the batch, that state
   is dropped from the `Req` and its slot is released;
 - after `Scheduler._release_aborted_request` (an abort in the waiting queue) and

@@ -10,6 +10,12 @@ gets through proves SGLang never used it.
   (`kernels/ops/kvcache/cache_move.py:10`) and reads `scalar_types.uint4b8` at import
   (`srt/layers/quantization/utils.py:521`); on a CPU without AMX every op it would run takes
   `forward_native` (`kernels/fused_op.py` `_platform_key()`).
+
+And one CPU workaround, for SGLang's own Mooncake backend only (shmslots' sender says the
+same itself): Mooncake's sender claims host tensor indices (`mooncake/conn.py:3312`), for
+which the prefill makes a pinned tensor and a `torch.cuda.Event()`
+(`disaggregation/prefill.py:1746-1761`); CPU torch has neither, so it is set to False once
+that module is imported, and the prefill takes its plain path.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 ROOTS = ("torchvision", "sgl_kernel")
+MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
 
 
 class _Placeholder:
@@ -66,6 +74,31 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Imports `name` as usual, then applies `fix` to it."""
+
+    def __init__(self, name: str, fix: Callable[[types.ModuleType], None]) -> None:
+        self.name, self.fix = name, fix
+
+    def find_spec(self, name: str, path: Any = None, target: object = None) -> Any:
+        if name != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
+            run = spec.loader.exec_module
+
+            def exec_then_fix(module: types.ModuleType) -> None:
+                run(module)
+                self.fix(module)
+
+            spec.loader.exec_module = exec_then_fix  # type: ignore[method-assign]
+        return spec
+
+
+def _no_host_tensor_indices(conn: types.ModuleType) -> None:
+    conn.MooncakeKVSender.supports_host_tensor_indices = False
+
+
 def install(roots: tuple[str, ...] = ROOTS) -> None:
     """Before SGLang is imported: transformers answers "no torchvision" (cached), then
     imports of `roots` find placeholders."""
@@ -75,3 +108,4 @@ def install(roots: tuple[str, ...] = ROOTS) -> None:
     transformers_imports.is_torchvision_v2_available()
     if not any(isinstance(f, _StandIns) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandIns(roots))
+        sys.meta_path.insert(0, _AfterImport(MOONCAKE_CONN, _no_host_tensor_indices))
