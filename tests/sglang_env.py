@@ -9,8 +9,9 @@ its runtime context (`override_server_args`, a one-rank gloo group) and `load_pl
 
 What stands in, and why:
 - `torchvision`: imported at module level by SGLang's multimodal configs, never called on this
-  path; PyPI's build is CUDA's and cannot sit beside CPU torch.  A package of placeholders
-  (any attribute, never callable), hidden from transformers' own availability check.
+  path; PyPI's build is CUDA's and cannot sit beside CPU torch.  The servers' stand-in
+  (`sglang_cpu/standins.py`): any attribute, never callable, hidden from transformers' own
+  availability check.
 - the scheduler object (`Scheduler` needs a model): `Lane.scheduler` has the attributes
   `DecodeTransferQueue` reads, and SGLang's unbound methods are called on it;
 - the KV receiver (the transport): `Receiver` says what `poll()` answers, as a real one would
@@ -20,69 +21,29 @@ What stands in, and why:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import random
 import socket
-import sys
-import types
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang_cpu import standins
 
 SGLANG_MISSING: str | None = None
 try:
     import sglang  # noqa: F401
-    import transformers.utils.import_utils as _transformers_imports
 except ImportError as exc:  # the README's test command installs it; say so if it did not
     SGLANG_MISSING = (
         f"SGLang 0.5.23 is not installed ({exc}): pip install --no-deps -r tests/sglang-0.5.23.txt"
     )
 
 
-class _Placeholder:
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> _Placeholder:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{self._name}.{attr}")
-
-    def __call__(self, *args: object, **kwargs: object) -> None:
-        raise RuntimeError(f"{self._name}: torchvision is a test stand-in here")
-
-
-class _PlaceholderModule(types.ModuleType):
-    def __getattr__(self, attr: str) -> _Placeholder:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{self.__name__}.{attr}")
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _PlaceholderModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__path__ = []
-
-
 def install_torchvision_stand_in() -> None:
-    """Before SGLang is imported: transformers answers "no torchvision" (cached), then
-    SGLang's module-level `import torchvision...` finds placeholders."""
-    _transformers_imports.is_torchvision_available()
-    _transformers_imports.is_torchvision_v2_available()
-    if not any(isinstance(f, _TorchvisionStandIn) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchvisionStandIn())
+    """Before SGLang is imported: the servers' strict torchvision stand-in
+    (sglang_cpu/standins.py), alone; this path runs no sgl_kernel op either way."""
+    standins.install(roots=("torchvision",))
 
 
 def free_port() -> int:

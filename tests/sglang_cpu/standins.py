@@ -108,4 +108,9 @@ def install(roots: tuple[str, ...] = ROOTS) -> None:
     transformers_imports.is_torchvision_v2_available()
     if not any(isinstance(f, _StandIns) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandIns(roots))
+
+
+def install_cpu_workarounds() -> None:
+    """The servers' one workaround (this module's docstring), set when its module loads."""
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(MOONCAKE_CONN, _no_host_tensor_indices))

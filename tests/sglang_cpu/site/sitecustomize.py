@@ -7,4 +7,6 @@ import sys
 
 if os.environ.get("SHMSLOTS_SGLANG_CPU") == "1":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    importlib.import_module("standins").install()
+    standins = importlib.import_module("standins")
+    standins.install()
+    standins.install_cpu_workarounds()
