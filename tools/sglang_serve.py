@@ -4,7 +4,7 @@ behind SGLang's router, the shmslots backend beside Mooncake's (TCP on loopback)
     python tools/sglang_serve.py [--prompt-tokens 512] [--max-new-tokens 64]
                                  [--requests 24] [--concurrency 4] [--ttft-samples 8]
 
-Needs the test environment (README, command 2).  For each backend it starts a prefill/decode
+Needs the test environment (README, command 2).  For each setup it starts a prefill/decode
 pair and the router with tests/sglang_cpu's harness (the tiny random Llama, the CPU flags,
 the strict stand-ins), then measures through the router:
 
@@ -13,8 +13,9 @@ the strict stand-ins), then measures through the router:
 * tokens/s: `--requests` requests, `--concurrency` at a time, each generating exactly
   `--max-new-tokens` (`ignore_eos`), output tokens over wall time.
 
-The shmslots pair runs with the plugin on (`SHMSLOTS_SGLANG=1`, which the backend needs);
-the Mooncake pair is SGLang as shipped.  The pairs run one after the other, never together.
+Three pairs, one after the other, never together: the shmslots backend (with the plugin,
+`SHMSLOTS_SGLANG=1`, which it needs), Mooncake with the plugin (the plugin's share of any
+difference), and Mooncake as SGLang ships it.
 The model is tiny, so the figures weigh the transfer and scheduling path, not the model.
 """
 
@@ -43,7 +44,13 @@ from sglang_cpu.harness import (
 )
 from sglang_cpu.model import make_model
 
-BACKENDS = {"shmslots": {"SHMSLOTS_SGLANG": "1"}, "mooncake": {}}
+PLUGIN = {"SHMSLOTS_SGLANG": "1"}
+# name: (transfer backend, server environment)
+SETUPS = {
+    "shmslots": ("shmslots", PLUGIN),
+    "mooncake+plugin": ("mooncake", PLUGIN),  # the plugin's share of any difference
+    "mooncake": ("mooncake", {}),  # SGLang as shipped
+}
 
 
 def first_token_s(url: str, prompt: str) -> float:
@@ -75,13 +82,13 @@ def tokens_per_s(url: str, prompts: list[str], concurrency: int, max_new_tokens:
     return produced / (time.perf_counter() - start)
 
 
-def measure(backend: str, model: Path, logs: Path, args: argparse.Namespace) -> dict[str, Any]:
+def measure(setup: str, model: Path, logs: Path, args: argparse.Namespace) -> dict[str, Any]:
+    backend, env = SETUPS[setup]
     bootstrap = free_port()
     flags = ["--disaggregation-transfer-backend", backend,
              "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS]  # fmt: skip
-    env = BACKENDS[backend]
-    (logs / backend).mkdir()
-    with Deployment(model, logs / backend) as deployment:
+    (logs / setup).mkdir()
+    with Deployment(model, logs / setup) as deployment:
         started = time.perf_counter()
         prefill = deployment.server("prefill", "--disaggregation-mode", "prefill", *flags, env=env)
         decode: Process = deployment.server(
@@ -94,7 +101,7 @@ def measure(backend: str, model: Path, logs: Path, args: argparse.Namespace) -> 
         prompt_tokens = int(warm["meta_info"]["prompt_tokens"])
         ttft = [first_token_s(router.url, p) for p in prompts[: args.ttft_samples]]
         rate = tokens_per_s(router.url, prompts, args.concurrency, args.max_new_tokens)
-    return {"backend": backend, "up_s": up_s, "ttft": ttft, "tokens_per_s": rate,
+    return {"setup": setup, "up_s": up_s, "ttft": ttft, "tokens_per_s": rate,
             "prompt_tokens": prompt_tokens}  # fmt: skip
 
 
@@ -114,23 +121,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sglang-serve-"))  # kept: the servers' logs
     print(f"servers' logs: {work}", flush=True)
     model = make_model(work / "model")
-    results = [measure(b, model, work, args) for b in BACKENDS]
+    results = [measure(setup, model, work, args) for setup in SETUPS]
     print(
         f"tiny Llama on CPU; prompts of {results[0]['prompt_tokens']} tokens (the first); "
         f"{args.requests} requests x {args.max_new_tokens} tokens, {args.concurrency} at a "
         f"time; time to first token over {args.ttft_samples} streamed requests, one at a time"
     )
-    print(f"{'backend':<10}{'up s':>8}{'TTFT p50 ms':>14}{'TTFT max ms':>14}{'tokens/s':>11}")
+    print(f"{'setup':<17}{'up s':>6}{'TTFT p50 ms':>13}{'TTFT max ms':>13}{'tokens/s':>10}")
     for r in results:
         ttft = r["ttft"]
         print(
-            f"{r['backend']:<10}{r['up_s']:>8.1f}{statistics.median(ttft) * 1e3:>14.1f}"
-            f"{max(ttft) * 1e3:>14.1f}{r['tokens_per_s']:>11.1f}"
+            f"{r['setup']:<17}{r['up_s']:>6.1f}{statistics.median(ttft) * 1e3:>13.1f}"
+            f"{max(ttft) * 1e3:>13.1f}{r['tokens_per_s']:>10.1f}"
         )
-    shm, mc = results
-    ttft_ratio = statistics.median(shm["ttft"]) / statistics.median(mc["ttft"])
-    rate_ratio = shm["tokens_per_s"] / mc["tokens_per_s"]
-    print(f"shmslots / mooncake: TTFT p50 {ttft_ratio:.2f}x, tokens/s {rate_ratio:.2f}x")
+    shipped = results[-1]
+    for r in results[:-1]:
+        ttft_ratio = statistics.median(r["ttft"]) / statistics.median(shipped["ttft"])
+        rate_ratio = r["tokens_per_s"] / shipped["tokens_per_s"]
+        print(f"{r['setup']} / mooncake: TTFT p50 {ttft_ratio:.2f}x, tokens/s {rate_ratio:.2f}x")
 
 
 if __name__ == "__main__":
