@@ -107,7 +107,8 @@ def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair
         table = served.table
         yield served
     # stopped as `kill PID` stops a server: its own exit removes what its schedulers left
-    assert not (Path("/dev/shm") / table).exists()
+    # (the plugin's table, the same-host registries); the harness counts what is left
+    assert table not in deployment.left_in_shm
     assert not [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
 
 
@@ -253,6 +254,7 @@ def test_a_prefill_killed_mid_transfer_fails_its_requests_at_once_and_a_new_one_
         deadline = time.monotonic() + 60
         while view.snapshot().states["RESERVED"] == 0:  # a transfer under way
             assert time.monotonic() < deadline, "no transfer was ever under way"
+            time.sleep(0.002)  # the servers need the cores
         killed_at = time.monotonic()
         pair.deployment.kill(pair.prefill)
         for future in sent:

@@ -39,7 +39,6 @@ import inspect
 import itertools
 import logging
 import os
-import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -75,7 +74,6 @@ _allocators: weakref.WeakSet[ReqToMetadataIdxAllocator] = weakref.WeakSet()
 _drained: weakref.WeakKeyDictionary[Any, ReqToMetadataIdxAllocator] = weakref.WeakKeyDictionary()
 _registered_at_exit: list[object] = []
 TABLE_PREFIX = "sglang-"
-CHILDREN_DYING_S = 5.0  # the exit sweep's wait for SIGKILLed schedulers to be dead
 
 
 def active() -> bool:
@@ -120,8 +118,8 @@ def register() -> None:
 def _remove_what_dead_schedulers_left() -> None:
     """At a process's exit (the server's own, after SGLang's shutdown has SIGKILLed its
     schedulers, which therefore run no exit handler): remove the plugin tables and same-host
-    registries whose makers are all dead."""
-    _wait_for_dying_children(CHILDREN_DYING_S)
+    registries whose makers are all dead.  SGLang's `kill_process_tree` has reaped them by
+    then (`srt/utils/common.py:2507`, `wait_timeout=60`), so their locks are gone."""
     _remove_orphaned_tables()
     with contextlib.suppress(ShmSlotsError, OSError):
         samehost.sweep()
@@ -135,29 +133,6 @@ def _remove_orphaned_tables() -> None:
             with contextlib.suppress(ShmSlotsError, OSError):
                 if orphans.remove_if_orphaned(entry.name):
                     log.warning("shmslots: removed %s, left by a scheduler that died", entry.name)
-
-
-def _wait_for_dying_children(timeout_s: float) -> None:
-    """SGLang's shutdown SIGKILLs its children and exits without waiting for them; a child's
-    liveness locks go only as it dies.  Wait, at most `timeout_s`, until none is still
-    running (each is a zombie or gone), so the sweep does not find a dying one alive."""
-    deadline = time.monotonic() + timeout_s
-    while _running_children(os.getpid()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _running_children(parent: int) -> list[int]:
-    running = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
-            except (OSError, ValueError):
-                continue  # gone meanwhile
-            if int(ppid) == parent and state not in (b"Z", b"X"):
-                running.append(int(entry))
-    return running
 
 
 def _on_decode_side() -> bool:

@@ -168,7 +168,7 @@ class Deployment:
         _wait_for_session_gone([p.proc.pid for p in self.started], deadline + 10)
         self.started.clear()
         for entry in sorted(set(os.listdir("/dev/shm")) - self._shm_before):
-            if entry.startswith(("sglang", "sem.mp-", "psm_")):
+            if entry.startswith(("sglang", "shmslots-", "sem.mp-", "psm_")):
                 self.left_in_shm.append(entry)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{entry}")
