@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shmslots.errors import ShmSlotsError
+from shmslots.sglang import samehost
+
 SITE = Path(__file__).resolve().parent / "site"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 START_TIMEOUT_S = 300.0  # a server is up in 40-90 s on a loaded 2-core machine
@@ -95,6 +98,7 @@ class Deployment:
         self.started: list[Process] = []
         self.left_in_shm: list[str] = []
         self._shm_before = set(os.listdir("/dev/shm"))
+        self._pids: set[int] = set()  # every process of its servers seen, for what they left
 
     def __enter__(self) -> Deployment:
         return self
@@ -149,6 +153,7 @@ class Deployment:
     def kill(self, process: Process) -> None:
         """SIGKILL a server and everything it spawned at once, as the OOM killer or a crash
         would, and reap them all."""
+        self._pids.update(_session_members(process.proc.pid))
         _signal_session(process.proc, signal.SIGKILL)
         process.proc.wait()
         _wait_for_session_gone([process.proc.pid], time.monotonic() + 30)
@@ -157,6 +162,8 @@ class Deployment:
         """SIGTERM each process started (as `kill PID` does: SGLang then shuts its own
         children down), SIGKILL what is left of its session after `grace_s`, reap each; then
         remove (and count) the /dev/shm entries SGLang made."""
+        for p in self.started:
+            self._pids.update(_session_members(p.proc.pid))
         for p in reversed(self.started):  # the router first, then decode, then prefill
             p.proc.terminate()
         deadline = time.monotonic() + grace_s
@@ -169,9 +176,32 @@ class Deployment:
         self.started.clear()
         for entry in sorted(set(os.listdir("/dev/shm")) - self._shm_before):
             if entry.startswith(("sglang", "shmslots-", "sem.mp-", "psm_")):
+                owner = _maker(entry)
+                if owner is not None and owner not in self._pids:
+                    continue  # another run's on this machine: not ours to count or remove
                 self.left_in_shm.append(entry)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{entry}")
+
+
+def _maker(entry: str) -> int | None:
+    """The pid that made a plugin table (in its name) or a same-host registry (in its
+    header); None for what does not say (SGLang's and multiprocessing's own entries)."""
+    if entry.startswith("sglang-"):  # sglang-<port>-tp<rank>-<pid>-<n>
+        return int(entry.rsplit("-", 2)[1])
+    if entry.startswith(samehost.PREFIX):
+        try:
+            registry = samehost.PeerRegistry(entry, None)
+        except ShmSlotsError:
+            return None  # unreadable: counted
+        try:
+            registry.refresh()
+            return int(registry.pid) or None  # 0: never published, counted
+        except ShmSlotsError:
+            return None
+        finally:
+            registry.close()
+    return None
 
 
 def _die_with_parent() -> None:
