@@ -9,7 +9,8 @@ gets through proves SGLang never used it.
 - `sgl_kernel`: PyPI's `sgl-kernel` is CUDA-only.  SGLang imports it at module level
   (`kernels/ops/kvcache/cache_move.py:10`) and reads `scalar_types.uint4b8` at import
   (`srt/layers/quantization/utils.py:521`); on a CPU without AMX every op it would run takes
-  `forward_native` (`kernels/fused_op.py` `_platform_key()`).
+  `forward_native` (`kernels/fused_op.py` `_platform_key()`).  The eight CPU ops the
+  speculative path calls are real: torch ports (spec_kernels.py).
 
 And one CPU workaround, for SGLang's own Mooncake backend only (shmslots' sender says the
 same itself): Mooncake's sender claims host tensor indices (`mooncake/conn.py:3312`), for
@@ -24,8 +25,10 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from . import spec_kernels, spec_standins
 
 ROOTS = ("torchvision", "sgl_kernel")
 MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
@@ -57,8 +60,8 @@ class _PlaceholderModule(types.ModuleType):
 
 
 class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
+    def __init__(self, roots: tuple[str, ...], ops: dict[str, Callable[..., None]]) -> None:
+        self.roots, self.ops = roots, ops
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
         if name.split(".")[0] in self.roots:
@@ -72,6 +75,8 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__path__ = []
+        if module.__name__ == "sgl_kernel":
+            vars(module).update(self.ops)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -101,16 +106,28 @@ def _no_host_tensor_indices(conn: types.ModuleType) -> None:
 
 def install(roots: tuple[str, ...] = ROOTS) -> None:
     """Before SGLang is imported: transformers answers "no torchvision" (cached), then
-    imports of `roots` find placeholders."""
+    imports of `roots` find placeholders; `sgl_kernel` carries the ports of the CPU ops
+    speculative decoding calls (spec_kernels.py)."""
     import transformers.utils.import_utils as transformers_imports
 
     transformers_imports.is_torchvision_available()
     transformers_imports.is_torchvision_v2_available()
     if not any(isinstance(f, _StandIns) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StandIns(roots))
+        sys.meta_path.insert(0, _StandIns(roots, spec_kernels.OPS))
 
 
 def install_cpu_workarounds() -> None:
     """The servers' one workaround (this module's docstring), set when its module loads."""
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(MOONCAKE_CONN, _no_host_tensor_indices))
+    after_import({MOONCAKE_CONN: _no_host_tensor_indices})
+
+
+def install_spec() -> None:
+    """What STANDALONE speculative decoding needs on this CPU (spec_standins.py)."""
+    after_import(spec_standins.PATCHES)
+
+
+def after_import(fixes: Mapping[str, Callable[[types.ModuleType], None]]) -> None:
+    present = {f.name for f in sys.meta_path if isinstance(f, _AfterImport)}
+    for name, fix in fixes.items():
+        if name not in present:
+            sys.meta_path.insert(0, _AfterImport(name, fix))

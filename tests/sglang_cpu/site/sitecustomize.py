@@ -6,7 +6,11 @@ import os
 import sys
 
 if os.environ.get("SHMSLOTS_SGLANG_CPU") == "1":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    standins = importlib.import_module("standins")
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    standins = importlib.import_module("sglang_cpu.standins")
     standins.install()
     standins.install_cpu_workarounds()
+    standins.install_spec()
+    if os.environ.get("SHMSLOTS_SGLANG_CPU_POLICY") == "early-release":
+        early_release = importlib.import_module("sglang_cpu.early_release")
+        standins.after_import({early_release.UTILS: early_release.patch})
