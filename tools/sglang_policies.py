@@ -29,24 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import sglang_env as env
+from sglang_cpu import early_release
 
 TOPK = 8
 POLICIES = ("hold", "clone", "early-release")
-
-
-def _views_get_buf(buffers: Any, idx: int) -> tuple[Any, ...]:
-    """SGLang's get_buf before 0.5.23 cloned: views of the rows."""
-    return tuple(
-        None if t is None else t[idx]
-        for t in (
-            buffers.output_ids, buffers.cached_tokens, buffers.output_token_logprobs_val,
-            buffers.output_token_logprobs_idx, buffers.output_top_logprobs_val,
-            buffers.output_top_logprobs_idx, buffers.output_token_sampling_mask_len,
-            buffers.output_token_sampling_mask_idx, buffers.output_token_sampling_logprobs,
-            buffers.output_topk_p, buffers.output_topk_index, buffers.output_hidden_states,
-            buffers.output_dsa_topk_indices, buffers.bootstrap_room,
-        )
-    )  # fmt: skip
 
 
 def run(policy: str, requests: int, slots: int, hidden: int, seed: int) -> dict[str, Any]:
@@ -54,7 +40,9 @@ def run(policy: str, requests: int, slots: int, hidden: int, seed: int) -> dict[
     if policy != "hold":
         allocator, buffers = env.SGLANG_CLASSES["allocator"], env.SGLANG_CLASSES["buffers"]
         if policy == "early-release":
-            buffers = type("ViewingMetadataBuffers", (buffers,), {"get_buf": _views_get_buf})
+            buffers = type(
+                "ViewingMetadataBuffers", (buffers,), {"get_buf": early_release.views_get_buf}
+            )
         classes = (allocator, buffers)
     lane = env.Lane(slots, hidden, TOPK, classes=classes)
     rng = random.Random(seed)

@@ -179,6 +179,8 @@ class Deployment:
                 owner = _maker(entry)
                 if owner is not None and owner not in self._pids:
                     continue  # another run's on this machine: not ours to count or remove
+                if owner is None and _mapped(entry):
+                    continue  # in use by a live process (another run's semaphore, say)
                 self.left_in_shm.append(entry)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{entry}")
@@ -202,6 +204,17 @@ def _maker(entry: str) -> int | None:
         finally:
             registry.close()
     return None
+
+
+def _mapped(entry: str) -> bool:
+    """Whether a live process maps /dev/shm/`entry` (a semaphore or segment in use)."""
+    path = f"/dev/shm/{entry}"
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if path in Path(f"/proc/{pid}/maps").read_text():
+                    return True
+    return False
 
 
 def _die_with_parent() -> None:
@@ -261,3 +274,8 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> A
     )
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
+
+
+def get(url: str, path: str, timeout: float = 30.0) -> Any:
+    with urllib.request.urlopen(url + path, timeout=timeout) as r:
+        return json.loads(r.read())

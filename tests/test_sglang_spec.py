@@ -1,0 +1,106 @@
+"""SGLang 0.5.23's STANDALONE speculative decoding (topk 1, the tiny model as its own draft) on
+this CPU, served as users run it, alone and as a prefill/decode pair on the shmslots
+backend (#38).
+
+What it takes (`sglang_cpu/spec_kernels.py`, `sglang_cpu/spec_standins.py`) is checked
+first: the eight `sgl_kernel` CPU ops' ports against SGLang's own Triton kernels in Triton's
+interpreter.  Then the servers: speculation is exact at temperature 0, so the speculative
+servers must give the plain server's tokens; and the pair's decode must start each request
+from the draft state its prefill sent, so each request takes as many verify passes as on a
+single speculative server (requests go one at a time, so every batch is the same).  The
+accept lengths of the three decode policies under load are `tools/sglang_spec.py`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_env import SGLANG_MISSING
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+from sglang_cpu.harness import DECODE_FLAGS, PD_FLAGS, Deployment, Process, free_port, generate
+from sglang_cpu.model import make_model
+
+pytestmark = pytest.mark.timeout(600)
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["hello", "def scheduler", "hello world 1", "class Req:", "import torch", "x = 1"]
+NEW_TOKENS = 8
+
+
+def spec_flags(model: Path) -> list[str]:
+    return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(model),
+            "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "3", "--disable-radix-cache", *PD_FLAGS]  # fmt: skip
+
+
+def test_the_ported_kernels_match_sglangs_triton_kernels() -> None:
+    script = HERE / "sglang_cpu" / "check_spec_kernels.py"
+    path = os.pathsep.join([str(HERE / "sglang_cpu" / "site"), str(HERE)])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SGLANG_USE_CPU_ENGINE": "1",
+           "SHMSLOTS_SGLANG_CPU": "1", "PYTHONPATH": path}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.count(": same") >= 20 and "DIFFERENT" not in out.stdout
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("sglang-model"))
+
+
+@pytest.fixture(scope="module")
+def single(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Process]]:
+    """The plain server and the speculative one, side by side."""
+    with Deployment(model, tmp_path_factory.mktemp("single-logs")) as deployment:
+        yield {
+            "plain": deployment.server("plain"),
+            "spec": deployment.server("spec", *spec_flags(model)),
+        }
+
+
+def _replies(url: str) -> list[dict[str, Any]]:
+    return [generate(url, p, NEW_TOKENS) for p in PROMPTS]  # one at a time
+
+
+def test_a_speculative_server_gives_the_plain_servers_tokens(
+    single: dict[str, Process],
+) -> None:
+    plain = [r["output_ids"] for r in _replies(single["plain"].url)]
+    spec = _replies(single["spec"].url)
+    assert [r["output_ids"] for r in spec] == plain
+    verifies = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+    tokens = sum(len(r["output_ids"]) for r in spec)
+    assert tokens > verifies + len(PROMPTS), "no draft was ever accepted"
+
+
+def test_a_pair_on_the_shmslots_backend_hands_the_draft_state_to_decode(
+    model: Path, single: dict[str, Process], tmp_path: Path
+) -> None:
+    bootstrap = free_port()
+    flags = ["--disaggregation-transfer-backend", "shmslots",
+             "--disaggregation-bootstrap-port", str(bootstrap), *spec_flags(model)]  # fmt: skip
+    plugin = {"SHMSLOTS_SGLANG": "1"}
+    with Deployment(model, tmp_path) as deployment:
+        prefill = deployment.server(
+            "prefill", "--disaggregation-mode", "prefill", *flags, env=plugin
+        )
+        decode = deployment.server(
+            "decode", "--disaggregation-mode", "decode", *flags, *DECODE_FLAGS, env=plugin
+        )
+        router = deployment.router(prefill, bootstrap, decode)
+        pair = _replies(router.url)
+    alone = _replies(single["spec"].url)
+    seen = [(r["output_ids"], r["meta_info"]["spec_verify_ct"]) for r in pair]
+    want = [(r["output_ids"], r["meta_info"]["spec_verify_ct"]) for r in alone]
+    assert seen == want
+    assert not [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
