@@ -382,3 +382,63 @@ def test_on_sglangs_own_code_only_views_freed_at_commit_corrupt_drafts(sglang_de
     assert got["hold"]["corrupted"] == got["clone"]["corrupted"] == 0
     assert got["early-release"]["corrupted"] > 0
     assert all(r["requests"] == 300 for r in got.values())
+
+
+class _Manager:
+    """What the plugin asks of a transfer manager: whether a room's writers are all dead
+    (on this rank; shmslots' same-host manager answers from its prefill watcher)."""
+
+    def __init__(self, gone: bool) -> None:
+        self.gone = gone
+
+    def writers_gone(self, bootstrap_room: int) -> bool:
+        return self.gone
+
+
+def _decode_rank(rank: int, port: int, table: str, gone: bool, results: Any) -> None:
+    """One decode TP rank: a real two-rank gloo group, the plugin's allocator, one failed
+    transfer whose writers this rank alone may think dead."""
+    import torch.distributed as dist
+
+    from shmslots.sglang import plugin
+
+    env.install_torchvision_stand_in()  # this process imports SGLang's disaggregation utils
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=30)
+        with MetadataBuffers(
+            2, 16, torch.float32, 16, table_name=f"{table}-{rank}"
+        ) as buffers:  # joins it
+            idx = allocator.alloc()
+            transfer = SimpleNamespace(
+                req=SimpleNamespace(bootstrap_room=7),
+                metadata_buffer_index=idx,
+                kv_receiver=SimpleNamespace(kv_mgr=_Manager(gone)),
+            )  # the fields of SGLang's DecodeRequest the plugin reads
+            plugin._mark_writers_gone(allocator, [transfer], group)
+            allocator.free(idx)  # SGLang's release of the failed transfer
+            results.put((rank, buffers.table.slot_info(idx)[0].name, allocator.available_size()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gone", [(True, True), (True, False)], ids=["both", "one"])
+def test_decode_ranks_free_a_dead_writers_slot_at_once_only_when_all_agree(
+    name: str, children: Any, gone: tuple[bool, bool]
+) -> None:
+    """Each decode rank watches its prefill peers on its own; were one to free a slot at once
+    while another quarantined it, their admission would differ and SGLang's next collective
+    would hang or mismatch."""
+    from conftest import SPAWN
+
+    results = SPAWN.Queue()
+    port = env.free_port()
+    for rank in (0, 1):
+        children.start(_decode_rank, rank, port, name, gone[rank], results)
+    children.join_all(90)
+    seen = sorted(results.get(timeout=5) for _ in range(2))
+    want = ("FREE", 2) if all(gone) else ("QUARANTINED", 1)
+    assert [s[1:] for s in seen] == [want, want]

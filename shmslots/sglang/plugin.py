@@ -244,7 +244,7 @@ def _pop_transferred(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
     if allocator is None:
         return original(queue, *args, **kwargs)
     pending = [(dr.req, dr.metadata_buffer_index) for dr in queue.queue]
-    _mark_writers_gone(allocator, queue.queue)
+    _mark_writers_gone(allocator, queue.queue, queue.gloo_group)
     kept = original(queue, *args, **kwargs)
     allocator.settle_commits(pending, kept)
     return kept
@@ -256,20 +256,35 @@ def _resolved(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
     allocator = _allocator_of(queue)
     if allocator is None:
         return original(queue, *args, **kwargs)
-    _mark_writers_gone(allocator, [entry[0] for entry in queue._deferred_releases])
+    _mark_writers_gone(
+        allocator, [entry[0] for entry in queue._deferred_releases], queue.gloo_group
+    )
     result = original(queue, *args, **kwargs)
     allocator.sweep()
     return result
 
 
-def _mark_writers_gone(allocator: ReqToMetadataIdxAllocator, decode_reqs: Iterable[Any]) -> None:
+def _mark_writers_gone(
+    allocator: ReqToMetadataIdxAllocator, decode_reqs: Iterable[Any], group: Any
+) -> None:
     """Before SGLang frees the slots of failed transfers: those whose writers its manager
     knows to be dead (shmslots' same-host one: `writers_gone`) are freed at once, the
-    others quarantined.  A network engine cannot know, so its slots keep the window."""
+    others quarantined.  A network engine cannot know, so its slots keep the window.
+    Each decode rank watches on its own, so a slot is freed at once only where every rank
+    of `group` (the queue's `gloo_group`) says so: SGLang keeps the ranks' admission
+    identical (`decode.py:2957-2963`), and a slot free on one rank only would split it."""
+    from sglang.srt.disaggregation.utils import all_reduce_flags
+    from torch.distributed import ReduceOp
+
+    decode_reqs = list(decode_reqs)
+    gone = []
     for decode_req in decode_reqs:
         manager = getattr(decode_req.kv_receiver, "kv_mgr", None)
         writers_gone = getattr(manager, "writers_gone", None)
-        if writers_gone is not None and writers_gone(decode_req.req.bootstrap_room):
+        gone.append(int(writers_gone is not None and writers_gone(decode_req.req.bootstrap_room)))
+    agreed = all_reduce_flags(flags=gone, group=group, op=ReduceOp.MIN)
+    for decode_req, everywhere in zip(decode_reqs, agreed, strict=True):
+        if everywhere:
             allocator.writers_gone(decode_req.metadata_buffer_index)
 
 
