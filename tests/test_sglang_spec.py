@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from sglang_env import SGLANG_MISSING
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
-from sglang_cpu.harness import DECODE_FLAGS, PD_FLAGS, Deployment, Process, free_port, generate
+from sglang_cpu.harness import DECODE_FLAGS, PD_FLAGS, Deployment, free_port, generate
 from sglang_cpu.model import make_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -58,33 +57,33 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("sglang-model"))
 
 
-@pytest.fixture(scope="module")
-def single(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Process]]:
-    """The plain server and the speculative one, side by side."""
-    with Deployment(model, tmp_path_factory.mktemp("single-logs")) as deployment:
-        yield {
-            "plain": deployment.server("plain"),
-            "spec": deployment.server("spec", *spec_flags(model)),
-        }
-
-
 def _replies(url: str) -> list[dict[str, Any]]:
     return [generate(url, p, NEW_TOKENS) for p in PROMPTS]  # one at a time
 
 
+@pytest.fixture(scope="module")
+def alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The replies of a plain server and of a speculative one, each started alone (an idle
+    server beside another slows its start on two cores) and stopped once it has answered."""
+    replies = {}
+    for name, flags in (("plain", []), ("spec", spec_flags(model))):
+        with Deployment(model, tmp_path_factory.mktemp(f"{name}-logs")) as deployment:
+            replies[name] = _replies(deployment.server(name, *flags).url)
+    return replies
+
+
 def test_a_speculative_server_gives_the_plain_servers_tokens(
-    single: dict[str, Process],
+    alone: dict[str, list[dict[str, Any]]],
 ) -> None:
-    plain = [r["output_ids"] for r in _replies(single["plain"].url)]
-    spec = _replies(single["spec"].url)
-    assert [r["output_ids"] for r in spec] == plain
+    spec = alone["spec"]
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in alone["plain"]]
     verifies = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
     tokens = sum(len(r["output_ids"]) for r in spec)
     assert tokens > verifies + len(PROMPTS), "no draft was ever accepted"
 
 
 def test_a_pair_on_the_shmslots_backend_hands_the_draft_state_to_decode(
-    model: Path, single: dict[str, Process], tmp_path: Path
+    model: Path, alone: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     bootstrap = free_port()
     flags = ["--disaggregation-transfer-backend", "shmslots",
@@ -99,8 +98,7 @@ def test_a_pair_on_the_shmslots_backend_hands_the_draft_state_to_decode(
         )
         router = deployment.router(prefill, bootstrap, decode)
         pair = _replies(router.url)
-    alone = _replies(single["spec"].url)
     seen = [(r["output_ids"], r["meta_info"]["spec_verify_ct"]) for r in pair]
-    want = [(r["output_ids"], r["meta_info"]["spec_verify_ct"]) for r in alone]
+    want = [(r["output_ids"], r["meta_info"]["spec_verify_ct"]) for r in alone["spec"]]
     assert seen == want
     assert not [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]

@@ -1,8 +1,8 @@
 """The seed's symptom where users see it: SGLang's reported speculative accept length through
 real prefill/decode servers on this CPU, for three decode-side policies, same traffic.
 
-    python tools/sglang_spec.py [--requests 48] [--concurrency 16] [--max-new-tokens 8]
-                                [--decode-running 8] [--runs 1]
+    python tools/sglang_spec.py [--requests 64] [--concurrency 32] [--max-new-tokens 4]
+                                [--decode-running 2] [--decode-extra-slots 16] [--runs 1]
 
 Needs the test environment (README, command 2).  Each policy gets its own prefill/decode pair
 (STANDALONE speculative decoding, topk 1, the tiny model as its own draft; Mooncake's TCP
@@ -12,13 +12,26 @@ transfer, so only the decode's metadata rows differ) behind SGLang's router:
   `process_prebuilt` has read it;
 * ``clone``: SGLang 0.5.23 as shipped: `get_buf` clones the row, the index is freed at commit;
 * ``early-release``: `get_buf` returns views, the index is still freed at commit
-  (tests/sglang_cpu/early_release.py): the bug.
+  (tests/sglang_cpu/early_release.py): the bug;
+* ``hold, shmslots``: hold again, with shmslots' same-host backend moving the bytes (both
+  servers with the plugin): the prefill lands the draft state in the decode's slot in place.
 
 The accept length is SGLang's own: each reply's `meta_info.spec_accept_length` (weighted by its
 `spec_verify_ct`) and the decode's `/get_server_info` `avg_spec_accept_length`.  A request whose
 first draft comes from another request's row starts with a rejected draft; its tokens stay
 right (verification is exact at temperature 0), which is why the bug raises no error.  Every
-policy's tokens are checked against the first policy's.
+policy's tokens are checked against the first policy's, and each request's number of verify
+passes against its own under hold ("slower than hold": more passes for the same tokens).
+
+When a row can come back while its last request still waits: the decode has 2 x
+`--max-running-requests` rows (`managers/scheduler.py:1570`, its pool's `size`), and up to
+`--max-running-requests` + `--disaggregation-decode-extra-slots` requests at once
+(`disaggregation/decode.py:171-200`); rows freed at commit go to the back of a FIFO
+(`disaggregation/utils.py:376-393`).  A row is reused under a waiting request only when more
+requests wait in the decode than it has rows: a small running batch with room for many
+transfers (SGLang's own default headroom is 2 x the batch below 32,
+`arg_groups/pd_disaggregation_hook.py:133-140`; here 8 x), and short requests, so that the
+first verify pass, the one a wrong first draft spoils, weighs in the average.
 """
 
 from __future__ import annotations
@@ -98,8 +111,8 @@ def measure(policy: str, model: Path, logs: Path, args: argparse.Namespace) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--decode-running", type=int, default=2)
     parser.add_argument("--decode-extra-slots", type=int, default=16)
