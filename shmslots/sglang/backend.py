@@ -141,8 +141,8 @@ def _classes() -> dict[str, type]:
             """Each prefill server (bootstrap address) with a dead rank has its rooms failed,
             as SGLang's heartbeat would after 2 x 5 s.  Only if every rank it holds is dead
             are its rooms safe to release at once: a live rank may still be writing."""
-            with self.connection_lock:
-                ranks: dict[str, set[str]] = {}
+            with self.connection_lock:  # ranks and rooms in one look: a room bootstrapped
+                ranks: dict[str, set[str]] = {}  # after it may be a restarted prefill's
                 for key, entries in self.connection_pool.items():
                     for addr in self.prefill_info_table:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
@@ -150,15 +150,14 @@ def _classes() -> dict[str, type]:
                                 registry_name(str(info["rank_ip"]), int(info["rank_port"]))
                                 for info in entries
                             )
+                rooms = {addr: set(self.addr_to_rooms_tracker.get(addr, ())) for addr in ranks}
             for addr, names in ranks.items():
                 dead = {name for name in names if not self._peer_alive(name)}
                 if not dead:
                     continue
                 if dead == names:
-                    with self.connection_lock:
-                        rooms = set(self.addr_to_rooms_tracker.get(addr, ()))
                     self._dead_rooms |= {
-                        r for r in rooms if self.request_status.get(r) != KVPoll.Success
+                        r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success
                     }
                 self._handle_node_failure(addr)
 
@@ -213,6 +212,14 @@ def _classes() -> dict[str, type]:
         supports_host_tensor_indices = False
 
     class ShmslotsKVReceiver(MooncakeKVReceiver):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            """A room this receiver owns is bootstrapped afresh: whatever died before, its
+            writers are the ones bootstrapping now (a duplicate, owning nothing, changes
+            nothing)."""
+            super().__init__(*args, **kwargs)
+            if self._owns_bootstrap_room:
+                self.kv_mgr._dead_rooms.discard(self.bootstrap_room)
+
         def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
             """A room whose prefill is dead needs no ABORT: nothing is left to stop, and the
             send would wait out ZMQ's send timeout on the scheduler thread."""
