@@ -412,6 +412,7 @@ def _decode_rank(rank: int, port: int, table: str, gone: bool, results: Any) -> 
             2, 16, torch.float32, 16, table_name=f"{table}-{rank}"
         ) as buffers:  # joins it
             idx = allocator.alloc()
+            assert idx is not None
             transfer = SimpleNamespace(
                 req=SimpleNamespace(bootstrap_room=7),
                 metadata_buffer_index=idx,
