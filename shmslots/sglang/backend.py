@@ -126,6 +126,19 @@ def _classes() -> dict[str, type]:
                 )
                 self._watcher.start()
 
+        def check_status(self, bootstrap_room: int) -> Any:
+            """A room no longer in the table has been cleared, and takes no more writes:
+            Failed, as the worker's own membership tests treat it.  SGLang's transfer worker
+            tests membership, then looks the room up (`mooncake/conn.py:2534-2535`, `:2546-2547`,
+            `:2856-2860`); cleared in between by the scheduler, the lookup's KeyError killed
+            the worker thread and every later transfer of its queue hung (seen once in the
+            spec serve test).  The race is SGLang's own Mooncake's too; a same-host write
+            ends soon enough to lose it more often."""
+            try:
+                return self.request_status[bootstrap_room]
+            except KeyError:
+                return KVPoll.Failed
+
         def _poison_unsettled_send(self, room: int) -> None:
             """Nothing is left writing after a failed same-host call: ack as usual."""
 
@@ -212,13 +225,16 @@ def _classes() -> dict[str, type]:
         supports_host_tensor_indices = False
 
     class ShmslotsKVReceiver(MooncakeKVReceiver):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            """A room this receiver owns is bootstrapped afresh: whatever died before, its
-            writers are the ones bootstrapping now (a duplicate, owning nothing, changes
-            nothing)."""
-            super().__init__(*args, **kwargs)
-            if self._owns_bootstrap_room:
-                self.kv_mgr._dead_rooms.discard(self.bootstrap_room)
+        def __init__(
+            self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
+        ) -> None:
+            """A room no other receiver still holds is bootstrapped afresh: whatever died
+            before, its writers are the ones bootstrapping now.  A duplicate of a room still
+            pending changes nothing (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
+            fresh = bootstrap_room not in mgr.request_status
+            super().__init__(mgr, bootstrap_addr, bootstrap_room)
+            if fresh:
+                mgr._dead_rooms.discard(bootstrap_room)
 
         def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
             """A room whose prefill is dead needs no ABORT: nothing is left to stop, and the
