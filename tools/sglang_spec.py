@@ -96,16 +96,17 @@ def measure(policy: str, model: Path, logs: Path, args: argparse.Namespace) -> d
             )
         [state] = get(decode.url, "/get_server_info")["internal_states"]
     (logs / "replies.json").write_text(json.dumps(replies))
-    verifies = sum(r["meta_info"]["spec_verify_ct"] for r in replies)
+    verifies = sum(r["meta_info"].get("spec_verify_ct", 0) for r in replies)
     accepted = sum(
-        r["meta_info"]["spec_accept_length"] * r["meta_info"]["spec_verify_ct"] for r in replies
+        r["meta_info"].get("spec_accept_length", 0) * r["meta_info"].get("spec_verify_ct", 0)
+        for r in replies
     )
     return {
         "policy": policy,
         "outputs": [r["output_ids"] for r in replies],
-        "verifies": [r["meta_info"]["spec_verify_ct"] for r in replies],
-        "accept": accepted / verifies,
-        "server_accept": float(state["avg_spec_accept_length"]),
+        "verifies": [r["meta_info"].get("spec_verify_ct", 0) for r in replies],
+        "accept": accepted / verifies if verifies else float("nan"),
+        "server_accept": float(state.get("avg_spec_accept_length", "nan")),
     }
 
 

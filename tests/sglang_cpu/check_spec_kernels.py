@@ -162,12 +162,16 @@ def check_kv_copy(rng: random.Random, count: int) -> None:
 
 def eagle_tree(rng: random.Random, batch: int, topk: int, steps: int, n: int) -> Tensors:
     """Random parent lists and sorted selections of the shape EAGLE's draft makes."""
-    width = topk * (steps - 1) + 1
-    scores = topk * width
-    parents = torch.tensor(
-        [[-1] + [rng.randrange(scores) for _ in range(width - 1)] for _ in range(batch)]
-    )
-    chosen = torch.tensor([sorted(rng.sample(range(scores), n - 1)) for _ in range(batch)])
+    if steps == 1:  # a one-step chain: no parent entries, every draft a child of the root
+        parents = torch.zeros((batch, 0), dtype=torch.int64)  # `base_spec_worker.py:143`
+        chosen = torch.arange(n - 1).repeat(batch, 1)
+    else:
+        width = topk * (steps - 1) + 1
+        scores = topk * width
+        parents = torch.tensor(
+            [[-1] + [rng.randrange(scores) for _ in range(width - 1)] for _ in range(batch)]
+        )
+        chosen = torch.tensor([sorted(rng.sample(range(scores), n - 1)) for _ in range(batch)])
     seq_lens = torch.tensor([rng.randrange(3, 9) for _ in range(batch)])
     return parents, chosen, seq_lens
 
@@ -227,7 +231,8 @@ def main() -> int:
     for count in (1, 5, 17):
         check_kv_copy(rng, count)
     trees = [(1, 1, 2, 3, 1), (3, 1, 3, 4, 1), (2, 1, 2, 3, 0),  # batch, topk, steps, drafts,
-             (2, 2, 3, 5, 1), (3, 4, 3, 8, 1), (2, 4, 3, 8, 0)]  # mask mode  # fmt: skip
+             (2, 2, 3, 5, 1), (3, 4, 3, 8, 1), (2, 4, 3, 8, 0),  # mask mode
+             (2, 1, 1, 2, 1), (0, 1, 2, 3, 1)]  # a one-step chain; an empty batch  # fmt: skip
     for tree in trees:
         check_tree(rng, *tree)
     print("all same" if not failures else f"{len(failures)} DIFFERENT")

@@ -182,7 +182,7 @@ class Deployment:
                 if owner is None and _mapped(entry):
                     continue  # in use by a live process (another run's semaphore, say)
                 self.left_in_shm.append(entry)
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
                     os.unlink(f"/dev/shm/{entry}")
 
 
@@ -212,8 +212,9 @@ def _mapped(entry: str) -> bool:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             with contextlib.suppress(OSError):
-                if path in Path(f"/proc/{pid}/maps").read_text():
-                    return True
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                    if line.split(maxsplit=5)[5:] in ([path], [f"{path} (deleted)"]):
+                        return True
     return False
 
 

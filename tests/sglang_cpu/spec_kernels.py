@@ -8,8 +8,9 @@ speculation is on), `build_tree_kernel_efficient_cpu` and `verify_tree_greedy_cp
 `assign_extend_cache_locs_cpu` (`kernels/ops/speculative/cache_locs.py:27-31`),
 `fill_accept_out_cache_loc_cpu` and `fill_bonus_tokens_cpu` (`kernels/ops/speculative/eagle.py:10`),
 `assign_req_to_token_pool_cpu` (`srt/mem_cache/allocation.py:46`).  Each follows the Triton
-kernel of the same file, which `tests/test_sglang_spec_kernels.py` runs beside it in
-Triton's interpreter.  The two tree walks loop per request in Python: only for tiny models.
+kernel of the same file, which `check_spec_kernels.py` (run by `tests/test_sglang_spec.py`)
+runs beside it in Triton's interpreter.  The two tree walks loop per request in Python: only
+for tiny models.
 """
 
 from __future__ import annotations
@@ -135,8 +136,11 @@ def build_tree_kernel_efficient_cpu(
         raise NotImplementedError(f"tree mask mode {mode}: only FULL_MASK and QLEN_ONLY")
     n = draft_token_num
     batch = verified_seq_len.numel()
-    parents = parent_list.reshape(batch, -1).tolist()
-    chosen = selected_index.reshape(batch, -1).tolist()
+    if batch == 0:
+        return
+    # a one-step chain has no parent entries: (batch, 0), which reshape(batch, -1) refuses
+    parents = parent_list.reshape(batch, parent_list.numel() // batch).tolist()
+    chosen = selected_index.reshape(batch, n - 1).tolist()
     mask = tree_mask.reshape(-1)
     pos, index = positions.reshape(-1), retrieve_index.reshape(-1)
     next_token = retrieve_next_token.reshape(-1)

@@ -3,7 +3,7 @@
 (`standins.install_spec`); no SGLang file is edited.
 
 1. No torch_native draft backends: `DraftBackendFactory.create_decode_backend` and
-   `create_draft_extend_backend` (`speculative/draft_utils.py:95-125`) map backend names to
+   `create_draft_extend_backend` (`speculative/draft_utils.py:84-150`) map backend names to
    makers and raise "EAGLE is not supported in decode attention backend torch_native".  The
    CPU path is written for `intel_amx`, whose kernels come from a CPU `sgl_kernel`.  Added: a
    `torch_native` entry in each map.  Draft extend is the plain backend; the multi-step draft
@@ -63,6 +63,8 @@ def patch_torch_native_backend(module: types.ModuleType) -> None:
             return plain
         spec = forward_batch.spec_info
         _topk_one(spec.topk)
+        if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1:
+            raise NotImplementedError("the torch_native verify stand-in is full self-attention")
         if save_kv_cache and k is not None and v is not None:
             where = KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc)
             self.token_to_kv_pool.set_kv_buffer(layer, where, k, v)
@@ -148,7 +150,9 @@ def patch_draft_utils(module: types.ModuleType) -> None:
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
         runner = self.draft_model_runner
-        if backend_name == "decode_attention_backend":
+        # only the multi-step draft decode stamps children (draft_utils.py:119); draft extend
+        # may be named "decode_attention_backend" too (`--speculative-attention-mode decode`)
+        if kw.get("stamps_children"):
             maker = lambda: (  # noqa: E731
                 TORCH_NATIVE,
                 TorchNativeMultiStepDraft(runner, self.topk, self.speculative_num_steps),
