@@ -20,13 +20,16 @@ import ctypes
 import torch
 
 
-def _runs(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request number and column of every position of each run [start, end), packed in order."""
+def _runs(
+    requests: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The req_to_token cells (row, column) of each request's run [start, end), packed in
+    order: the one layout the two ops below scatter into and gather from."""
     lengths = (ends - starts).clamp(min=0).to(torch.int64)
     owner = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     first = torch.cumsum(lengths, 0) - lengths
     columns = starts.to(torch.int64)[owner] + torch.arange(int(lengths.sum())) - first[owner]
-    return owner, columns
+    return requests.to(torch.int64)[owner], columns
 
 
 def assign_req_to_token_pool_cpu(
@@ -39,9 +42,8 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     """req_to_token[req_i, start_i:end_i] = the i-th run of out_cache_loc (Triton:
     `allocation.py` `assign_req_to_token_pool`)."""
-    owner, columns = _runs(start_offset, end_offset)
-    rows = req_pool_indices.to(torch.int64)[owner]
-    req_to_token[rows, columns] = out_cache_loc[: owner.numel()].to(req_to_token.dtype)
+    rows, columns = _runs(req_pool_indices, start_offset, end_offset)
+    req_to_token[rows, columns] = out_cache_loc[: rows.numel()].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
@@ -54,9 +56,8 @@ def assign_extend_cache_locs_cpu(
 ) -> None:
     """The inverse gather: out_cache_loc packs req_to_token[req_i, start_i:end_i] (Triton:
     `cache_locs.py` `assign_extend_cache_locs`)."""
-    owner, columns = _runs(start_offset, end_offset)
-    rows = req_pool_indices.to(torch.int64)[owner]
-    out_cache_loc[: owner.numel()] = req_to_token[rows, columns].to(out_cache_loc.dtype)
+    rows, columns = _runs(req_pool_indices, start_offset, end_offset)
+    out_cache_loc[: rows.numel()] = req_to_token[rows, columns].to(out_cache_loc.dtype)
 
 
 def assign_draft_cache_locs_contiguous_cpu(
