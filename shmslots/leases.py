@@ -94,6 +94,13 @@ def handle_core(
     )
 
 
+def check_by_address(rows: Rows) -> None:
+    """Rows a writer fills by address (`buffer_infos()`) hold no ref fields: a ref names
+    pages that only a writer through `write` or `alloc` pins."""
+    if rows.schema.has_refs:
+        raise SchemaError("ref fields cannot be written by address")
+
+
 def _caller_level() -> int:
     """The stacklevel that makes a warning name the first frame outside this module."""
     frame: FrameType | None = sys._getframe(1)
@@ -376,8 +383,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 32):
             raise InvalidArgument(f"checksum must be a 32-bit unsigned int, got {checksum!r}")
         rows = self._parts.rows
-        if rows.schema.has_refs:
-            raise SchemaError("ref fields cannot be written by address")
+        check_by_address(rows)
         if checksum is not None and rows.checksum(self.slot) != checksum:
             raise RowRejected(
                 f"slot {self.slot} (generation {self.generation}): the row written in place "

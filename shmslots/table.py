@@ -35,7 +35,7 @@ from .errors import (
     TableNotFound,
     TableNotReady,
 )
-from .leases import Lease, Reservation, WriteSlot, handle_core, trace
+from .leases import Lease, Reservation, WriteSlot, check_by_address, handle_core, trace
 from .membership import Membership
 from .ownership import STRANDED_AGE_NS, STRANDED_CHECK_S, describe_word, hot_path
 from .participants import Participant, hold_gate, release_gate
@@ -466,6 +466,25 @@ class SlotTable:
         if self._sites is not None:
             trace(self._parts, [ws], _WRITING)
         return ws
+
+    def keep_reserved(self, reservation: Reservation) -> Lease:
+        """Take a reservation's row as written by address (a transfer engine's write that
+        has landed) and hold it oneself: `open_reserved(...).written_in_place().keep()` in
+        one compiled call, the decode side's commit of a transfer.  A reservation of
+        another table, one already ended, or a slot not reserved at its generation any
+        more is refused, with nothing changed."""
+        lease = self._core.keep_reserved(reservation)
+        if lease is None:  # not the compiled case: the same steps, each with its errors
+            if not isinstance(reservation, Reservation) or reservation._owner is not self:
+                raise OwnershipError(f"{reservation!r} is not a reservation of {self.name!r}")
+            reservation._check_open("keep")
+            check_by_address(self._parts.rows)
+            with self.open_reserved(reservation.slot, reservation.generation) as ws:
+                reservation._open = False  # its slot is this write slot's now
+                lease = ws.written_in_place().keep()
+        elif self._sites is not None:
+            trace(self._parts, [lease], _HELD)
+        return lease
 
     def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
         """A handle for a FREE slot, made in the same compiled call that takes the slot."""

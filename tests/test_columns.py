@@ -178,6 +178,52 @@ def test_keep_holds_a_row_for_its_writer_without_queueing_it(name: str) -> None:
         assert t.check_consistency() == []
 
 
+def test_keep_reserved_commits_a_landed_transfer_in_one_call(name: str) -> None:
+    """The decode side's commit: the reservation's row, written by address, is sealed and
+    held by its owner in one compiled call; the reservation ends with it."""
+    with (
+        SlotTable.create(name, FIELDS, slots=2) as t,
+        SlotTable.create(name + "-b", FIELDS, slots=1) as u,
+    ):
+        reservation = t.reserve(tag=7)
+        write_by_address(t.buffer_infos(), reservation.slot, 7)
+        lease = t.keep_reserved(reservation)
+        assert (lease.slot, lease.generation, lease.tag, lease.deliveries) == (
+            reservation.slot, reservation.generation, 7, 0,
+        )  # fmt: skip
+        assert t.slot_info(lease.slot)[0] is State.HELD and t.take() is None
+        assert lease.verify()  # sealed under its generation, as keep() seals
+        topk, gap, room = lease.views(("topk_index", None, "room"))
+        assert gap is None and topk is not None and room is not None
+        assert torch.equal(topk, request(7)["topk_index"])
+        assert torch.equal(room, request(7)["room"])
+        for stale in (reservation, lease):  # the reservation is over; a lease is no reservation
+            with pytest.raises((OwnershipError, StaleLeaseError)):
+                t.keep_reserved(stale)  # type: ignore[arg-type]
+        with pytest.raises(OwnershipError, match="not a reservation of"):
+            t.keep_reserved(u.reserve())  # another table's
+        with pytest.raises(SchemaError, match="no inline field"):
+            lease.views(("nope",))
+        with pytest.warns(LeakedViewWarning, match="room, topk_index"):
+            lease.release()  # views() counts each view as view() does
+        del topk, room
+        with pytest.raises(StaleLeaseError):
+            lease.views(("room",))
+        counters = t.stats().counters  # counted as keep() counts
+        assert counters["publishes"] == counters["takes"] == counters["releases"] == 1
+        assert t.check_consistency() == []
+
+
+def test_keep_reserved_refuses_a_table_with_refs_and_changes_nothing(name: str) -> None:
+    fields = (Field("id", "int64"), Field("blob", "float32", (None,), kind="ref"))
+    with SlotTable.create(name, fields, slots=1) as t:
+        reservation = t.reserve()
+        with pytest.raises(SchemaError, match="by address"):
+            t.keep_reserved(reservation)
+        assert t.slot_info(reservation.slot)[0] is State.RESERVED
+        reservation.abort()
+
+
 def test_new_dtypes_round_trip_through_numbers_tensors_and_the_cli(name: str) -> None:
     with SlotTable.create(name, FIELDS, slots=1) as t:
         values: dict[str, Any] = dict(request(9))

@@ -1047,6 +1047,30 @@ lease_view(Handle *h, PyObject *name)
     return slow((PyObject *)h, s_view_slow, name, NULL);
 }
 
+/* views(names) -> tuple: view(name) for each of `names` (a tuple; None gives None), in one
+ * call, each counted as viewed exactly as view() counts it: a row handed out whole. */
+static PyObject *
+lease_views(Handle *h, PyObject *names)
+{
+    if (!made(h))
+        return NULL;
+    if (!PyTuple_CheckExact(names)) {
+        PyErr_SetString(PyExc_TypeError, "views() takes a tuple of field names");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    PyObject *row = PyTuple_New(n);
+    for (Py_ssize_t i = 0; row && i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        PyObject *view = name == Py_None ? Py_NewRef(Py_None) : lease_view(h, name);
+        if (!view)
+            Py_CLEAR(row);
+        else
+            PyTuple_SET_ITEM(row, i, view);
+    }
+    return row;
+}
+
 static PyObject *
 lease_item(Handle *h, PyObject *name)
 {
@@ -1308,6 +1332,62 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (opened <= 0)
         return opened < 0 ? NULL : Py_NewRef(Py_None);
     return own(c, c->write_slot, args[0], slot, gen, tag, S_WRITING);
+}
+
+/* keep_reserved(reservation) -> Lease | None: a reservation whose row a writer filled by
+ * address (a transfer engine), taken as written, sealed and held by this process, in one call
+ * that runs no Python: RESERVED -> WRITING (open_reserved), the seal (seal_mine's order),
+ * WRITING -> HELD (keep), and the reservation's ownership handed to a new lease.  None when
+ * the compiled path does not apply (ref fields, a handle that is not this core's open
+ * reservation) or the slot is not reserved at its generation any more (nothing changed):
+ * Python's open_reserved(...).written_in_place().keep() then does it, or words why not.
+ * Killed between the steps, the slot is a dead writer's WRITING one, which a reaper frees. */
+static PyObject *
+core_keep_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "keep_reserved(reservation)");
+        return NULL;
+    }
+    if (!open_core(c))
+        return NULL;
+    Handle *h = (Handle *)args[0];
+    if (!c->plain_claim || !PyObject_TypeCheck(args[0], c->reservation) || h->core != c ||
+        !usable(h))
+        Py_RETURN_NONE;
+    Py_ssize_t slot;
+    uint64_t gen, tag; /* tag: the reservation's own, which h->tag holds */
+    if (!ids(h, &slot, &gen))
+        return NULL;
+    int opened = hot_open_reserved(c->hot, slot, gen, &tag);
+    if (opened <= 0)
+        return opened < 0 ? NULL : Py_NewRef(Py_None);
+    h->open = 0; /* the slot is WRITING now, its reservation over */
+    int code = codec_seal(c->codec, slot, gen) < 0 ? STEP_ERROR : hot_keep(c->hot, slot, gen);
+    if (code != STEP_DONE) { /* the seal failed, or a reaper took the slot for a dead one's */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (hot_free(c->hot, slot, gen, S_WRITING, E_ABORT) == STEP_ERROR)
+            PyErr_WriteUnraisable((PyObject *)h);
+        PyErr_Restore(type, value, tb);
+        return code == STEP_ERROR ? NULL : Py_NewRef(Py_None);
+    }
+    Handle *lease = new_handle(c->lease, c, h->owner, h->slot, h->generation, h->tag);
+    if (lease)
+        lease->deliveries = PyLong_FromLong(0);
+    if (!lease || !lease->deliveries) { /* out of memory: the row is aborted, not ownerless */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (hot_free(c->hot, slot, gen, S_HELD, E_ABORT) == STEP_ERROR)
+            PyErr_WriteUnraisable((PyObject *)h);
+        PyErr_Restore(type, value, tb);
+        if (lease)
+            lease->open = 0;
+        Py_XDECREF(lease);
+        return NULL;
+    }
+    join_views(c, lease);
+    return (PyObject *)lease;
 }
 
 /* One READY slot as a Lease (new reference), Py_None (new reference) if nothing is ready, or
@@ -1659,6 +1739,7 @@ static PyMethodDef core_methods[] = {
     FAST("claim", core_claim, "claim(table, tag) -> WriteSlot | None"),
     FAST("acquire", core_acquire, "acquire(table, event, tag) -> WriteSlot | Reservation | None"),
     FAST("open_reserved", core_open_reserved, "open_reserved(table, slot, gen) -> WriteSlot | None"),
+    FAST("keep_reserved", core_keep_reserved, "keep_reserved(reservation) -> Lease | None"),
     FAST("take", core_take, "take(table) -> Lease | None"),
     FAST("poll", core_poll, "poll(table, max_n) -> [Lease, ...]"),
     FAST("claim_n", core_claim_n, "claim_n(table, n, tag) -> [WriteSlot, ...]"),
@@ -1800,6 +1881,7 @@ static PyTypeObject WriteSlotType = {
 
 static PyMethodDef lease_methods[] = {
     {"view", (PyCFunction)lease_view, METH_O, "view(name): zero-copy tensor over an inline field"},
+    {"views", (PyCFunction)lease_views, METH_O, "views(names): view() of each name (None: None)"},
     {"item", (PyCFunction)lease_item, METH_O, "item(name): a scalar field as a Python number"},
     {"tensor", (PyCFunction)(void (*)(void))lease_tensor, METH_FASTCALL | METH_KEYWORDS,
      "tensor(name): the field as a tensor, inline or ref; zero copy, valid while the lease\n"
