@@ -255,11 +255,18 @@ class MetadataBuffers:
         # name -> (this process's address of its slot-0 item, item length)
         self._columns = dict(zip(self._names, zip(ptrs, item_lens, strict=True), strict=True))
         self._cleared = (ROOM, KV_CHECKSUM) if self._kv_checksum else (ROOM,)
-        # get_buf()'s plan: a view, a copy (the sampling mask) or None, field by field
-        self._row_plan = tuple(
-            (name, name in SAMPLING_MASK) if name in slots else (None, False)
-            for name in GET_BUF_ORDER
+        # get_buf()'s plan: the fields handed out as views, in SGLang's order (None for one
+        # switched off), and the sampling mask's, handed out as copies in their place
+        self._viewed = tuple(
+            name if name in slots and name not in SAMPLING_MASK else None for name in GET_BUF_ORDER
         )
+        self._copied = tuple(
+            (GET_BUF_ORDER.index(name), name) for name in SAMPLING_MASK if name in slots
+        )
+        # slot -> the (address, length) of each item `_clear` zeroes
+        self._cleared_items = [
+            tuple(self._item(idx, name) for name in self._cleared) for idx in range(table.slots)
+        ]
         self.bootstrap_room = _RoomColumn(self)
 
     @classmethod
@@ -390,10 +397,8 @@ class MetadataBuffers:
     def _clear(self, idx: int) -> None:
         """SGLang's `clear_slot`: zero slot `idx`'s room (and kv checksum), so the next owner's
         gate reads "not yet written"; the other fields keep their bytes, as in SGLang's
-        buffers.  The caller owns the slot and nobody else reads it."""
-        self._check_index(idx)
-        for name in self._cleared:
-            address, item_len = self._item(idx, name)
+        buffers.  The caller owns slot `idx` (so it is in range) and nobody else reads it."""
+        for address, item_len in self._cleared_items[idx]:
             ctypes.memset(address, 0, item_len)
 
     def _words(self, idx: object, name: str) -> tuple[int, ...]:
@@ -433,11 +438,13 @@ class MetadataBuffers:
     def row(self, lease: Lease) -> tuple[torch.Tensor | None, ...]:
         """The row held by `lease`, in SGLang's get_buf() order: zero-copy views, copies of the
         sampling mask, None for fields these buffers do not have."""
-        view, copy = lease.view, lease.copy
-        return tuple(
-            None if name is None else copy(name) if copied else view(name)
-            for name, copied in self._row_plan
-        )
+        row = lease.views(self._viewed)
+        if not self._copied:
+            return row
+        values = list(row)
+        for at, name in self._copied:
+            values[at] = lease.copy(name)
+        return tuple(values)
 
     def _decode_side(self) -> ReqToMetadataIdxAllocator:
         if self._allocator is None:
@@ -531,14 +538,16 @@ class ReqToMetadataIdxAllocator:
         """Reserve a slot for a transfer; None when every slot is taken.  Its room is zeroed
         (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
         for this transfer's room."""
-        buffers = self._decode_buffers()
-        self.sweep()
+        buffers = self.buffers or self._decode_buffers()
+        if self._orphans or self.quarantine:
+            self.sweep()
         try:
-            reservation = self.table.reserve(tag=next(self._tags), timeout=0)
+            reservation = self.table.reserve(next(self._tags), 0)
         except SlotsExhausted:
             return None
         idx = reservation.slot
-        self._settle(idx)
+        if idx in self._held or idx in self._reserved:
+            self._settle(idx)
         try:
             buffers._clear(idx)
         except BaseException:
@@ -590,13 +599,12 @@ class ReqToMetadataIdxAllocator:
             reservation = self._reserved.get(idx)
             if reservation is None:
                 raise OwnershipError(f"metadata index {idx} is not allocated")
-            with self.table.open_reserved(reservation.slot, reservation.generation) as ws:
-                try:  # leaving the block without keep() aborts the write slot
-                    lease = ws.written_in_place().keep()
-                except BaseException:
-                    del self._reserved[idx]
-                    self._unbind(idx)
-                    raise
+            try:  # one compiled step; a commit that fails has aborted the slot
+                lease = self.table.keep_reserved(reservation)
+            except BaseException:
+                del self._reserved[idx]
+                self._unbind(idx)
+                raise
             del self._reserved[idx]
             self._held[idx] = lease
             self.stats.committed += 1
@@ -627,6 +635,9 @@ class ReqToMetadataIdxAllocator:
         lease = self._held.get(self._check(idx))
         if lease is None:
             raise OwnershipError(f"metadata index {idx} holds no committed row to release")
+        self._release(idx, lease)
+
+    def _release(self, idx: int, lease: Lease) -> None:
         lease.release()
         self._forget(idx)
         self.stats.released += 1
@@ -650,8 +661,8 @@ class ReqToMetadataIdxAllocator:
             idx = self.slot_of(req)
             if idx is None:
                 self.stats.stale_calls += 1
-            elif idx in self._held:
-                self.release(idx)
+            elif (lease := self._held.get(idx)) is not None:
+                self._release(idx, lease)
             else:  # consumed before its transfer was committed: it is over for this slot
                 self.abort(idx)
 
@@ -720,7 +731,8 @@ class ReqToMetadataIdxAllocator:
         """Free quarantined slots whose window passed, and hand back the slots of requests
         that were garbage-collected holding them.  Allocating sweeps; so does the plugin on
         each turn of the decode loop, so an idle server's slots do not stay QUARANTINED."""
-        self.quarantine.sweep()
+        if self.quarantine:
+            self.quarantine.sweep()
         while self._orphans:
             idx = self._orphans.pop()
             bound = self._request_of.get(idx)
@@ -736,9 +748,9 @@ class ReqToMetadataIdxAllocator:
                 self.quarantine.hold(self._reserved.pop(idx))
 
     def _check(self, idx: object) -> int:
-        if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < self.size:
-            raise InvalidSlot(f"metadata index {idx!r} out of range 0..{self.size - 1}")
-        return idx
+        if type(idx) is int and 0 <= idx < self.size:  # an index this allocator handed out
+            return idx
+        raise InvalidSlot(f"metadata index {idx!r} out of range 0..{self.size - 1}")
 
     def close(self) -> None:
         """Hand every slot back (the decode side is stopping); each handle once, so a close

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +28,10 @@ from . import command_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import sglang_env
+
+
+class _Req:
+    """Stands for SGLang's `Req`: a plain class, so weakly referenceable as SGLang's is."""
 
 
 def _sglang_requests(utils: Any, n: int, hidden: int) -> float:
@@ -57,7 +60,7 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
         max_sampling_mask_tokens=16,
         table_name=name,
     ) as buffers:
-        req = SimpleNamespace()
+        req = _Req()
         start = time.perf_counter_ns()
         for _ in range(n):
             idx = allocator.alloc()
@@ -71,6 +74,26 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
         return (time.perf_counter_ns() - start) / n / 1000
 
 
+def missing() -> str | None:
+    """Why SGLang's side cannot be measured here, or None."""
+    return sglang_env.SGLANG_MISSING
+
+
+def measure(requests: int, runs: int, hidden: int = 4096) -> tuple[list[float], list[float]]:
+    """µs per request of each run, SGLang's and shmslots', alternating; SGLang must be
+    installed (`sglang_env.SGLANG_MISSING` is None)."""
+    sglang_env.install_torchvision_stand_in()
+    from sglang.srt.disaggregation import utils
+
+    theirs: list[float] = []
+    ours: list[float] = []
+    for run in range(runs):
+        name = f"shmslots-bench-sglang-{os.getpid()}-{run}"
+        theirs.append(_sglang_requests(utils, requests, hidden))
+        ours.append(_shmslots_requests(requests, hidden, name))
+    return theirs, ours
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("sglang", __doc__)
     parser.add_argument("--requests", type=int, default=20_000)
@@ -80,15 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if sglang_env.SGLANG_MISSING:
         print(f"tools/bench.py sglang: {sglang_env.SGLANG_MISSING}", file=sys.stderr)
         return 2
-    sglang_env.install_torchvision_stand_in()
-    from sglang.srt.disaggregation import utils
-
-    theirs: list[float] = []
-    ours: list[float] = []
-    for run in range(args.runs):
-        name = f"shmslots-bench-sglang-{os.getpid()}-{run}"
-        theirs.append(_sglang_requests(utils, args.requests, args.hidden))
-        ours.append(_shmslots_requests(args.requests, args.hidden, name))
+    theirs, ours = measure(args.requests, args.runs, args.hidden)
 
     def line(label: str, xs: list[float]) -> str:
         return f"{label:<44} {statistics.median(xs):7.2f} µs  ({min(xs):.2f}-{max(xs):.2f})"
