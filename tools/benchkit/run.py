@@ -61,6 +61,7 @@ class Config:
     rss_rows: int
     rss_every: int
     cli_runs: int
+    sglang_requests: int
 
 
 def row_plan(trips: int, budget_s: float) -> Plan:
@@ -96,6 +97,7 @@ FULL = Config(
     rss_rows=1_000_000,
     rss_every=100_000,
     cli_runs=7,
+    sglang_requests=20_000,
 )
 QUICK = Config(
     mode="quick",
@@ -112,6 +114,7 @@ QUICK = Config(
     rss_rows=100_000,
     rss_every=10_000,
     cli_runs=3,
+    sglang_requests=5_000,
 )
 
 
@@ -235,6 +238,19 @@ def measure_cli(cfg: Config) -> dict[str, Spread]:
         return {label: spread(cli.wall_s(argv[label], cfg.cli_runs)) for label in CLI_CALLS}
 
 
+def measure_sglang(cfg: Config, pins: tuple[int, int] | None) -> dict[str, Any]:
+    """µs per request of SGLang's decode path, its own clone at commit against shmslots
+    (benchkit/sglang.py), in this process pinned to A's CPU; why not, without SGLang."""
+    from . import sglang
+
+    why = sglang.missing()
+    if why:
+        return {"missing": why}
+    with pinned(pins[0] if pins else None):
+        theirs, ours = sglang.measure(cfg.sglang_requests, 5 if cfg.mode == "full" else 3)
+    return {"sglang_us": spread(theirs), "shmslots_us": spread(ours)}
+
+
 def profile_round_trip(cfg: Config, pins: tuple[int, int] | None, out_dir: Path) -> list[str]:
     """cProfile both sides of the shmslots busy round trip of small rows; the files written."""
     prefix = out_dir / "profile"
@@ -310,6 +326,9 @@ def run_all(cfg: Config, pins: tuple[int, int] | None) -> tuple[dict[str, Any], 
     started = time.perf_counter()
     r["cli_s"] = measure_cli(cfg)
     step("cli", started)
+    started = time.perf_counter()
+    r["sglang"] = measure_sglang(cfg, pins)
+    step("sglang", started)
     r["meta"].update(
         load_after=load(),
         pins=pins,
