@@ -36,27 +36,19 @@ class Arena:
     def alloc(self, nbytes: int, slot: int, generation: int) -> int | None:
         """Offset (in the segment) of `nbytes` on free pages now owned by (slot, generation).
 
-        First fit from a rotating hint; a page lost to a racing allocator
-        rolls back what was taken and the search goes on past it.  Each search
-        and each run of CASes is one compiled call, however many pages.
+        First fit from a rotating hint; a page lost to a racing allocator rolls back what
+        was taken and the search goes on past it: one compiled call (`claim_run`), however
+        many pages.
         """
         need = self.pages_for(nbytes)
         if need > self.pages:
             return None
         tag = page_tag(slot, generation)
-        a, table = self._a, self._table
-        start = self._hint if self._hint + need <= self.pages else 0
-        for sweep_start in (start, 0) if start else (0,):
-            first = sweep_start
-            while (found := a.find_run(table + 8 * first, self.pages - first, need, 0)) >= 0:
-                first += found
-                taken = a.cas_run(table + 8 * first, need, 0, tag, True)
-                if taken == need:
-                    self._hint = first + need
-                    return self._data + first * self.page_size
-                self._release(first, taken, tag)
-                first += taken + 1
-        return None
+        first = self._a.claim_run(self._table, self.pages, need, self._hint, tag)
+        if first < 0:
+            return None
+        self._hint = first + need
+        return self._data + first * self.page_size
 
     def free(self, offset: int, nbytes: int, slot: int, generation: int) -> None:
         first = (offset - self._data) // self.page_size

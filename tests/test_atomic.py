@@ -39,23 +39,31 @@ def test_out_of_range_or_misaligned_offsets_raise(off: int) -> None:
     mm.close()
 
 
-def test_runs_of_words_find_take_and_give_back() -> None:
-    """find_run/cas_run: what the arena's page table does in one call, however many pages."""
+def test_runs_of_words_are_claimed_and_given_back() -> None:
+    """claim_run/cas_run: the arena's page table taken and given back, one call each."""
     mm = mmap.mmap(-1, 8 * 16)
     a = AtomicView(mm)
-    a.store(8 * 2, 7)
-    assert a.find_run(0, 16, 2, 0) == 0
-    assert a.find_run(8, 15, 2, 0) == 2  # word 1 alone is too short: words 3-4 (index 2 of 15)
-    assert a.find_run(0, 16, 13, 0) == 3
-    assert a.find_run(0, 16, 14, 0) == -1
-    assert a.find_run(0, 16, 1, 7) == 2
-    assert a.cas_run(8 * 3, 13, 0, 9, True) == 13  # taken
-    assert [a.load(8 * i) for i in range(16)] == [0, 0, 7] + [9] * 13
+
+    def words() -> list[int]:
+        return [a.load(8 * i) for i in range(16)]
+
+    a.store(8 * 2, 7)  # a page that is someone else's
+    assert a.claim_run(0, 16, 2, 0, 9) == 0  # first fit
+    assert a.claim_run(0, 16, 2, 1, 9) == 3  # from the hint: word 1 is taken, word 2 foreign
+    assert a.claim_run(0, 16, 12, 0, 8) == -1  # 11 free words in a row at most
+    assert words() == [9, 9, 7, 9, 9] + [0] * 11  # a failed claim takes nothing
+    assert a.claim_run(0, 16, 2, 15, 9) == 5  # a hint too near the end: from 0
+    assert a.cas_run(8 * 9, 7, 0, 4, True) == 7
+    assert a.claim_run(0, 16, 2, 9, 9) == 7  # nothing from the hint on: then from 0
+    assert words() == [9, 9, 7] + [9] * 6 + [4] * 7
     a.store(8 * 5, 4)  # a word that is someone else's
     assert a.cas_run(8 * 3, 13, 9, 0, True) == 2  # stops at it
-    assert a.cas_run(8 * 3, 13, 9, 0, False) == 10  # goes on past it
-    assert [a.load(8 * i) for i in range(16)] == [0, 0, 7, 0, 0, 4] + [0] * 10
+    assert a.cas_run(8 * 3, 13, 9, 0, False) == 3  # goes on past it
+    assert words() == [9, 9, 7, 0, 0, 4, 0, 0, 0] + [4] * 7
     assert a.cas_run(0, 0, 0, 1, True) == 0
+    for need, start, tag in ((0, 0, 1), (1, -1, 1), (1, 0, 0)):  # no run, no place, no owner
+        with pytest.raises(ValueError):
+            a.claim_run(0, 16, need, start, tag)
     a.release()
     mm.close()
 
@@ -71,12 +79,10 @@ def test_runs_past_the_buffer_raise_and_change_nothing(
     mm = mmap.mmap(-1, 64)
     a = AtomicView(mm)
     with pytest.raises(error):
-        a.find_run(off, count, 1, 0)
+        a.claim_run(off, count, 1, 0, 1)
     with pytest.raises(error):
         a.cas_run(off, count, 0, 1, True)
     assert bytes(mm) == bytes(64)
-    with pytest.raises(ValueError):
-        a.find_run(0, 8, 0, 0)  # a run of no words
     a.release()
     mm.close()
 

@@ -181,31 +181,6 @@ words_at(AtomicView *self, PyObject *off_obj, PyObject *count_obj, Py_ssize_t *c
     return (uint64_t *)((char *)self->buf.buf + off);
 }
 
-/* find_run(off, count, need, value) -> the index of the first of `need` consecutive words
- * among the `count` from off that all hold `value`, or -1.  One call for what a loop of
- * loads would do: an arena of 64 MiB has thousands of page words. */
-static PyObject *
-av_find_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t count, need, run = 0;
-    uint64_t value;
-    if (!nargs_ok(nargs, 4, "find_run")) return NULL;
-    uint64_t *p = words_at(self, args[0], args[1], &count);
-    if (!p || !as_u64(args[3], &value)) return NULL;
-    need = PyLong_AsSsize_t(args[2]);
-    if (need == -1 && PyErr_Occurred()) return NULL;
-    if (need < 1) {
-        PyErr_Format(PyExc_ValueError, "find_run needs a run of at least 1 word, not %zd", need);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        run = __atomic_load_n(p + i, __ATOMIC_ACQUIRE) == value ? run + 1 : 0;
-        if (run == need)
-            return PyLong_FromSsize_t(i + 1 - need);
-    }
-    return PyLong_FromSsize_t(-1);
-}
-
 /* cas_run(off, count, expected, new, stop) -> how many of the `count` words from off were
  * swapped from expected to new, in order; with stop true it ends at the first that does not
  * hold expected (taking a run), else it goes on over every word (giving one back). */
@@ -230,6 +205,63 @@ av_cas_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
             break;
     }
     return PyLong_FromSsize_t(swapped);
+}
+
+/* claim_run(off, count, need, start, tag) -> the index of the first of `need` consecutive
+ * words, among the `count` from off, each swapped from 0 to `tag` by this call, or -1 when no
+ * such run can be had.  First fit from word `start`, then from 0 (a rotating hint); a word
+ * lost to a racing claimer gives back what this call took of that run, and the search goes on
+ * past it.  The arena's whole search (arena.py) in one call, however many pages. */
+static PyObject *
+av_claim_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t count, need, start;
+    uint64_t tag;
+    if (!nargs_ok(nargs, 5, "claim_run")) return NULL;
+    /* every number first: converting one may run Python (__index__), which may release the
+     * view; nothing after words_at may run Python */
+    need = PyLong_AsSsize_t(args[2]);
+    if (need == -1 && PyErr_Occurred()) return NULL;
+    start = PyLong_AsSsize_t(args[3]);
+    if ((start == -1 && PyErr_Occurred()) || !as_u64(args[4], &tag)) return NULL;
+    if (need < 1 || start < 0 || tag == 0) {
+        PyErr_Format(PyExc_ValueError, "claim_run of %zd words from %zd with tag %llu", need,
+                     start, (unsigned long long)tag);
+        return NULL;
+    }
+    uint64_t *p = words_at(self, args[0], args[1], &count);
+    if (!p) return NULL;
+    if (start > count - need) start = 0;
+    for (Py_ssize_t from = start;; from = 0) {
+        Py_ssize_t run = 0;
+        for (Py_ssize_t i = from; i < count; i++) {
+            if (__atomic_load_n(p + i, __ATOMIC_ACQUIRE) != 0) {
+                run = 0;
+                continue;
+            }
+            if (++run < need)
+                continue;
+            Py_ssize_t first = i + 1 - need, taken = 0;
+            uint64_t free_word = 0;
+            while (taken < need &&
+                   __atomic_compare_exchange_n(p + first + taken, &free_word, tag, 0,
+                                               __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                taken++;
+                free_word = 0;
+            }
+            if (taken == need)
+                return PyLong_FromSsize_t(first);
+            for (Py_ssize_t k = 0; k < taken; k++) { /* give back; ours, so no CAS can fail */
+                uint64_t mine = tag;
+                __atomic_compare_exchange_n(p + first + k, &mine, 0, 0, __ATOMIC_SEQ_CST,
+                                            __ATOMIC_SEQ_CST);
+            }
+            i = first + taken; /* the lost word: the search goes on after it */
+            run = 0;
+        }
+        if (from == 0)
+            return PyLong_FromSsize_t(-1);
+    }
 }
 
 /* futex_wait(off, expected, timeout_s) -> bool
@@ -329,8 +361,8 @@ static PyMethodDef av_methods[] = {
     {"fetch_and", (PyCFunction)(void (*)(void))av_and, METH_FASTCALL, "fetch_and(off, mask) -> old"},
     {"load32", (PyCFunction)(void (*)(void))av_load32, METH_FASTCALL, "load32(off) -> u32"},
     {"add32", (PyCFunction)(void (*)(void))av_add32, METH_FASTCALL, "add32(off, delta) -> old u32"},
-    {"find_run", (PyCFunction)(void (*)(void))av_find_run, METH_FASTCALL,
-     "find_run(off, count, need, value) -> index of `need` words holding value, or -1"},
+    {"claim_run", (PyCFunction)(void (*)(void))av_claim_run, METH_FASTCALL,
+     "claim_run(off, count, need, start, tag) -> first of `need` words taken 0 -> tag, or -1"},
     {"cas_run", (PyCFunction)(void (*)(void))av_cas_run, METH_FASTCALL,
      "cas_run(off, count, expected, new, stop) -> words swapped"},
     {"futex_wait", (PyCFunction)(void (*)(void))av_futex_wait, METH_FASTCALL,
