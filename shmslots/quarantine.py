@@ -23,24 +23,33 @@ import time
 from collections import deque
 
 from .errors import InvalidArgument, OwnershipError
-from .leases import Quarantined, Reservation, WriteSlot, _window_ns
+from .leases import MAX_WINDOW_S, Quarantined, Reservation, WriteSlot, _window_ns
 
 
 class Quarantine:
-    """Slots of transfers aborted by their owner, each freed once `window_s` has passed."""
+    """Slots of transfers aborted by their owner, each freed once `window_s` has passed.
 
-    def __init__(self, window_s: float) -> None:
+    With `settled_by_owner`, only this book frees them, when its owner says (`end_first`,
+    or `sweep`): the segment keeps them closed with no deadline of its own that a claim
+    could act on (MAX_WINDOW_S).  An owner that must free them in step with peers whose
+    clocks differ (SGLang's decode ranks, which must admit alike) needs that."""
+
+    def __init__(self, window_s: float, *, settled_by_owner: bool = False) -> None:
         _window_ns(window_s)  # refused here, not at the first hold
         self.window_s = float(window_s)
-        self._held: deque[Quarantined] = deque()  # in deadline order
+        self.settled_by_owner = settled_by_owner
+        # (when this book's window ends, in CLOCK_MONOTONIC ns; the slot), in hold order
+        self._held: deque[tuple[int, Quarantined]] = deque()
         self.released = 0  # slots whose window ended while in this book
 
     def __len__(self) -> int:
-        """Slots held now: those whose window has passed are freed first, and those freed
-        otherwise (their table closed, or a claim freed them at their deadline) forgotten."""
-        self.sweep()
-        if not all(q.held for q in self._held):
-            self._held = deque(q for q in self._held if q.held)
+        """Slots held now: unless settled by the owner, those whose window has passed are
+        freed first; those freed otherwise (their table closed, a claim freed them at their
+        deadline, a reaper) are forgotten."""
+        if not self.settled_by_owner:
+            self.sweep()
+        if not all(q.held for _, q in self._held):
+            self._held = deque((due, q) for due, q in self._held if q.held)
         return len(self._held)
 
     def __bool__(self) -> bool:
@@ -59,37 +68,51 @@ class Quarantine:
                 q.slot == handle.slot
                 and q.generation == handle.generation
                 and q._parts is handle._parts
-                for q in self._held
+                for _, q in self._held
             ):
                 raise InvalidArgument(
                     f"slot {handle.slot} (generation {handle.generation}) is held already"
                 )
             return False
         try:
-            self._held.append(handle.quarantine(self.window_s))
+            q = handle.quarantine(MAX_WINDOW_S if self.settled_by_owner else self.window_s)
         except OwnershipError:  # its producer opened it first: the slot is the producer's
             return False
-        self.sweep()
+        own_ns = time.monotonic_ns() + _window_ns(self.window_s)  # not before the segment's
+        self._held.append((own_ns if self.settled_by_owner else q.deadline_ns, q))
+        if not self.settled_by_owner:
+            self.sweep()
         return True
 
+    def due(self) -> int:
+        """How many held slots, first in hold order, have passed their window on this
+        process's clock (they are due in hold order: one window for all)."""
+        now_ns = time.monotonic_ns()
+        due = 0
+        for due_ns, _ in self._held:
+            if due_ns > now_ns:
+                break
+            due += 1
+        return due
+
     def sweep(self) -> int:
-        """Free every held slot whose window has passed; returns how many.  Each is freed
-        before it is forgotten (`end` may be called again), so an interrupt between the two
-        leaves it in the book, never closed and forgotten (and even then anyone frees it
-        once its deadline has passed)."""
-        freed = self._end_until(time.monotonic_ns())
-        self.released += freed
-        return freed
+        """Free every held slot whose window has passed; returns how many."""
+        return self.end_first(self.due())
+
+    def end_first(self, n: int) -> int:
+        """Free the first `n` held slots (at most all), in hold order; returns how many.
+        Each is freed before it is forgotten (`end` may be called again), so an interrupt
+        between the two leaves it in the book, never closed and forgotten."""
+        ended = 0
+        while self._held and ended < n:
+            self._held[0][1].end()
+            self._held.popleft()
+            ended += 1
+        self.released += ended
+        return ended
 
     def close(self) -> None:
         """Free everything held now (the owner is closing: its engine stops writing)."""
-        self._end_until(None)
-
-    def _end_until(self, now_ns: int | None) -> int:
-        """Free and forget, in deadline order, every slot due by `now_ns` (None: all)."""
-        ended = 0
-        while self._held and (now_ns is None or self._held[0].deadline_ns <= now_ns):
-            self._held[0].end()
+        while self._held:
+            self._held[0][1].end()
             self._held.popleft()
-            ended += 1
-        return ended

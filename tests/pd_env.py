@@ -259,6 +259,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
             free_pages.extend(p for out in released for p in out.pages)
             released.clear()
             time.sleep(shape.late_write_window_s)
+            allocator.sweep()  # the decode loop's beat: the failed rooms' slots are due now
             conn.send(("settled", intact, len(free_pages), allocator.available_size()))
             continue
         _, addr, rooms, pages_per_room, window, abort_rooms, bad_rooms = msg
@@ -271,6 +272,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         active: dict[int, tuple[Any, Outcome, Any]] = {}
         outcomes: dict[int, Outcome] = {}
         while todo or active:
+            allocator.sweep()  # each turn, as the plugin does in resolve_deferred_releases
             if todo and not active and len(free_pages) < pages_per_room:
                 # every page is a failed room's, cooling until "settle": the rest never start
                 outcomes.update((room, Outcome(room, "NotStarted")) for room in todo)

@@ -87,6 +87,27 @@ def test_anyone_frees_it_once_its_window_has_passed(name: str) -> None:
         assert t.stats().counters["quarantines_ended"] == 1
 
 
+def test_a_book_settled_by_its_owner_frees_only_when_the_owner_says(name: str) -> None:
+    """Peers on other clocks (SGLang's decode ranks) must free in step: no claim at the
+    deadline, no len() and no hold frees what the owner has not said to free."""
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        book = Quarantine(0.05, settled_by_owner=True)
+        first, second = t.reserve(tag=1), t.reserve(tag=2)
+        assert book.hold(first) and book.due() == 0
+        time.sleep(0.1)
+        assert book.hold(second) and book.due() == 1  # the first's window has passed
+        with SlotTable.attach(name, "other") as other:
+            with pytest.raises(SlotsExhausted):
+                other.claim(timeout=0.05)  # no deadline in the segment to act on
+            assert other.reap() == {}
+        assert len(book) == 2 and book.released == 0
+        assert book.end_first(1) == 1 and book.released == 1
+        assert t.slot_info(first.slot)[0] is State.FREE
+        assert t.slot_info(second.slot)[0] is State.QUARANTINED and len(book) == 1
+        time.sleep(0.1)
+        assert book.sweep() == 1 and len(book) == 0  # sweep: by this process's own clock
+
+
 def test_reap_frees_quarantined_slots_whose_window_ended(name: str) -> None:
     with SlotTable.create(name, SMALL, slots=2) as t:
         t.reserve().quarantine(0.0)

@@ -156,8 +156,9 @@ def test_a_failed_transfer_holds_its_slot_for_the_late_write_window(
     quarantined = failed.metadata_buffer_index
     lane.prebuild([req])
     deadline = time.monotonic() + 5
-    while lane.allocator.available_size() < 2:
+    while lane.allocator.available_size() < 2:  # freed by SGLang's beat, once due
         assert time.monotonic() < deadline
+        lane.queue.resolve_deferred_releases()
     again = lane.send(3)  # the quarantined slot, reset: the gate waits for this transfer
     assert again.metadata_buffer_index == quarantined
     assert lane.buffers.bootstrap_room[quarantined, 0].item() == 0
@@ -423,6 +424,52 @@ def _decode_rank(rank: int, port: int, table: str, gone: bool, results: Any) -> 
             results.put((rank, buffers.table.slot_info(idx)[0].name, allocator.available_size()))
     finally:
         dist.destroy_process_group()
+
+
+def _quarantining_rank(rank: int, port: int, table: str, window_s: float, results: Any) -> None:
+    """One decode TP rank: a real two-rank gloo group, the plugin's allocator, one failed
+    transfer quarantined with a late-write window of this rank's own."""
+    import torch.distributed as dist
+
+    from shmslots.sglang import plugin
+
+    env.install_torchvision_stand_in()  # this process imports SGLang's disaggregation utils
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=window_s)
+        with MetadataBuffers(2, 16, torch.float32, 16, table_name=f"{table}-{rank}") as buffers:
+            idx = allocator.alloc()
+            assert idx is not None
+            allocator.free(idx)  # SGLang's release of a failed transfer: quarantined
+            time.sleep(0.3)  # a window of 0.1 s has passed; one of 30 s has not
+            sizes = [allocator.available_size()]
+            plugin._sweep_agreed(allocator, group)  # SGLang's per-turn beat
+            sizes.append(allocator.available_size())
+            results.put((rank, buffers.table.slot_info(idx)[0].name, sizes))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("windows", [(0.1, 0.1), (0.1, 30.0)], ids=["both due", "one due"])
+def test_decode_ranks_free_a_quarantined_slot_only_when_it_is_due_on_every_rank(
+    name: str, children: Any, windows: tuple[float, float]
+) -> None:
+    """Each rank's window ends on its own clock; were one rank to free the slot (by an
+    allocation, a claim at the deadline, or its own sweep) while another still held it,
+    their admission would differ, and then the lengths of SGLang's polling collectives."""
+    from conftest import SPAWN
+
+    results = SPAWN.Queue()
+    port = env.free_port()
+    for rank in (0, 1):
+        children.start(_quarantining_rank, rank, port, name, windows[rank], results)
+    children.join_all(90)
+    seen = sorted(results.get(timeout=5) for _ in range(2))
+    want = ("FREE", [1, 2]) if windows == (0.1, 0.1) else ("QUARANTINED", [1, 1])
+    assert [s[1:] for s in seen] == [want, want]
 
 
 @pytest.mark.timeout(120)

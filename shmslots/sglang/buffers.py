@@ -493,7 +493,8 @@ class ReqToMetadataIdxAllocator:
         if not (type(size) is int and size > 0):
             raise SchemaError(f"size must be a positive int, got {size!r}")
         self.size = size
-        self.quarantine = Quarantine(late_write_window_s)
+        # freed only by sweep(): SGLang's decode ranks free in step (the plugin's beat)
+        self.quarantine = Quarantine(late_write_window_s, settled_by_owner=True)
         self.stats = AllocatorStats()
         self.buffers: MetadataBuffers | None = None
         self._reserved: dict[int, Reservation] = {}  # allocated, not yet committed
@@ -531,7 +532,7 @@ class ReqToMetadataIdxAllocator:
         return self.buffers
 
     def available_size(self) -> int:
-        self.sweep()
+        self._collect_orphans()
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
@@ -539,8 +540,8 @@ class ReqToMetadataIdxAllocator:
         (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
         for this transfer's room."""
         buffers = self.buffers or self._decode_buffers()
-        if self._orphans or self.quarantine:
-            self.sweep()
+        if self._orphans:
+            self._collect_orphans()
         try:
             reservation = self.table.reserve(next(self._tags), 0)
         except SlotsExhausted:
@@ -727,12 +728,20 @@ class ReqToMetadataIdxAllocator:
             self.quarantine.hold(reservation)
         self.stats.aborted_before_commit += 1
 
-    def sweep(self) -> None:
-        """Free quarantined slots whose window passed, and hand back the slots of requests
-        that were garbage-collected holding them.  Allocating sweeps; so does the plugin on
-        each turn of the decode loop, so an idle server's slots do not stay QUARANTINED."""
-        if self.quarantine:
-            self.quarantine.sweep()
+    def sweep(self, due: int | None = None) -> None:
+        """Free the first `due` quarantined slots (None: those whose window has passed on
+        this process's clock), and hand back the slots of requests that were
+        garbage-collected holding them.
+
+        Nothing else frees a quarantined slot, not `alloc()` and not a claim at its
+        deadline: SGLang's decode ranks each keep a table, and must admit alike, so the
+        plugin sweeps on each turn of the decode loop (idle or not) as many as are due on
+        every rank's clock."""
+        self.quarantine.end_first(self.quarantine.due() if due is None else due)
+        self._collect_orphans()
+
+    def _collect_orphans(self) -> None:
+        """Hand back the slots of requests garbage-collected holding them."""
         while self._orphans:
             idx = self._orphans.pop()
             bound = self._request_of.get(idx)

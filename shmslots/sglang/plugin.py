@@ -260,8 +260,20 @@ def _resolved(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
         allocator, [entry[0] for entry in queue._deferred_releases], queue.gloo_group
     )
     result = original(queue, *args, **kwargs)
-    allocator.sweep()
+    _sweep_agreed(allocator, queue.gloo_group)
     return result
+
+
+def _sweep_agreed(allocator: ReqToMetadataIdxAllocator, group: Any) -> None:
+    """Free as many quarantined slots as are due on every decode rank's clock (a MIN
+    all-reduce over `group`), on every rank in the same turn, so admission never splits:
+    every rank holds the same slots in the same order, as they follow SGLang's agreed
+    frees.  One number is reduced on every turn, so no rank can skip the collective."""
+    from sglang.srt.disaggregation.utils import all_reduce_flags
+    from torch.distributed import ReduceOp
+
+    [due] = all_reduce_flags(flags=[allocator.quarantine.due()], group=group, op=ReduceOp.MIN)
+    allocator.sweep(due)
 
 
 def _mark_writers_gone(
