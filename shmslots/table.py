@@ -473,6 +473,8 @@ class SlotTable:
         one compiled call, the decode side's commit of a transfer.  A reservation of
         another table, one already ended, or a slot not reserved at its generation any
         more is refused, with nothing changed."""
+        if self._closed:
+            self._check_open()
         lease = self._core.keep_reserved(reservation)
         if lease is None:  # not the compiled case: the same steps, each with its errors
             if not isinstance(reservation, Reservation) or reservation._owner is not self:

@@ -29,6 +29,7 @@ from shmslots import (
     SlotTable,
     StaleLeaseError,
     State,
+    TableClosed,
     row_hash,
 )
 from shmslots.snapshot import TableView
@@ -222,6 +223,14 @@ def test_keep_reserved_refuses_a_table_with_refs_and_changes_nothing(name: str) 
             t.keep_reserved(reservation)
         assert t.slot_info(reservation.slot)[0] is State.RESERVED
         reservation.abort()
+
+
+def test_keep_reserved_on_a_closed_table_says_so(name: str) -> None:
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        reservation = t.reserve()
+        t.close()
+        with pytest.raises(TableClosed):
+            t.keep_reserved(reservation)
 
 
 def test_new_dtypes_round_trip_through_numbers_tensors_and_the_cli(name: str) -> None:
