@@ -396,42 +396,13 @@ class _Manager:
         return self.gone
 
 
-def _decode_rank(rank: int, port: int, table: str, gone: bool, results: Any) -> None:
-    """One decode TP rank: a real two-rank gloo group, the plugin's allocator, one failed
-    transfer whose writers this rank alone may think dead."""
+@contextlib.contextmanager
+def _rank_of_two(
+    rank: int, port: int, table: str, window_s: float
+) -> Iterator[tuple[Any, ReqToMetadataIdxAllocator, MetadataBuffers]]:
+    """One decode TP rank in a real two-rank gloo group: the group, and the plugin's
+    allocator with its buffers (a table of this rank's own)."""
     import torch.distributed as dist
-
-    from shmslots.sglang import plugin
-
-    env.install_torchvision_stand_in()  # this process imports SGLang's disaggregation utils
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1], backend="gloo")
-        allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=30)
-        with MetadataBuffers(
-            2, 16, torch.float32, 16, table_name=f"{table}-{rank}"
-        ) as buffers:  # joins it
-            idx = allocator.alloc()
-            assert idx is not None
-            transfer = SimpleNamespace(
-                req=SimpleNamespace(bootstrap_room=7),
-                metadata_buffer_index=idx,
-                kv_receiver=SimpleNamespace(kv_mgr=_Manager(gone)),
-            )  # the fields of SGLang's DecodeRequest the plugin reads
-            plugin._mark_writers_gone(allocator, [transfer], group)
-            allocator.free(idx)  # SGLang's release of the failed transfer
-            results.put((rank, buffers.table.slot_info(idx)[0].name, allocator.available_size()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _quarantining_rank(rank: int, port: int, table: str, window_s: float, results: Any) -> None:
-    """One decode TP rank: a real two-rank gloo group, the plugin's allocator, one failed
-    transfer quarantined with a late-write window of this rank's own."""
-    import torch.distributed as dist
-
-    from shmslots.sglang import plugin
 
     env.install_torchvision_stand_in()  # this process imports SGLang's disaggregation utils
 
@@ -440,16 +411,55 @@ def _quarantining_rank(rank: int, port: int, table: str, window_s: float, result
         group = dist.new_group([0, 1], backend="gloo")
         allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=window_s)
         with MetadataBuffers(2, 16, torch.float32, 16, table_name=f"{table}-{rank}") as buffers:
-            idx = allocator.alloc()
-            assert idx is not None
-            allocator.free(idx)  # SGLang's release of a failed transfer: quarantined
-            time.sleep(0.3)  # a window of 0.1 s has passed; one of 30 s has not
-            sizes = [allocator.available_size()]
-            plugin._sweep_agreed(allocator, group)  # SGLang's per-turn beat
-            sizes.append(allocator.available_size())
-            results.put((rank, buffers.table.slot_info(idx)[0].name, sizes))
+            yield group, allocator, buffers
     finally:
         dist.destroy_process_group()
+
+
+def _two_ranks(children: Any, rank_main: Any, per_rank: tuple[Any, Any]) -> list[Any]:
+    """What `rank_main(rank, port, per_rank[rank], results)` put, for ranks 0 and 1."""
+    from conftest import SPAWN
+
+    results = SPAWN.Queue()
+    port = env.free_port()
+    for rank in (0, 1):
+        children.start(rank_main, rank, port, per_rank[rank], results)
+    children.join_all(90)
+    return sorted(results.get(timeout=5) for _ in range(2))
+
+
+def _decode_rank(rank: int, port: int, case: tuple[str, bool], results: Any) -> None:
+    """One failed transfer, whose writers this rank alone may think dead."""
+    from shmslots.sglang import plugin
+
+    table, gone = case
+    with _rank_of_two(rank, port, table, 30.0) as (group, allocator, buffers):
+        idx = allocator.alloc()
+        assert idx is not None
+        transfer = SimpleNamespace(
+            req=SimpleNamespace(bootstrap_room=7),
+            metadata_buffer_index=idx,
+            kv_receiver=SimpleNamespace(kv_mgr=_Manager(gone)),
+        )  # the fields of SGLang's DecodeRequest the plugin reads
+        plugin._mark_writers_gone(allocator, [transfer], group)
+        allocator.free(idx)  # SGLang's release of the failed transfer
+        results.put((rank, buffers.table.slot_info(idx)[0].name, allocator.available_size()))
+
+
+def _quarantining_rank(rank: int, port: int, case: tuple[str, float], results: Any) -> None:
+    """One failed transfer, quarantined with a late-write window of this rank's own."""
+    from shmslots.sglang import plugin
+
+    table, window_s = case
+    with _rank_of_two(rank, port, table, window_s) as (group, allocator, buffers):
+        idx = allocator.alloc()
+        assert idx is not None
+        allocator.free(idx)  # SGLang's release of a failed transfer: quarantined
+        time.sleep(0.3)  # a window of 0.1 s has passed; one of 30 s has not
+        sizes = [allocator.available_size()]
+        plugin._sweep_agreed(allocator, group)  # SGLang's per-turn beat
+        sizes.append(allocator.available_size())
+        results.put((rank, buffers.table.slot_info(idx)[0].name, sizes))
 
 
 @pytest.mark.timeout(120)
@@ -460,14 +470,7 @@ def test_decode_ranks_free_a_quarantined_slot_only_when_it_is_due_on_every_rank(
     """Each rank's window ends on its own clock; were one rank to free the slot (by an
     allocation, a claim at the deadline, or its own sweep) while another still held it,
     their admission would differ, and then the lengths of SGLang's polling collectives."""
-    from conftest import SPAWN
-
-    results = SPAWN.Queue()
-    port = env.free_port()
-    for rank in (0, 1):
-        children.start(_quarantining_rank, rank, port, name, windows[rank], results)
-    children.join_all(90)
-    seen = sorted(results.get(timeout=5) for _ in range(2))
+    seen = _two_ranks(children, _quarantining_rank, ((name, windows[0]), (name, windows[1])))
     want = ("FREE", [1, 2]) if windows == (0.1, 0.1) else ("QUARANTINED", [1, 1])
     assert [s[1:] for s in seen] == [want, want]
 
@@ -480,13 +483,6 @@ def test_decode_ranks_free_a_dead_writers_slot_at_once_only_when_all_agree(
     """Each decode rank watches its prefill peers on its own; were one to free a slot at once
     while another quarantined it, their admission would differ and SGLang's next collective
     would hang or mismatch."""
-    from conftest import SPAWN
-
-    results = SPAWN.Queue()
-    port = env.free_port()
-    for rank in (0, 1):
-        children.start(_decode_rank, rank, port, name, gone[rank], results)
-    children.join_all(90)
-    seen = sorted(results.get(timeout=5) for _ in range(2))
+    seen = _two_ranks(children, _decode_rank, ((name, gone[0]), (name, gone[1])))
     want = ("FREE", 2) if all(gone) else ("QUARANTINED", 1)
     assert [s[1:] for s in seen] == [want, want]
