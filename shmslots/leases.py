@@ -413,6 +413,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         parts = self._parts
         got = self._keep()
         if got is None:
+            self._check_open("keep")  # a collection on the way may have closed the table
             raise parts.own.not_mine(self.slot, self.generation, _WRITING)
         lease = cast(Lease, got)
         if self._viewed:  # the lease's own, checked at its end

@@ -8,6 +8,8 @@ commits the row in place, with no copy, and a reader elsewhere takes it zero-cop
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 import time
 import warnings
 from multiprocessing.queues import Queue
@@ -231,6 +233,37 @@ def test_keep_reserved_on_a_closed_table_says_so(name: str) -> None:
         t.close()
         with pytest.raises(TableClosed):
             t.keep_reserved(reservation)
+
+
+# A collection started by the lease's own allocation closes the table (a gc callback): the
+# step must not make a handle of a closed table (it crashed reading the table's parts).
+CLOSED_BY_GC = """
+import gc, sys
+from shmslots import Field, SlotTable, StaleLeaseError, TableClosed
+t = SlotTable.create(sys.argv[1], [Field("a", "int64", (8,))], slots=2)
+t.unlink()
+r = t.reserve()
+armed = []
+gc.callbacks.append(lambda phase, info: armed and phase == "start" and armed.pop() and t.close())
+if sys.argv[2] == "keep":
+    ws = t.open_reserved(r.slot, r.generation).written_in_place()
+gc.collect()
+armed.append(True)
+gc.set_threshold(1)
+try:
+    t.keep_reserved(r) if sys.argv[2] == "keep_reserved" else ws.keep()
+except (TableClosed, StaleLeaseError):  # the table's error, or its handle's
+    print("refused")
+"""
+
+
+@pytest.mark.parametrize("step", ["keep_reserved", "keep"])
+def test_a_table_closed_by_a_collection_inside_a_keep_is_refused(name: str, step: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSED_BY_GC, name, step],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (out.returncode, out.stdout.strip()) == (0, "refused"), out.stderr[-2000:]
 
 
 def test_new_dtypes_round_trip_through_numbers_tensors_and_the_cli(name: str) -> None:

@@ -442,6 +442,21 @@ typedef struct {
 } Core;
 
 static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
+static int usable_core(Core *c);
+
+/* shmslots.errors.TableClosed (a ValueError), set as the error; ValueError if it cannot be
+ * had.  Looked up when raised: a closed table is no hot path. */
+static void
+table_closed(void)
+{
+    PyObject *errors = PyImport_ImportModule("shmslots.errors");
+    PyObject *type = errors ? PyObject_GetAttrString(errors, "TableClosed") : NULL;
+    Py_XDECREF(errors);
+    PyErr_Clear();
+    PyErr_SetString(type ? type : PyExc_ValueError, "the table is closed");
+    Py_XDECREF(type);
+}
+static void abort_taken(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state);
 
 static int
 core_init(Core *c, PyObject *args, PyObject *kwds)
@@ -552,6 +567,11 @@ new_handle(PyTypeObject *type, Core *core, PyObject *owner, PyObject *slot, PyOb
     Handle *h = (Handle *)type->tp_alloc(type, 0);
     if (!h)
         return NULL;
+    if (!core->parts) { /* the allocation ran a collection, whose callbacks closed the table */
+        Py_DECREF(h);
+        table_closed();
+        return NULL;
+    }
     h->core = (Core *)Py_NewRef(core);
     h->parts = Py_NewRef(core->parts);
     h->owner = Py_NewRef(owner);
@@ -1007,11 +1027,7 @@ ws_keep(Handle *h, PyObject *unused)
     Handle *lease = new_handle(c->lease, c, h->owner, h->slot, h->generation, h->tag);
     PyObject *before = lease ? PyLong_FromLong(0) : NULL;
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (hot_free(c->hot, slot, gen, S_HELD, E_ABORT) == STEP_ERROR)
-            PyErr_WriteUnraisable((PyObject *)h);
-        PyErr_Restore(type, value, tb);
+        abort_taken(c, (PyObject *)h, slot, gen, S_HELD);
         if (lease)
             lease->open = 0;
         Py_XDECREF(lease);
@@ -1209,6 +1225,8 @@ lease_abort(Handle *h, PyObject *unused)
 static void
 undo(Core *c, Py_ssize_t slot, uint64_t gen, int state)
 {
+    if (!usable_core(c)) /* closed meanwhile: its close handed our slots back */
+        return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     int code = state == S_HELD ? hot_redeliver(c->hot, slot, gen, 1)
@@ -1248,7 +1266,7 @@ open_core(Core *c)
 {
     if (usable_core(c))
         return 1;
-    PyErr_SetString(PyExc_ValueError, "the table is closed");
+    table_closed();
     return 0;
 }
 
@@ -1334,14 +1352,29 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return own(c, c->write_slot, args[0], slot, gen, tag, S_WRITING);
 }
 
+/* Abort a slot this call took, in `state`, because what followed failed; the error set is
+ * kept.  On a table closed meanwhile (by what an allocation ran) its close handed it back. */
+static void
+abort_taken(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state)
+{
+    if (!usable_core(c))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (hot_free(c->hot, slot, gen, state, E_ABORT) == STEP_ERROR)
+        PyErr_WriteUnraisable(culprit);
+    PyErr_Restore(type, value, tb);
+}
+
 /* keep_reserved(reservation) -> Lease | None: a reservation whose row a writer filled by
  * address (a transfer engine), taken as written, sealed and held by this process, in one call
  * that runs no Python: RESERVED -> WRITING (open_reserved), the seal (seal_mine's order),
- * WRITING -> HELD (keep), and the reservation's ownership handed to a new lease.  None when
- * the compiled path does not apply (ref fields, a handle that is not this core's open
- * reservation) or the slot is not reserved at its generation any more (nothing changed):
- * Python's open_reserved(...).written_in_place().keep() then does it, or words why not.
- * Killed between the steps, the slot is a dead writer's WRITING one, which a reaper frees. */
+ * WRITING -> HELD (keep), and the reservation's ownership handed to a new lease, which carries
+ * the slot's tag as open_reserved's write slot would.  None when the compiled path does not
+ * apply (ref fields, a handle that is not this core's open reservation) or a step is refused
+ * (not reserved at its generation any more; a reaper took the slot meanwhile): Python's
+ * open_reserved(...).written_in_place().keep() then does it, or words why not.  Killed
+ * between the steps, the slot is a dead writer's WRITING one, which a reaper frees. */
 static PyObject *
 core_keep_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1356,31 +1389,29 @@ core_keep_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
         !usable(h))
         Py_RETURN_NONE;
     Py_ssize_t slot;
-    uint64_t gen, tag; /* tag: the reservation's own, which h->tag holds */
+    uint64_t gen, tag;
     if (!ids(h, &slot, &gen))
         return NULL;
     int opened = hot_open_reserved(c->hot, slot, gen, &tag);
     if (opened <= 0)
         return opened < 0 ? NULL : Py_NewRef(Py_None);
-    h->open = 0; /* the slot is WRITING now, its reservation over */
     int code = codec_seal(c->codec, slot, gen) < 0 ? STEP_ERROR : hot_keep(c->hot, slot, gen);
-    if (code != STEP_DONE) { /* the seal failed, or a reaper took the slot for a dead one's */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (hot_free(c->hot, slot, gen, S_WRITING, E_ABORT) == STEP_ERROR)
-            PyErr_WriteUnraisable((PyObject *)h);
-        PyErr_Restore(type, value, tb);
-        return code == STEP_ERROR ? NULL : Py_NewRef(Py_None);
+    if (code == STEP_ERROR) { /* the seal failed: the reservation ends with its slot */
+        abort_taken(c, args[0], slot, gen, S_WRITING);
+        h->open = 0;
+        return NULL;
     }
-    Handle *lease = new_handle(c->lease, c, h->owner, h->slot, h->generation, h->tag);
+    if (code != STEP_DONE) /* a reaper took the slot for a dead one's: Python says so */
+        return Py_NewRef(Py_None);
+    h->open = 0; /* the slot is HELD now: the reservation is over */
+    PyObject *tag_o = PyLong_FromUnsignedLongLong(tag);
+    Handle *lease = tag_o ? new_handle(c->lease, c, h->owner, h->slot, h->generation, tag_o)
+                          : NULL;
+    Py_XDECREF(tag_o);
     if (lease)
         lease->deliveries = PyLong_FromLong(0);
     if (!lease || !lease->deliveries) { /* out of memory: the row is aborted, not ownerless */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (hot_free(c->hot, slot, gen, S_HELD, E_ABORT) == STEP_ERROR)
-            PyErr_WriteUnraisable((PyObject *)h);
-        PyErr_Restore(type, value, tb);
+        abort_taken(c, args[0], slot, gen, S_HELD);
         if (lease)
             lease->open = 0;
         Py_XDECREF(lease);
