@@ -23,21 +23,26 @@ import time
 from collections import deque
 
 from .errors import InvalidArgument, OwnershipError
-from .leases import MAX_WINDOW_S, Quarantined, Reservation, WriteSlot, _window_ns
+from .leases import Quarantined, Reservation, WriteSlot, _window_ns
+
+# settled by the owner: how long after the window the segment frees a slot on its own
+BACKSTOP_S = 60.0
 
 
 class Quarantine:
     """Slots of transfers aborted by their owner, each freed once `window_s` has passed.
 
-    With `settled_by_owner`, only this book frees them, when its owner says (`end_first`,
-    or `sweep`): the segment keeps them closed with no deadline of its own that a claim
-    could act on (MAX_WINDOW_S).  An owner that must free them in step with peers whose
-    clocks differ (SGLang's decode ranks, which must admit alike) needs that."""
+    With `settled_by_owner`, this book frees them when its owner says (`end_first`, or
+    `sweep`), which an owner that must free them in step with peers on other clocks needs
+    (SGLang's decode ranks, which must admit alike).  The segment's deadline is then only a
+    backstop, `BACKSTOP_S` after the window, for a slot the book lost track of (an
+    interrupt between the step that closes it and the book's entry)."""
 
     def __init__(self, window_s: float, *, settled_by_owner: bool = False) -> None:
         _window_ns(window_s)  # refused here, not at the first hold
         self.window_s = float(window_s)
         self.settled_by_owner = settled_by_owner
+        _window_ns(self._segment_window_s())
         # (when this book's window ends, in CLOCK_MONOTONIC ns; the slot), in hold order
         self._held: deque[tuple[int, Quarantined]] = deque()
         self.released = 0  # slots whose window ended while in this book
@@ -71,7 +76,7 @@ class Quarantine:
                 )
             return False
         try:
-            q = handle.quarantine(MAX_WINDOW_S if self.settled_by_owner else self.window_s)
+            q = handle.quarantine(self._segment_window_s())
         except OwnershipError:  # its producer opened it first: the slot is the producer's
             return False
         own_ns = time.monotonic_ns() + _window_ns(self.window_s)  # not before the segment's
@@ -79,6 +84,10 @@ class Quarantine:
         if not self.settled_by_owner:
             self.sweep()
         return True
+
+    def _segment_window_s(self) -> float:
+        """How long the segment keeps a slot closed on its own."""
+        return self.window_s + (BACKSTOP_S if self.settled_by_owner else 0.0)
 
     def due(self) -> int:
         """How many held slots, first in hold order, have passed their window on this

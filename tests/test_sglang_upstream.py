@@ -409,7 +409,7 @@ def _rank_of_two(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1], backend="gloo")
-        allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=window_s)
+        allocator = ReqToMetadataIdxAllocator(2, late_write_window_s=window_s, in_step=True)
         with MetadataBuffers(2, 16, torch.float32, 16, table_name=f"{table}-{rank}") as buffers:
             yield group, allocator, buffers
     finally:

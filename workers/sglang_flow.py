@@ -141,7 +141,6 @@ def decode(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LeakedViewWarning)  # counted by the table
         while finished < cfg.requests:
-            allocator.sweep()  # the decode loop's beat: quarantined slots whose window ended
             # prealloc: a slot per new request while there is room, sent to prefill
             while next_rid < cfg.requests and (idx := allocator.alloc()) is not None:
                 req = _Req(next_rid, idx)

@@ -398,6 +398,7 @@ class MetadataBuffers:
         """SGLang's `clear_slot`: zero slot `idx`'s room (and kv checksum), so the next owner's
         gate reads "not yet written"; the other fields keep their bytes, as in SGLang's
         buffers.  The caller owns slot `idx` (so it is in range) and nobody else reads it."""
+        self._check_open()  # the addresses are the mapping's: gone with a closed table
         for address, item_len in self._cleared_items[idx]:
             ctypes.memset(address, 0, item_len)
 
@@ -489,12 +490,16 @@ class ReqToMetadataIdxAllocator:
     """SGLang's allocator of metadata indices, over the slots of the `MetadataBuffers` built
     right after it (SGLang's order); it answers those buffers' `get_buf` and `clear_slot`."""
 
-    def __init__(self, size: int, *, late_write_window_s: float = 10.0) -> None:
+    def __init__(
+        self, size: int, *, late_write_window_s: float = 10.0, in_step: bool = False
+    ) -> None:
         if not (type(size) is int and size > 0):
             raise SchemaError(f"size must be a positive int, got {size!r}")
         self.size = size
-        # freed only by sweep(): SGLang's decode ranks free in step (the plugin's beat)
-        self.quarantine = Quarantine(late_write_window_s, settled_by_owner=True)
+        # in step: quarantined slots are freed only by sweep(), which the caller makes in step
+        # with its peers (SGLang's decode TP ranks: the plugin, each turn of the decode loop)
+        self.in_step = in_step
+        self.quarantine = Quarantine(late_write_window_s, settled_by_owner=in_step)
         self.stats = AllocatorStats()
         self.buffers: MetadataBuffers | None = None
         self._reserved: dict[int, Reservation] = {}  # allocated, not yet committed
@@ -532,7 +537,7 @@ class ReqToMetadataIdxAllocator:
         return self.buffers
 
     def available_size(self) -> int:
-        self._collect_orphans()
+        self._sweep_own()
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
@@ -540,8 +545,8 @@ class ReqToMetadataIdxAllocator:
         (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
         for this transfer's room."""
         buffers = self.buffers or self._decode_buffers()
-        if self._orphans:
-            self._collect_orphans()
+        if self._orphans or (self.quarantine and not self.in_step):
+            self._sweep_own()
         try:
             reservation = self.table.reserve(next(self._tags), 0)
         except SlotsExhausted:
@@ -733,12 +738,21 @@ class ReqToMetadataIdxAllocator:
         this process's clock), and hand back the slots of requests that were
         garbage-collected holding them.
 
-        Nothing else frees a quarantined slot, not `alloc()` and not a claim at its
-        deadline: SGLang's decode ranks each keep a table, and must admit alike, so the
-        plugin sweeps on each turn of the decode loop (idle or not) as many as are due on
-        every rank's clock."""
+        Allocating sweeps too, unless the allocator is `in_step`: then only this frees a
+        quarantined slot (its table's claims do not either, until the quarantine's
+        backstop), because SGLang's decode ranks each keep a table and must admit alike.
+        The plugin sweeps on each turn of the decode loop (idle or not), as many as are
+        due on every rank's clock."""
         self.quarantine.end_first(self.quarantine.due() if due is None else due)
         self._collect_orphans()
+
+    def _sweep_own(self) -> None:
+        """What allocating and `available_size()` sweep: the quarantine by this process's
+        clock (not in step), and the slots of collected requests."""
+        if self.in_step:
+            self._collect_orphans()
+        else:
+            self.sweep()
 
     def _collect_orphans(self) -> None:
         """Hand back the slots of requests garbage-collected holding them."""

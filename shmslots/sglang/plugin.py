@@ -164,7 +164,8 @@ class DecodeAllocator(ReqToMetadataIdxAllocator):
         return super().__new__(cls)
 
     def __init__(self, size: int, **kwargs: Any) -> None:
-        super().__init__(size, **kwargs)
+        # its quarantine is freed on the decode loop's beat, in step with the other TP ranks
+        super().__init__(size, in_step=True, **kwargs)
         self.sglang_allocator: Any = None  # set when the buffers fell back to SGLang's
         _allocators.add(self)
 
@@ -266,9 +267,10 @@ def _resolved(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _sweep_agreed(allocator: ReqToMetadataIdxAllocator, group: Any) -> None:
     """Free as many quarantined slots as are due on every decode rank's clock (a MIN
-    all-reduce over `group`), on every rank in the same turn, so admission never splits:
-    every rank holds the same slots in the same order, as they follow SGLang's agreed
-    frees.  One number is reduced on every turn, so no rank can skip the collective."""
+    all-reduce over `group`), on every rank in the same turn, so every rank frees the same
+    number: the ranks hold the same slots, as they follow SGLang's agreed frees (but for a
+    request garbage-collected holding a reservation, which each rank finds on its own).
+    One number is reduced on every turn, so no rank can skip the collective."""
     from sglang.srt.disaggregation.utils import all_reduce_flags
     from torch.distributed import ReduceOp
 
