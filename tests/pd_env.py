@@ -85,6 +85,8 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         host="127.0.0.1",
         page_size=shape.page_size,
     ).install()
+    if shape.backend == "nixl":
+        _nixl_under_its_import_name()
     if shape.backend == "mooncake":  # its D2H-event path needs CUDA (prefill.py:1743-1760)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
         from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
@@ -97,6 +99,20 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
     )  # fmt: skip
 
 
+def _nixl_under_its_import_name() -> None:
+    """SGLang imports `nixl`, the meta-package that installs the build for a CUDA version
+    and re-exports it; here that build is installed directly (`nixl-cu12`), the same API
+    under `nixl_cu12`.  So its modules are entered under the meta-package's names."""
+    import sys
+
+    import nixl_cu12
+    from nixl_cu12 import _api, _bindings
+
+    sys.modules.setdefault("nixl", nixl_cu12)
+    sys.modules.setdefault("nixl._api", _api)
+    sys.modules.setdefault("nixl._bindings", _bindings)
+
+
 def _kv_args(shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...]) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -106,6 +122,9 @@ def _kv_args(shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...]) -
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [shape.item_len] * shape.entries
+    # NIXL registers by kind; SGLang says "VRAM" unless the pool is a host one (hisparse:
+    # decode.py:629-633), and these pools are host memory
+    args.kv_data_mem_kinds = ["DRAM"] * shape.entries
     args.kv_layer_ids = list(range(shape.layers)) * (1 if shape.mla else 2)
     args.num_draft_entries = 0
     args.kv_head_num = args.total_kv_head_num = 1 if shape.mla else shape.heads
@@ -226,7 +245,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
 
 def _refused(manager: Any) -> int:
     """Transfers the same-host engine refused as bad input (0 for another backend)."""
-    return int(getattr(manager.engine, "refused", 0))
+    return int(getattr(getattr(manager, "engine", None), "refused", 0))  # NIXL: no engine
 
 
 def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any) -> None:

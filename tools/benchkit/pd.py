@@ -1,22 +1,26 @@
 """Prefill to decode on one host through SGLang 0.5.23's own managers: shmslots' same-host
-backend against SGLang's Mooncake manager (TCP), and a memcpy floor.
+backend against SGLang's Mooncake manager (TCP) and its NIXL manager (UCX, its defaults), and
+a memcpy floor.
 
     python tools/bench.py pd [--layers 4] [--requests 24] [--runs 3]
 
 Needs SGLang 0.5.23 (`pip install --no-deps -r tests/sglang-0.5.23.txt`) and, for the Mooncake
-column, the Mooncake wheel and Debian's libibverbs1 (the test extra; skipped, saying so,
-without them).  The harness is the tests' (tests/pd_env.py): a prefill and a decode process,
-each running SGLang's manager, sender, receiver and bootstrap server, looked up by
-`get_kv_class` under the backend's name, over CPU KV of a Llama-3-8B-like layer (8 KV heads,
-head dim 128, bf16, page size 64; `--layers` of the 32, for memory), aux rows in the plugin's
-table.  Bytes are moved, not filled or checked (the tests check them).
+and NIXL columns, the Mooncake wheel with Debian's libibverbs1 and the `nixl-cu12` wheel (the
+test extra; each skipped, saying so, without it).  The harness is the tests'
+(tests/pd_env.py): a prefill and a decode process, each running SGLang's manager, sender,
+receiver and bootstrap server, looked up by `get_kv_class` under the backend's name, over CPU
+KV of a Llama-3-8B-like layer (8 KV heads, head dim 128, bf16, page size 64; `--layers` of the
+32, for memory), aux rows in the plugin's table.  Bytes are moved, not filled or checked
+(the tests check them).
 
 Reported per backend and request size (1k and 8k tokens): GB/s of KV moved, requests/s, p50
 and p99 from the prefill's send to the decode's Success; then, with a prefill SIGKILLed
 mid-transfer, the time from the kill until decode has its pages and slots back (SGLang's
 heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page runs copied
-by one process (`torch` copies of each entry's page runs).  NIXL is not driven: SGLang 0.5.23
-imports `nixl`, and the `nixl-cu12` wheel installs `nixl_cu12`.
+by one process (`torch` copies of each entry's page runs).  For NIXL the harness enters the
+`nixl-cu12` wheel under the `nixl` name SGLang imports, and labels the KV pools "DRAM", as
+SGLang labels a host pool (it says "VRAM" for every other pool, which UCX without CUDA
+refuses at registration).
 """
 
 from __future__ import annotations
@@ -108,11 +112,15 @@ def _floor(shape: pd_env.Shape, runs: int) -> float:
     return statistics.median(rates)
 
 
-def _mooncake_missing() -> str | None:
+def _missing(backend: str) -> str | None:
+    """Why SGLang's `backend` manager cannot run here, or None."""
     try:
-        import mooncake.engine  # noqa: F401
+        if backend == "mooncake":
+            import mooncake.engine  # noqa: F401
+        else:
+            import nixl_cu12  # noqa: F401
     except (ImportError, OSError) as exc:
-        return f"Mooncake unavailable here ({exc})"
+        return f"{backend} unavailable here ({exc})"
     return None
 
 
@@ -127,11 +135,12 @@ def main(argv: list[str]) -> int:
         print(sglang_env.SGLANG_MISSING, file=sys.stderr)
         return 2
     backends = ["shmslots"]
-    missing = _mooncake_missing()
-    if missing is None:
-        backends.append("mooncake")
-    else:
-        print(f"mooncake: skipped: {missing}")
+    for peer in ("mooncake", "nixl"):
+        missing = _missing(peer)
+        if missing is None:
+            backends.append(peer)
+        else:
+            print(f"{peer}: skipped: {missing}")
     print(
         f"KV: {args.layers} layers x K,V x 8 heads x 128 dim, bf16, page 64; "
         f"{args.window} requests in flight; {args.runs} runs; median (lowest-highest)"
@@ -159,9 +168,10 @@ def main(argv: list[str]) -> int:
         ours = statistics.median(r["GB/s"] for r in results[("shmslots", tokens)])
         line = f"{tokens} tokens: memcpy floor {floors[tokens]:.2f} GB/s, shmslots at "
         line += f"{floors[tokens] / ours:.2f}x the floor (target <= 1.5x)"
-        if ("mooncake", tokens) in results:
-            theirs = statistics.median(r["GB/s"] for r in results[("mooncake", tokens)])
-            line += f"; {ours / theirs:.1f}x Mooncake (target >= 10x)"
+        for peer, name, target in (("mooncake", "Mooncake", 10), ("nixl", "NIXL", 2)):
+            if (peer, tokens) in results:
+                theirs = statistics.median(r["GB/s"] for r in results[(peer, tokens)])
+                line += f"; {ours / theirs:.1f}x {name} (target >= {target}x)"
         print(line)
     for backend in backends:
         shape = _shape(backend, args.layers, TOKENS[0], args.window)
