@@ -57,6 +57,10 @@ class Quarantine:
             self._held = deque((due, q) for due, q in self._held if q.held)
         return len(self._held)
 
+    def __bool__(self) -> bool:
+        """Whether the book holds any slot, due or not: cheaper than len(), which sweeps."""
+        return bool(self._held)
+
     def hold(self, handle: Reservation | WriteSlot) -> bool:
         """Quarantine a reservation whose transfer was aborted, or a write slot whose row
         was refused while a write may still be landing; whether it is held now.  One that

@@ -545,7 +545,7 @@ class ReqToMetadataIdxAllocator:
         (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
         for this transfer's room."""
         buffers = self.buffers or self._decode_buffers()
-        if self._orphans or (self.quarantine and not self.in_step):
+        if self._orphans or (not self.in_step and self.quarantine):  # bool: no sweep
             self._sweep_own()
         try:
             reservation = self.table.reserve(next(self._tags), 0)
