@@ -456,7 +456,7 @@ table_closed(void)
     PyErr_SetString(type ? type : PyExc_ValueError, "the table is closed");
     Py_XDECREF(type);
 }
-static void abort_taken(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state);
+static void undo(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state, int event);
 
 static int
 core_init(Core *c, PyObject *args, PyObject *kwds)
@@ -1027,7 +1027,7 @@ ws_keep(Handle *h, PyObject *unused)
     Handle *lease = new_handle(c->lease, c, h->owner, h->slot, h->generation, h->tag);
     PyObject *before = lease ? PyLong_FromLong(0) : NULL;
     if (!before) { /* out of memory: the kept row is aborted rather than owned by nobody */
-        abort_taken(c, (PyObject *)h, slot, gen, S_HELD);
+        undo(c, (PyObject *)h, slot, gen, S_HELD, E_ABORT);
         if (lease)
             lease->open = 0;
         Py_XDECREF(lease);
@@ -1220,19 +1220,21 @@ lease_abort(Handle *h, PyObject *unused)
 
 /* -- HandleCore methods: how a handle is made, in the call that gives it its slot ------------ */
 
-/* Undo a transition whose handle could not be made (out of memory): hand the slot back
- * through a handle-less step (a lease's unread), keeping the error that got us here. */
+/* Undo a transition whose handle could not be made, or whose next step failed: hand the slot
+ * (in `state`) back through a handle-less step, `event` E_ABORT or E_REDELIVER (a taken lease,
+ * unread), keeping the error that got us here; a failure of the step itself is reported as
+ * `culprit`'s.  On a table closed meanwhile (by what an allocation ran) its close did it. */
 static void
-undo(Core *c, Py_ssize_t slot, uint64_t gen, int state)
+undo(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state, int event)
 {
-    if (!usable_core(c)) /* closed meanwhile: its close handed our slots back */
+    if (!usable_core(c))
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    int code = state == S_HELD ? hot_redeliver(c->hot, slot, gen, 1)
-                               : hot_free(c->hot, slot, gen, state, E_ABORT);
+    int code = event == E_REDELIVER ? hot_redeliver(c->hot, slot, gen, 1)
+                                    : hot_free(c->hot, slot, gen, state, event);
     if (code == STEP_ERROR)
-        PyErr_WriteUnraisable((PyObject *)c);
+        PyErr_WriteUnraisable(culprit);
     PyErr_Restore(type, value, tb);
 }
 
@@ -1249,7 +1251,7 @@ own(Core *c, PyTypeObject *type, PyObject *owner, Py_ssize_t slot, uint64_t gen,
     Py_XDECREF(gen_o);
     Py_XDECREF(tag_o);
     if (!h)
-        undo(c, slot, gen, state);
+        undo(c, (PyObject *)c, slot, gen, state, state == S_HELD ? E_REDELIVER : E_ABORT);
     return (PyObject *)h;
 }
 
@@ -1352,20 +1354,6 @@ core_open_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return own(c, c->write_slot, args[0], slot, gen, tag, S_WRITING);
 }
 
-/* Abort a slot this call took, in `state`, because what followed failed; the error set is
- * kept.  On a table closed meanwhile (by what an allocation ran) its close handed it back. */
-static void
-abort_taken(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state)
-{
-    if (!usable_core(c))
-        return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (hot_free(c->hot, slot, gen, state, E_ABORT) == STEP_ERROR)
-        PyErr_WriteUnraisable(culprit);
-    PyErr_Restore(type, value, tb);
-}
-
 /* keep_reserved(reservation) -> Lease | None: a reservation whose row a writer filled by
  * address (a transfer engine), taken as written, sealed and held by this process, in one call
  * that runs no Python: RESERVED -> WRITING (open_reserved), the seal (seal_mine's order),
@@ -1397,7 +1385,7 @@ core_keep_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return opened < 0 ? NULL : Py_NewRef(Py_None);
     int code = codec_seal(c->codec, slot, gen) < 0 ? STEP_ERROR : hot_keep(c->hot, slot, gen);
     if (code == STEP_ERROR) { /* the seal failed: the reservation ends with its slot */
-        abort_taken(c, args[0], slot, gen, S_WRITING);
+        undo(c, args[0], slot, gen, S_WRITING, E_ABORT);
         h->open = 0;
         return NULL;
     }
@@ -1411,7 +1399,7 @@ core_keep_reserved(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (lease)
         lease->deliveries = PyLong_FromLong(0);
     if (!lease || !lease->deliveries) { /* out of memory: the row is aborted, not ownerless */
-        abort_taken(c, args[0], slot, gen, S_HELD);
+        undo(c, args[0], slot, gen, S_HELD, E_ABORT);
         if (lease)
             lease->open = 0;
         Py_XDECREF(lease);
@@ -1436,7 +1424,7 @@ take_one(Core *c, PyObject *table)
     Handle *h = deliveries ? (Handle *)own(c, c->lease, table, slot, gen, tag, S_HELD) : NULL;
     if (!h) {
         if (!deliveries)
-            undo(c, slot, gen, S_HELD);
+            undo(c, (PyObject *)c, slot, gen, S_HELD, E_REDELIVER);
         Py_XDECREF(deliveries);
         return NULL;
     }
