@@ -83,8 +83,10 @@ class Quarantine:
             q = handle.quarantine(self._segment_window_s())
         except OwnershipError:  # its producer opened it first: the slot is the producer's
             return False
-        own_ns = time.monotonic_ns() + _window_ns(self.window_s)  # not before the segment's
-        self._held.append((own_ns if self.settled_by_owner else q.deadline_ns, q))
+        if self.settled_by_owner:  # the book's own window, counted once the slot is closed
+            self._held.append((time.monotonic_ns() + _window_ns(self.window_s), q))
+        else:
+            self._held.append((q.deadline_ns, q))
         if not self.settled_by_owner:
             self.sweep()
         return True
