@@ -217,3 +217,96 @@ def test_a_malformed_session_is_a_failed_transfer_not_an_exception(writer) -> No
     for session in ("a/b#1:7", "../x#1:2", "shmslots-pd-x#notanumber:1", "plain"):
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [4096], [8]) == -1
         assert engine.send_probe(session) == -1
+
+
+MOVED = (9 << 20) + 5000  # bytes registered: whole pages between two partial ones
+
+
+def _moved_victim(conn: Connection) -> None:
+    """A peer that registers an anonymous buffer whose ends share pages with other memory;
+    it reports its bytes, how its pages are mapped, and whether its memfd can shrink."""
+    block = torch.arange(10 << 18, dtype=torch.int32).view(torch.uint8)
+    skip = (1000 - block.data_ptr()) % 4096  # the view starts 1000 bytes into a page
+    view = block[skip : skip + MOVED]
+    before = view.numpy().tobytes()
+    with SameHostEngine(f"{NAME}-moved-{os.getpid()}") as engine:
+        engine.batch_register([view.data_ptr()], [view.numel()])
+        (memfd,) = [r.memfd for r in engine._own[0] if r.memfd >= 0]
+        try:
+            os.ftruncate(memfd, 4096)
+            shrank = True
+        except PermissionError:
+            shrank = False
+        moved = [m[:2] for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+        kept = view.numpy().tobytes() == before
+        conn.send((engine.get_session_id(), view.data_ptr(), before, kept, moved, shrank))
+        conn.recv()
+        conn.send(view.numpy().tobytes())
+        conn.recv()
+
+
+def test_registered_anonymous_memory_moves_onto_a_sealed_memfd_in_place(writer) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's CPU pools are anonymous memory: registering one moves its whole pages onto
+    a memfd (same addresses, same bytes), sealed so that a peer's mapping cannot fault, and
+    blocks that cross between a private end page and the memfd land whole, a call large
+    enough to be split over the copy threads too."""
+    engine, src = writer
+    whole = torch.randint(0, 256, (MOVED,), dtype=torch.uint8)
+    engine.batch_register([whole.data_ptr()], [MOVED])
+    with peer_process(_moved_victim) as (conn, got, _):
+        session, start, before, kept, moved, shrank = got
+        page = os.sysconf("SC_PAGESIZE")
+        lo, hi = -(-start // page) * page, (start + MOVED) // page * page
+        assert kept and not shrank
+        assert moved == [(lo, hi)]  # every whole page, and nothing of its neighbours
+        assert MOVED > samehost.PARALLEL_BYTES
+        assert engine.batch_transfer_sync(session, [whole.data_ptr()], [start], [MOVED]) == 0
+        blocks = [(0, 16), (lo - start - 100, 200), (hi - start - 100, 400), (5 * page, 4096)]
+        sources = [src.data_ptr()] * len(blocks)
+        targets = [start + at for at, _ in blocks]
+        assert engine.batch_transfer_sync(session, sources, targets, [n for _, n in blocks]) == 0
+        assert engine.refused == 0
+        conn.send("report")
+        after = conn.recv()
+    assert before != whole.numpy().tobytes()
+    expected = bytearray(whole.numpy().tobytes())
+    for at, n in blocks:
+        expected[at : at + n] = src.numpy().tobytes()[:n]
+    assert after == bytes(expected)
+
+
+def _forging_victim(conn: Connection) -> None:
+    """A peer whose registry names memfds a writer must refuse: one that could shrink under
+    the writer's mapping (a SIGBUS there), one whose inode is not the file's, one not open."""
+    import mmap
+
+    fd = os.memfd_create("shmslots-pd-forged")
+    os.ftruncate(fd, 1 << 16)
+    mm = mmap.mmap(fd, 1 << 16)
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    base, inode = view.data_ptr(), os.fstat(fd).st_ino
+    forged = {
+        "not sealed": samehost.Region(base, 4096, None, inode, 0, fd),
+        "no longer the file": samehost.Region(base, 4096, None, inode + 1, 0, fd),
+        "not open": samehost.Region(base, 4096, None, inode, 0, 1000),
+    }
+    with SameHostEngine(f"{NAME}-forger-{os.getpid()}") as engine:
+        for why, region in forged.items():
+            engine.registry.publish([region])
+            conn.send((engine.get_session_id(), why, base))
+            conn.recv()
+        conn.send(bool(view.any()))
+        conn.recv()
+
+
+def test_a_memfd_the_peer_could_shrink_or_did_not_register_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
+    engine, src = writer
+    with peer_process(_forging_victim) as (conn, (session, why, base), _):
+        for _ in range(3):
+            with pytest.raises(TransferError, match=why):
+                engine.transfer(session, [src.data_ptr()], [base], [64])
+            conn.send("next")
+            got = conn.recv()
+            if isinstance(got, tuple):
+                session, why, base = got
+        assert got is False  # nothing was written

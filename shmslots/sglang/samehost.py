@@ -8,7 +8,16 @@ this class behind them.  Each engine publishes a small *registry* segment, `/dev
 - a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
   pid, start time and pid namespace, and the length of the region list;
 - the region list (JSON): every registered range, and for a range mapped shared from a file
-  of `/dev/shm` (a shmslots table's columns) that file's name, inode and offset.
+  (a shmslots table's columns in `/dev/shm`, or a sealed memfd, below) how to map that file:
+  its name or its descriptor number in the owner, its inode and the range's offset in it.
+
+Registering anonymous memory (SGLang's CPU KV and state pools) moves its whole pages, in
+place, onto a memfd: their content is copied into the file and the file is mapped over
+them (MAP_FIXED, 64 MiB at a time), so the owner's tensors keep their addresses and bytes.
+The memfd is sealed against shrinking, so a peer's mapping of it can never fault.  The
+partial pages at either end stay private (they may hold other allocations).  While
+`batch_register` runs, nothing else may write the range; SGLang registers its pools before
+serving.
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
@@ -17,8 +26,10 @@ restarted peer, which makes a new registry under the same name, is another sessi
 mapping of the old one is dropped.
 
 A write into a peer goes, per destination region:
-- into a `/dev/shm` file region: by `memmove` into this process's own mapping of that file
-  (mapped once, checked to be the inode the peer registered and owned by this user);
+- into a file region: by `memmove` into this process's own mapping of that file, mapped
+  once: a `/dev/shm` file by its name, a memfd by `pidfd_getfd` from the peer; either is
+  checked to be the inode the peer registered and owned by this user, and a memfd to be
+  sealed against shrinking;
 - into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
   system call (IOV_MAX a call).  The pid comes from the registry; a pidfd of it, opened once
   and confirmed by the registry's lock and the start time after opening, says before each
@@ -38,6 +49,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import itertools
 import json
 import logging
@@ -48,7 +60,8 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, ShmSlotsError, TableExists
@@ -56,7 +69,7 @@ from ..participants import _lock_request, process_start_ticks
 from ..segment import SHM_DIR, Segment, unlink, validate_name
 
 MAGIC = b"SHMSLPD1"
-FORMAT = 1
+FORMAT = 2
 REGISTRY_BYTES = 256 * 1024
 # magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length
 _HEADER = struct.Struct("<8sIIQQQQII")
@@ -78,17 +91,25 @@ class PeerGone(TransferError):
 
 @dataclass(frozen=True)
 class Region:
-    """One registered range; `shm` names the /dev/shm file it lies in, if any."""
+    """One registered range; `shm` names the /dev/shm file it lies in, or `memfd` is the
+    owner's descriptor of the memfd it lies in, if any."""
 
     base: int
     length: int
     shm: str | None = None
     inode: int = 0
     offset: int = 0
+    memfd: int = -1
 
     @property
     def end(self) -> int:
         return self.base + self.length
+
+    @property
+    def mapped(self) -> bool:
+        """Whether a peer writes it through its own mapping of the file (else by
+        process_vm_writev into the owner's address space)."""
+        return self.shm is not None or self.memfd >= 0
 
 
 def _pidns() -> int:
@@ -107,9 +128,10 @@ def _mappings() -> list[tuple[int, int, str, int, int, str]]:
     return out
 
 
-def classify(base: int, length: int) -> Region:
-    """The region at [base, base+length) of this process, or TransferError when it is not
-    writable host memory (a CUDA allocation, a read-only or unmapped range)."""
+def classify(base: int, length: int) -> tuple[Region, bool]:
+    """The region at [base, base+length) of this process, and whether it is all private
+    anonymous memory; TransferError when it is not writable host memory (a CUDA
+    allocation, a read-only or unmapped range)."""
     if base <= 0 or length <= 0:
         raise TransferError(f"cannot register {length} bytes at {base:#x}")
     maps = _mappings()
@@ -141,8 +163,45 @@ def classify(base: int, length: int) -> Region:
         and not path.endswith("(deleted)")
     ):
         name = path[len(SHM_DIR) + 1 :]
-        return Region(base, length, name, first[4], first[3] + (base - first[0]))
-    return Region(base, length)
+        return Region(base, length, name, first[4], first[3] + (base - first[0])), False
+    anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
+    return Region(base, length), anonymous
+
+
+PAGE = mmap.PAGESIZE
+SHARE_CHUNK = 64 << 20  # copied and remapped at a time: the most memory the move adds
+
+
+def share(region: Region) -> list[Region]:
+    """Move the whole pages of an anonymous `region` onto a new sealed memfd, in place (see
+    the module's docstring); returns the region's parts: the head and tail pages it shares
+    with other memory, and the middle on the memfd (its `memfd` is open here)."""
+    lo = -(-region.base // PAGE) * PAGE
+    hi = region.end // PAGE * PAGE
+    if hi <= lo:
+        return [region]
+    fd = os.memfd_create("shmslots-pd", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, hi - lo)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+        for at in range(0, hi - lo, SHARE_CHUNK):
+            n = min(SHARE_CHUNK, hi - lo - at)
+            data = memoryview((ctypes.c_char * n).from_address(lo + at)).cast("B")
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, data[done:], at + done)
+            got = _libc.mmap(lo + at, n, PROT_RW, MAP_SHARED_FIXED, fd, at)
+            if got != lo + at:
+                raise OSError(ctypes.get_errno(), f"mmap over {lo + at:#x}: failed")
+    except BaseException:
+        os.close(fd)  # what was moved already stays moved, on a file its mapping keeps
+        raise
+    parts = [
+        Region(region.base, lo - region.base),
+        Region(lo, hi - lo, None, os.fstat(fd).st_ino, 0, fd),
+        Region(hi, region.end - hi),
+    ]
+    return [r for r in parts if r.length]
 
 
 PREFIX = "shmslots-pd-"
@@ -210,7 +269,7 @@ class Registry:
     def publish(self, regions: Sequence[Region]) -> None:
         """Rewrite the region list under the sequence number (odd while writing)."""
         payload = json.dumps(
-            [[r.base, r.length, r.shm, r.inode, r.offset] for r in regions]
+            [[r.base, r.length, r.shm, r.inode, r.offset, r.memfd] for r in regions]
         ).encode()
         if len(payload) > REGISTRY_BYTES - PAYLOAD_AT or len(regions) > MAX_REGIONS:
             raise TransferError(f"{len(regions)} regions do not fit in a registry")
@@ -318,9 +377,6 @@ class PeerRegistry:
             return True
         raise TransferError(f"registry {self.name!r} is being rewritten without end")
 
-    def region_of(self, address: int, length: int) -> Region | None:
-        return _region_of(self.table, address, length)
-
     def close(self) -> None:
         self.segment.close()
 
@@ -335,17 +391,18 @@ def _parse_regions(name: str, payload: bytes) -> list[Region]:
         raise TransferError(f"registry {name!r} holds no region list")
     regions = []
     for item in raw:
-        ok = isinstance(item, list) and len(item) == 5
-        base, length, shm, inode, offset = item if ok else (0, 0, None, 0, 0)
+        ok = isinstance(item, list) and len(item) == 6
+        base, length, shm, inode, offset, memfd = item if ok else (0, 0, None, 0, 0, -1)
         ints = all(type(v) is int and 0 <= v < 1 << 63 for v in (base, length, inode, offset))
-        if not (ok and ints and length > 0 and (shm is None or isinstance(shm, str))):
+        ok = ok and ints and length > 0 and type(memfd) is int and -1 <= memfd < 1 << 31
+        if not (ok and (shm is None or (isinstance(shm, str) and memfd == -1))):
             raise TransferError(f"registry {name!r} holds a malformed region: {item!r}")
         if shm is not None:
             try:
                 validate_name(shm)
             except InvalidArgument:
                 raise TransferError(f"registry {name!r} names no /dev/shm file: {shm!r}") from None
-        regions.append(Region(base, length, shm, inode, offset))
+        regions.append(Region(base, length, shm, inode, offset, memfd))
     regions.sort(key=lambda r: r.base)
     for a, b in itertools.pairwise(regions):
         if a.end > b.base:
@@ -359,7 +416,7 @@ class _Peer:
     def __init__(self, registry: PeerRegistry) -> None:
         self.registry = registry
         self.pidfd = -1
-        self.maps: dict[tuple[str, int], tuple[mmap.mmap, int]] = {}
+        self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
         self.users = 0  # transfers and probes using it now (the engine's lock guards this)
         self.dropped = False  # out of the engine's table: closed by its last user
@@ -414,29 +471,52 @@ class _Peer:
         return self.pidfd
 
     def mapping(self, region: Region) -> int:
-        """This process's address of `region`'s /dev/shm file, mapped once."""
+        """This process's address of `region`'s file (a /dev/shm file or a memfd), mapped
+        once."""
         with self.lock:
             return self._map(region)
 
     def _map(self, region: Region) -> int:
-        assert region.shm is not None
-        key = (region.shm, region.inode)
+        key = (region.shm or region.memfd, region.inode)
         got = self.maps.get(key)
         if got is None:
-            fd = os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
+            fd = self._open_file(region)
             try:
                 st = os.fstat(fd)
                 if st.st_ino != region.inode or st.st_uid != os.geteuid():
-                    raise PeerGone(f"{region.shm!r} is no longer the file the peer registered")
-                mm = mmap.mmap(fd, st.st_size)
+                    raise PeerGone(
+                        f"{self._file(region)} is no longer the file the peer registered"
+                    )
+                if region.memfd >= 0 and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                    raise TransferError(
+                        f"{self._file(region)} may shrink under this mapping (not sealed)"
+                    )
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             finally:
                 os.close(fd)
             got = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
             self.maps[key] = got
         mm, address = got
         if region.offset + region.length > len(mm):
-            raise TransferError(f"region of {region.shm!r} lies past its end")
+            raise TransferError(f"region of {self._file(region)} lies past its end")
         return address + region.offset
+
+    def _open_file(self, region: Region) -> int:
+        if region.shm is not None:
+            return os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return _getfd(self._open_pidfd(), region.memfd)
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                raise TransferError(_access_refusal(self.registry.pid, exc.errno)) from None
+            if exc.errno == errno.EBADF:
+                raise TransferError(f"{self._file(region)} is not open in the peer") from None
+            raise
+
+    def _file(self, region: Region) -> str:
+        if region.shm is not None:
+            return repr(region.shm)
+        return f"memfd {region.memfd} of {self.registry.name!r}"
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -481,6 +561,23 @@ _libc.process_vm_writev.argtypes = [
     ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.c_ulong,
 ]  # fmt: skip
 _libc.process_vm_writev.restype = ctypes.c_ssize_t
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+]  # fmt: skip
+_libc.mmap.restype = ctypes.c_void_p
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+MAP_SHARED_FIXED = mmap.MAP_SHARED | mmap.MAP_POPULATE | 0x10  # MAP_FIXED: resident, as before
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
+SYS_PIDFD_GETFD = 438  # one number on every architecture since Linux 5.6
+
+
+def _getfd(pidfd: int, fd: int) -> int:
+    """A descriptor of this process for the peer's descriptor `fd` (pidfd_getfd)."""
+    got = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(got)
 
 
 def _ptrace_scope() -> int | None:
@@ -517,6 +614,8 @@ class SameHostEngine:
         self.registry = Registry(name)
         self.session_port = session_port
         self._own: tuple[list[Region], list[int]] = ([], [])  # swapped whole, as a peer's
+        self._parts: dict[int, list[Region]] = {}  # a registered base: its published parts
+        self._threads: ThreadPoolExecutor | None = None  # made by the first parallel copy
         self._peers: dict[str, _Peer] = {}
         # SGLang's manager transfers from several threads at once (its queues, and executor
         # futures per layer): a peer is closed only by its last user, and close() waits
@@ -531,25 +630,45 @@ class SameHostEngine:
         return f"{self.registry.name}#{self.registry.inode}:{self.session_port}"
 
     def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
+        """Publish the ranges (anonymous ones moved onto memfds first: the module's
+        docstring says how and why); a range overlapping one registered is refused."""
         new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
         with self._lock:
-            regions = sorted(self._own[0] + new, key=lambda r: r.base)
+            regions = sorted(self._own[0] + [r for r, _ in new], key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
                 if a.end > b.base:
                     raise TransferError(f"region at {b.base:#x} overlaps one registered before")
+            for region, anonymous in new:
+                self._parts[region.base] = self._share(region) if anonymous else [region]
+            regions = sorted(itertools.chain(*self._parts.values()), key=lambda r: r.base)
             self.registry.publish(regions)
             self._own = (regions, [r.base for r in regions])
         return 0
+
+    @staticmethod
+    def _share(region: Region) -> list[Region]:
+        try:
+            return share(region)
+        except OSError as exc:  # the range stays as it was: written by process_vm_writev
+            log.warning(
+                "shmslots: %d bytes at %#x stay private: %s", region.length, region.base, exc
+            )
+            return [region]
 
     def register(self, ptr: int, length: int) -> int:
         return self.batch_register([ptr], [length])
 
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
-        gone = {int(p) for p in ptrs}
+        """Withdraw the ranges registered at `ptrs`; their memory stays where it is (a
+        moved range stays on its memfd, whose mapping keeps it)."""
         with self._lock:
-            regions = [r for r in self._own[0] if r.base not in gone]
+            gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
+            regions = sorted(itertools.chain(*self._parts.values()), key=lambda r: r.base)
             self.registry.publish(regions)
             self._own = (regions, [r.base for r in regions])
+        for r in gone:
+            if r.memfd >= 0:
+                os.close(r.memfd)
         return 0
 
     def send_probe(self, session: str) -> int:
@@ -621,26 +740,43 @@ class SameHostEngine:
                 if n < 0:
                     raise TransferError(f"negative length {n}")
                 continue
-            if _region_of(own, src, n) is None:
+            if not _cover(own, src, n):
                 raise TransferError(f"{n} bytes at {src:#x} are not registered here")
-            region = _region_of(theirs, dst, n)
-            if region is None:
+            pieces = _cover(theirs, dst, n)
+            if not pieces:
                 raise TransferError(
                     f"{n} bytes at {dst:#x} are not inside memory the peer {reg.name!r} registered"
                 )
-            plan.append((src, dst, n, region))
+            plan += [(src + (at - dst), at, k, region) for at, k, region in pieces]
         try:
-            for src, dst, n, region in plan:
-                if region.shm is not None:
-                    ctypes.memmove(peer.mapping(region) + (dst - region.base), src, n)
-            anonymous = [(src, dst, n) for src, dst, n, region in plan if region.shm is None]
-            if anonymous:
-                peer.write(anonymous)
+            files = {r: peer.mapping(r) for r in {p[3] for p in plan if p[3].mapped}}
+            copies = [(s, files[r] + (d - r.base), n) for s, d, n, r in plan if r.mapped]
+            writes = [(s, d, n) for s, d, n, r in plan if not r.mapped]
+            jobs = [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
+            jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
+            self._run(jobs)
         except OSError as exc:
             alive = _still_alive(reg)
             self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
+
+    def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
+        the first failure) only once every one has ended: no write may land after."""
+        if len(jobs) > 1 and self._threads is None:
+            self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
+        futures = [self._threads.submit(job) for job in jobs[1:]] if self._threads else []
+        failure: BaseException | None = None
+        try:
+            if jobs:
+                jobs[0]()
+        except BaseException as exc:
+            failure = exc
+        for future in futures:
+            failure = failure or future.exception()  # waits
+        if failure is not None:
+            raise failure
 
     def _acquire(self, session: str) -> _Peer:
         """The session's peer, opened on first use, with one more user."""
@@ -686,6 +822,12 @@ class SameHostEngine:
         for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
         self.registry.close()
+        if self._threads is not None:
+            self._threads.shutdown()
+        parts, self._parts = self._parts, {}
+        for r in itertools.chain(*parts.values()):
+            if r.memfd >= 0:
+                os.close(r.memfd)
 
     def __enter__(self) -> SameHostEngine:
         return self
@@ -706,12 +848,51 @@ def parse_session(session: str) -> tuple[str, int]:
     raise TransferError(f"{session!r} is not a same-host engine session")
 
 
-def _region_of(table: tuple[list[Region], list[int]], address: int, length: int) -> Region | None:
-    """The region of `table` that holds all `length` bytes at `address`, or None."""
+COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
+PARALLEL_BYTES = 4 << 20  # a call moving less goes on its caller's thread alone
+
+
+def _copy(blocks: list[tuple[int, int, int]]) -> None:
+    """(source, target, length) blocks, both addresses of this process."""
+    for src, dst, n in blocks:
+        ctypes.memmove(dst, src, n)
+
+
+def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """`blocks` cut into up to `parts` runs of about equal bytes (cut at 4 KiB multiples),
+    in order; [] for none, and one run for a call too small to be worth threads."""
+    total = sum(n for _, _, n in blocks)
+    if not blocks or parts < 2 or total < PARALLEL_BYTES:
+        return [blocks] if blocks else []
+    share = -(-total // parts // 4096) * 4096  # ceil(total / parts), up to 4 KiB
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for src, dst, n in blocks:
+        while n:
+            k = min(n, room)
+            runs[-1].append((src, dst, k))
+            src, dst, n, room = src + k, dst + k, n - k, room - k
+            if not room:
+                runs.append([])
+                room = share
+    return [run for run in runs if run]
+
+
+def _cover(
+    table: tuple[list[Region], list[int]], address: int, length: int
+) -> list[tuple[int, int, Region]]:
+    """The (address, length, region) pieces of `length` bytes at `address` over adjacent
+    regions of `table` (a moved range is published as up to three), or [] where any byte
+    lies outside them."""
     regions, bases = table
     i = bisect.bisect_right(bases, address) - 1
-    if i >= 0:
+    pieces = []
+    at, end = address, address + length
+    while 0 <= i < len(regions) and regions[i].base <= at < regions[i].end:
         r = regions[i]
-        if r.base <= address and address + length <= r.end:
-            return r
-    return None
+        pieces.append((at, min(end, r.end) - at, r))
+        at = r.end
+        if at >= end:
+            return pieces
+        i += 1
+    return []
