@@ -310,3 +310,43 @@ def test_a_memfd_the_peer_could_shrink_or_did_not_register_is_refused(writer) ->
             if isinstance(got, tuple):
                 session, why, base = got
         assert got is False  # nothing was written
+
+
+def test_memory_pinned_by_another_holder_stays_where_it_is() -> None:
+    """A CUDA host registration or an RDMA memory region marks its range MADV_DONTFORK and
+    holds its physical pages: moving them onto a memfd would leave that holder on the old
+    pages, so such a range is registered as it is (written by process_vm_writev)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    held = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+    free = torch.ones(1 << 20, dtype=torch.uint8)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(held))
+    assert libc.madvise(address, 1 << 20, 10) == 0  # MADV_DONTFORK
+    try:
+        with SameHostEngine(f"{NAME}-pinned-{os.getpid()}") as engine:
+            engine.batch_register([address, free.data_ptr()], [1 << 20, 1 << 20])
+            moved = {r.base for r in engine._own[0] if r.memfd >= 0}
+            assert not any(address <= b < address + (1 << 20) for b in moved)
+            assert any(free.data_ptr() <= b < free.data_ptr() + (1 << 20) for b in moved)
+    finally:
+        held.close()
+
+
+def test_a_transfer_returns_only_once_every_copy_thread_has_ended() -> None:
+    """A failing run must not leave the others writing after the call has failed."""
+    ended: list[int] = []
+
+    def fail() -> None:
+        raise OSError("first run failed")
+
+    def slow(i: int) -> None:
+        time.sleep(0.2)
+        ended.append(i)
+
+    with SameHostEngine(f"{NAME}-runs-{os.getpid()}") as engine:
+        with pytest.raises(OSError, match="first run failed"):
+            engine._run([fail, lambda: slow(1), lambda: slow(2), lambda: slow(3)])
+        assert sorted(ended) == [1, 2, 3]

@@ -60,8 +60,8 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, ShmSlotsError, TableExists
@@ -129,9 +129,9 @@ def _mappings() -> list[tuple[int, int, str, int, int, str]]:
 
 
 def classify(base: int, length: int) -> tuple[Region, bool]:
-    """The region at [base, base+length) of this process, and whether it is all private
-    anonymous memory; TransferError when it is not writable host memory (a CUDA
-    allocation, a read-only or unmapped range)."""
+    """The region at [base, base+length) of this process, and whether it may be moved onto
+    a memfd (all private anonymous memory, none of it pinned); TransferError when it is not
+    writable host memory (a CUDA allocation, a read-only or unmapped range)."""
     if base <= 0 or length <= 0:
         raise TransferError(f"cannot register {length} bytes at {base:#x}")
     maps = _mappings()
@@ -165,7 +165,26 @@ def classify(base: int, length: int) -> tuple[Region, bool]:
         name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
-    return Region(base, length), anonymous
+    return Region(base, length), anonymous and not _pinned(base, end)
+
+
+PINNED_FLAGS = {"lo", "dc", "io", "pf"}  # mlocked, MADV_DONTFORK (CUDA, RDMA), I/O, PFN
+
+
+def _pinned(base: int, end: int) -> bool:
+    """Whether any mapping over [base, end) carries a flag of memory something else may hold
+    by its physical pages (a CUDA host registration or an RDMA memory region marks its
+    range MADV_DONTFORK): moving such pages would leave the holder on the old ones."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > base
+            elif inside and head == "VmFlags:" and PINNED_FLAGS & set(line.split()[1:]):
+                return True
+    return False
 
 
 PAGE = mmap.PAGESIZE
@@ -191,8 +210,12 @@ def share(region: Region) -> list[Region]:
             while done < n:
                 done += os.pwrite(fd, data[done:], at + done)
             got = _libc.mmap(lo + at, n, PROT_RW, MAP_SHARED_FIXED, fd, at)
-            if got != lo + at:
-                raise OSError(ctypes.get_errno(), f"mmap over {lo + at:#x}: failed")
+            if got != lo + at:  # the old pages may be gone: no quiet fallback from here
+                err = ctypes.get_errno()
+                raise TransferError(
+                    f"mapping a memfd over {n} bytes at {lo + at:#x} failed ({os.strerror(err)}); "
+                    "that range of this process may now be unmapped"
+                )
     except BaseException:
         os.close(fd)  # what was moved already stays moved, on a file its mapping keeps
         raise
@@ -417,6 +440,7 @@ class _Peer:
         self.registry = registry
         self.pidfd = -1
         self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
+        self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
         self.users = 0  # transfers and probes using it now (the engine's lock guards this)
         self.dropped = False  # out of the engine's table: closed by its last user
@@ -470,17 +494,20 @@ class _Peer:
             self.pidfd = fd
         return self.pidfd
 
-    def mapping(self, region: Region) -> int:
+    def mapping(self, region: Region) -> int | None:
         """This process's address of `region`'s file (a /dev/shm file or a memfd), mapped
-        once."""
+        once; None for a memfd this process cannot take from the peer (then its bytes go by
+        process_vm_writev, as to anonymous memory)."""
         with self.lock:
             return self._map(region)
 
-    def _map(self, region: Region) -> int:
+    def _map(self, region: Region) -> int | None:
         key = (region.shm or region.memfd, region.inode)
         got = self.maps.get(key)
         if got is None:
             fd = self._open_file(region)
+            if fd < 0:
+                return None
             try:
                 st = os.fstat(fd)
                 if st.st_ino != region.inode or st.st_uid != os.geteuid():
@@ -502,13 +529,19 @@ class _Peer:
         return address + region.offset
 
     def _open_file(self, region: Region) -> int:
+        """A descriptor of `region`'s file, or -1 where pidfd_getfd is refused here."""
         if region.shm is not None:
             return os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
+        if self.no_getfd:
+            return -1
         try:
             return _getfd(self._open_pidfd(), region.memfd)
         except OSError as exc:
-            if exc.errno in (errno.EPERM, errno.EACCES):
-                raise TransferError(_access_refusal(self.registry.pid, exc.errno)) from None
+            if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+                # a kernel before 5.6, or a seccomp profile that allows process_vm_writev only
+                log.warning("shmslots: pidfd_getfd refused (%s): writing by process_vm_writev", exc)
+                self.no_getfd = True
+                return -1
             if exc.errno == errno.EBADF:
                 raise TransferError(f"{self._file(region)} is not open in the peer") from None
             raise
@@ -631,17 +664,24 @@ class SameHostEngine:
 
     def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
         """Publish the ranges (anonymous ones moved onto memfds first: the module's
-        docstring says how and why); a range overlapping one registered is refused."""
+        docstring says how and why); a range overlapping one registered is refused, and a
+        refused call publishes nothing of itself."""
         new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
         with self._lock:
             regions = sorted(self._own[0] + [r for r, _ in new], key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
                 if a.end > b.base:
                     raise TransferError(f"region at {b.base:#x} overlaps one registered before")
-            for region, anonymous in new:
-                self._parts[region.base] = self._share(region) if anonymous else [region]
-            regions = sorted(itertools.chain(*self._parts.values()), key=lambda r: r.base)
-            self.registry.publish(regions)
+            parts = dict(self._parts)
+            try:
+                for region, movable in new:
+                    parts[region.base] = self._share(region) if movable else [region]
+                regions = sorted(itertools.chain(*parts.values()), key=lambda r: r.base)
+                self.registry.publish(regions)
+            except BaseException:
+                _close_memfds(p for base, p in parts.items() if base not in self._parts)
+                raise
+            self._parts = parts
             self._own = (regions, [r.base for r in regions])
         return 0
 
@@ -666,9 +706,7 @@ class SameHostEngine:
             regions = sorted(itertools.chain(*self._parts.values()), key=lambda r: r.base)
             self.registry.publish(regions)
             self._own = (regions, [r.base for r in regions])
-        for r in gone:
-            if r.memfd >= 0:
-                os.close(r.memfd)
+        _close_memfds([gone])
         return 0
 
     def send_probe(self, session: str) -> int:
@@ -750,8 +788,8 @@ class SameHostEngine:
             plan += [(src + (at - dst), at, k, region) for at, k, region in pieces]
         try:
             files = {r: peer.mapping(r) for r in {p[3] for p in plan if p[3].mapped}}
-            copies = [(s, files[r] + (d - r.base), n) for s, d, n, r in plan if r.mapped]
-            writes = [(s, d, n) for s, d, n, r in plan if not r.mapped]
+            copies = [(s, at + d - r.base, n) for s, d, n, r in plan if (at := files.get(r))]
+            writes = [(s, d, n) for s, d, n, r in plan if not files.get(r)]
             jobs = [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
             jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
             self._run(jobs)
@@ -764,17 +802,24 @@ class SameHostEngine:
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
         the first failure) only once every one has ended: no write may land after."""
-        if len(jobs) > 1 and self._threads is None:
-            self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
-        futures = [self._threads.submit(job) for job in jobs[1:]] if self._threads else []
+        futures: list[Future[None]] = []
         failure: BaseException | None = None
         try:
+            if len(jobs) > 1:
+                with self._lock:
+                    if self._threads is None:
+                        self._threads = ThreadPoolExecutor(
+                            max(1, COPY_THREADS - 1), "shmslots-copy"
+                        )
+                    threads = self._threads
+                futures += [threads.submit(job) for job in jobs[1:]]
             if jobs:
                 jobs[0]()
         except BaseException as exc:
             failure = exc
+        wait(futures)
         for future in futures:
-            failure = failure or future.exception()  # waits
+            failure = failure or future.exception()
         if failure is not None:
             raise failure
 
@@ -825,9 +870,7 @@ class SameHostEngine:
         if self._threads is not None:
             self._threads.shutdown()
         parts, self._parts = self._parts, {}
-        for r in itertools.chain(*parts.values()):
-            if r.memfd >= 0:
-                os.close(r.memfd)
+        _close_memfds(parts.values())
 
     def __enter__(self) -> SameHostEngine:
         return self
@@ -846,6 +889,13 @@ def parse_session(session: str) -> tuple[str, int]:
     except InvalidArgument:
         pass
     raise TransferError(f"{session!r} is not a same-host engine session")
+
+
+def _close_memfds(groups: Iterable[list[Region]]) -> None:
+    """Close the memfds these regions hold open here (their mappings keep the memory)."""
+    for region in itertools.chain(*groups):
+        if region.memfd >= 0:
+            os.close(region.memfd)
 
 
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
