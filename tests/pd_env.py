@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -56,6 +57,8 @@ class Shape:
     slots: int = 8  # aux rows (metadata slots) on the decode side
     late_write_window_s: float = 0.3
     verify: bool = True  # fill and check every byte (the benchmark moves them unread)
+    nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
+    mamba: bool = False  # a Mamba state group beside the KV: a conv and a temporal tensor
 
     @property
     def entries(self) -> int:
@@ -65,6 +68,10 @@ class Shape:
     def item_len(self) -> int:  # bytes of one page of one entry (bf16)
         heads = 1 if self.mla else self.heads
         return self.page_size * heads * self.head_dim * 2
+
+
+MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
+STATE_ENTRY = 1000  # the state rows' entry numbers in `pattern`, after any KV entry's
 
 
 def pattern(room: int, entry: int, page: int, item_len: int) -> torch.Tensor:
@@ -87,6 +94,8 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
     ).install()
     if shape.backend == "nixl":
         _nixl_under_its_import_name()
+        if shape.nixl_params:
+            os.environ["SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS"] = shape.nixl_params
     if shape.backend == "mooncake":  # its D2H-event path needs CUDA (prefill.py:1743-1760)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
         from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
@@ -113,7 +122,9 @@ def _nixl_under_its_import_name() -> None:
     sys.modules.setdefault("nixl._bindings", _bindings)
 
 
-def _kv_args(shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...]) -> Any:
+def _kv_args(
+    shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...], state: list[torch.Tensor]
+) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     args = get_kv_class(TransferBackend(shape.backend), KVClassType.KVARGS)()
@@ -133,6 +144,15 @@ def _kv_args(shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...]) -
     args.ib_device, args.gpu_id = None, 0
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
+    if state:  # SGLang's Mamba group: one row per request in each tensor, sent by index
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        args.state_types = [StateType.MAMBA]
+        args.state_data_ptrs = [[t.data_ptr() for t in state]]
+        args.state_data_lens = [[t.numel() for t in state]]
+        args.state_item_lens = [list(MAMBA_ITEM_LENS)]
+        args.state_layer_ids = [list(range(len(state)))]
+        args.state_dim_per_tensor = []
     args.prefill_start_layer, args.prefill_end_layer = 0, shape.layers
     return args
 
@@ -144,18 +164,35 @@ def _classes(shape: Shape) -> tuple[Any, Any]:
     return backend, lambda kind: get_kv_class(backend, getattr(KVClassType, kind))
 
 
-def _manager(shape: Shape, mode: str, kv: list[torch.Tensor], aux: Any) -> Any:
+def _manager(
+    shape: Shape, mode: str, kv: list[torch.Tensor], aux: Any, state: list[torch.Tensor]
+) -> Any:
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_server_args
 
     _, cls = _classes(shape)
     role = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
-    return cls("MANAGER")(_kv_args(shape, kv, aux), role, get_server_args(), shape.mla)
+    return cls("MANAGER")(_kv_args(shape, kv, aux, state), role, get_server_args(), shape.mla)
 
 
 def _kv(shape: Shape) -> list[torch.Tensor]:
     return [
         torch.zeros(shape.pages * shape.item_len, dtype=torch.uint8) for _ in range(shape.entries)
+    ]
+
+
+def _state(shape: Shape) -> list[torch.Tensor]:
+    """The Mamba state tensors, a row per KV page: a room's state row is its first page's,
+    so a released room's row, like its pages, is reused only after the canary check."""
+    if not shape.mamba:
+        return []
+    return [torch.zeros(shape.pages * n, dtype=torch.uint8) for n in MAMBA_ITEM_LENS]
+
+
+def _state_rows(state: list[torch.Tensor], page: int) -> list[torch.Tensor]:
+    return [
+        t[page * n : (page + 1) * n]
+        for t, n in zip(state, MAMBA_ITEM_LENS[: len(state)], strict=True)
     ]
 
 
@@ -179,14 +216,14 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv = _kv(shape)
+    kv, mamba = _kv(shape), _state(shape)
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
     )  # fmt: skip
     _, cls = _classes(shape)
     server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
-    manager = _manager(shape, "prefill", kv, buffers.get_buf_infos())
+    manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), mamba)
     conn.send(("up", os.getpid()))
     addr = f"127.0.0.1:{bootstrap_port}"
     free_pages = list(range(shape.pages))
@@ -221,11 +258,16 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     for e, t in enumerate(kv if shape.verify else ()):
                         for i, p in enumerate(pages):
                             _page(t, p, shape).copy_(pattern(room, e, i, shape.item_len))
+                    for k, row in enumerate(_state_rows(mamba, pages[0])):
+                        row.copy_(pattern(room, STATE_ENTRY + k, 0, row.numel()))
                     req = env.sglang_req(room, HIDDEN, TOPK)
                     req.metadata_buffer_index, req.bootstrap_room = slot, room
                     buffers.set_buf(req)
                     sender.init(len(pages), slot)
-                    sender.send(np.asarray(pages, dtype=np.int32))
+                    sender.send(
+                        np.asarray(pages, dtype=np.int32),
+                        state_indices=[[pages[0]]] if mamba else None,
+                    )
                     active[room] = (sender, pages, slot, True)
                     sent_at[room] = time.monotonic()
                     sent.value += 1
@@ -255,7 +297,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers import scheduler
 
-    kv = _kv(shape)
+    kv, mamba = _kv(shape), _state(shape)
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -264,7 +306,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         max_sampling_mask_tokens=16, custom_mem_pool=None, kv_checksum_enabled=False,
         output_dsa_topk_indices_dim=0,
     )  # fmt: skip
-    manager = _manager(shape, "decode", kv, buffers.get_buf_infos())
+    manager = _manager(shape, "decode", kv, buffers.get_buf_infos(), mamba)
     _, cls = _classes(shape)
     conn.send(("up", os.getpid(), buffers.table.name))
     free_pages = list(range(shape.pages))
@@ -274,7 +316,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         if msg[0] == "stop":
             break
         if msg[0] == "settle":  # failed rooms' canaries intact; then their pages come back
-            intact = _canaries_intact(kv, buffers, released, shape)
+            intact = _canaries_intact(kv, mamba, released, shape)
             free_pages.extend(p for out in released for p in out.pages)
             released.clear()
             time.sleep(shape.late_write_window_s)
@@ -308,7 +350,9 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 receiver.init(0)
                 asked = [*pages[:-1], shape.pages + 3] if room in bad_rooms else pages
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
-                    receiver.send_metadata(np.asarray(asked, dtype=np.int32), idx, None)
+                    receiver.send_metadata(
+                        np.asarray(asked, dtype=np.int32), idx, [[pages[0]]] if mamba else None
+                    )
                 active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
             for room, (receiver, out, req) in list(active.items()):
                 if room in abort_rooms and not out.failed_at:
@@ -317,7 +361,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 state = receiver.poll()
                 if state == KVPoll.Success:
                     out.status, out.landed_at = "Success", time.monotonic()
-                    out.verified = _verify(kv, buffers, allocator, req, out, shape)
+                    out.verified = _verify(kv, mamba, buffers, allocator, req, out, shape)
                     free_pages.extend(out.pages)
                     receiver.clear()
                     landed.value += 1
@@ -334,7 +378,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                         out.status = "Failed-timeout"
                     # _do_release: pages, metadata slot, deferred state, receiver
                     out.released_at = time.monotonic()
-                    _fill_canary(kv, buffers, out, shape)
+                    _fill_canary(kv, mamba, out, shape)
                     buffers.clear_slot(out.slot)
                     allocator.free(out.slot)
                     manager.clear_deferred_abort_state(room)
@@ -355,13 +399,24 @@ def _page(t: torch.Tensor, page: int, shape: Shape) -> torch.Tensor:
 
 
 def _verify(
-    kv: list[torch.Tensor], buffers: Any, allocator: Any, req: Any, out: Outcome, shape: Shape
+    kv: list[torch.Tensor],
+    state: list[torch.Tensor],
+    buffers: Any,
+    allocator: Any,
+    req: Any,
+    out: Outcome,
+    shape: Shape,
 ) -> bool:
-    """Every KV byte and the aux row are the room's; the slot is then consumed and released."""
+    """Every KV byte, the state rows and the aux row are the room's; the slot is then
+    consumed and released."""
     ok = all(
         torch.equal(_page(t, p, shape), pattern(out.room, e, i, shape.item_len))
         for e, t in enumerate(kv if shape.verify else ())
         for i, p in enumerate(out.pages)
+    )
+    ok = ok and all(
+        torch.equal(row, pattern(out.room, STATE_ENTRY + k, 0, row.numel()))
+        for k, row in enumerate(_state_rows(state, out.pages[0]) if shape.verify else ())
     )
     output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)
     want_p, want_i, want_h = env.expected_draft(out.room, HIDDEN, TOPK)
@@ -375,23 +430,32 @@ def _verify(
     return ok
 
 
-def _fill_canary(kv: list[torch.Tensor], buffers: Any, out: Outcome, shape: Shape) -> None:
-    """A released room's pages get the canary (its aux slot is the plugin's to guard: a
-    failed slot is quarantined for the late-write window, tests/test_sglang.py)."""
-    for t in kv:
-        for p in out.pages:
-            _page(t, p, shape).fill_(CANARY)
+def _released(
+    kv: list[torch.Tensor], state: list[torch.Tensor], out: Outcome, shape: Shape
+) -> Iterator[torch.Tensor]:
+    """The bytes a released room owned: its pages of every entry, and its state rows."""
+    yield from (_page(t, p, shape) for t in kv for p in out.pages)
+    yield from _state_rows(state, out.pages[0])
+
+
+def _fill_canary(
+    kv: list[torch.Tensor], state: list[torch.Tensor], out: Outcome, shape: Shape
+) -> None:
+    """A released room's pages and state rows get the canary (its aux slot is the plugin's
+    to guard: a failed slot is quarantined for the late-write window, tests/test_sglang.py)."""
+    for part in _released(kv, state, out, shape):
+        part.fill_(CANARY)
 
 
 def _canaries_intact(
-    kv: list[torch.Tensor], buffers: Any, released: list[Outcome], shape: Shape
+    kv: list[torch.Tensor], state: list[torch.Tensor], released: list[Outcome], shape: Shape
 ) -> bool:
-    """No byte landed in a released room's pages after its release (pages not reused since)."""
+    """No byte landed in a released room's pages or state rows after its release (neither
+    reused since)."""
     return all(
-        bool((_page(t, p, shape) == CANARY).all())
+        bool((part == CANARY).all())
         for out in released
-        for t in kv
-        for p in out.pages
+        for part in _released(kv, state, out, shape)
     )
 
 

@@ -72,6 +72,22 @@ def test_mla_pages_of_one_entry_a_layer() -> None:
         assert pair.settle() == (True, shape.pages, shape.slots)
 
 
+def test_a_mamba_state_group_moves_with_its_room() -> None:
+    """SGLang's state buffers (here a Mamba group: a conv and a temporal tensor, one row per
+    request) go through its own `maybe_send_extra` and this engine, checked byte for byte."""
+    shape = Shape(mamba=True)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        rooms = list(range(1, 61))
+        pair.submit(rooms, pages=3, window=4)
+        _, sent, refused, _ = pair.reply(pair.prefill)
+        _, outcomes = pair.reply(pair.decode)
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert set(sent.values()) == {"Success"} and refused == 0
+        assert pair.settle() == (True, shape.pages, shape.slots)
+
+
 def _kill_mid_transfer(pair: Pair, side: str) -> float:
     """SIGKILL `side` once transfers are flowing; returns the kill's monotonic time."""
     pair.wait_until(pair.sent, 20)
@@ -83,8 +99,9 @@ def _kill_mid_transfer(pair: Pair, side: str) -> float:
     return killed
 
 
-# big pages, so that a kill lands while transfers are in flight
-BIG = Shape(layers=4, pages=48, page_size=64, heads=8, head_dim=128)
+# big pages, so that a kill lands while transfers are in flight; a Mamba state group too, so
+# that the canary covers its rows
+BIG = Shape(layers=4, pages=48, page_size=64, heads=8, head_dim=128, mamba=True)
 
 
 def test_prefill_sigkilled_mid_transfer_decode_releases_at_once_and_serves_on() -> None:
