@@ -1,6 +1,6 @@
 """Prefill to decode on one host through SGLang 0.5.23's own managers: shmslots' same-host
-backend against SGLang's Mooncake manager (TCP) and its NIXL manager (UCX, its defaults), and
-a memcpy floor.
+backend against SGLang's Mooncake manager (TCP), its NIXL manager (UCX with its defaults, and
+with shared-memory transports and CMA allowed), and a memcpy floor.
 
     python tools/bench.py pd [--layers 4] [--requests 24] [--runs 3]
 
@@ -20,7 +20,11 @@ heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page
 by one process (`torch` copies of each entry's page runs).  For NIXL the harness enters the
 `nixl-cu12` wheel under the `nixl` name SGLang imports, and labels the KV pools "DRAM", as
 SGLang labels a host pool (it says "VRAM" for every other pool, which UCX without CUDA
-refuses at registration).
+refuses at registration).  NIXL's UCX backend asks UCX for peer failure handling by default,
+which no shared-memory transport (posix, sysv, cma) offers, so it runs over TCP on loopback;
+`nixl+cma` is the same manager with SGLang's own knob for its backend's parameters,
+`SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS='{"ucx_error_handling_mode": "none"}'`, which
+lets UCX pick shared memory and CMA (and gives up its detection of a dead peer).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ import sglang_env
 TOKENS = (1024, 8192)
 
 
+NIXL_CMA = '{"ucx_error_handling_mode": "none"}'
+
+
 def _shape(backend: str, layers: int, tokens: int, window: int) -> pd_env.Shape:
     pages = tokens // 64
     return pd_env.Shape(
         layers=layers, page_size=64, heads=8, head_dim=128, pages=pages * (window + 1),
-        backend=backend, slots=max(8, 2 * window), verify=False,
+        backend=backend.split("+")[0], slots=max(8, 2 * window), verify=False,
+        nixl_params=NIXL_CMA if backend == "nixl+cma" else "",
     )  # fmt: skip
 
 
@@ -138,7 +146,7 @@ def main(argv: list[str]) -> int:
     for peer in ("mooncake", "nixl"):
         missing = _missing(peer)
         if missing is None:
-            backends.append(peer)
+            backends += [peer, "nixl+cma"] if peer == "nixl" else [peer]
         else:
             print(f"{peer}: skipped: {missing}")
     print(
@@ -168,7 +176,8 @@ def main(argv: list[str]) -> int:
         ours = statistics.median(r["GB/s"] for r in results[("shmslots", tokens)])
         line = f"{tokens} tokens: memcpy floor {floors[tokens]:.2f} GB/s, shmslots at "
         line += f"{floors[tokens] / ours:.2f}x the floor (target <= 1.5x)"
-        for peer, name, target in (("mooncake", "Mooncake", 10), ("nixl", "NIXL", 2)):
+        peers = (("mooncake", "Mooncake", 10), ("nixl", "NIXL", 2), ("nixl+cma", "NIXL+CMA", 2))
+        for peer, name, target in peers:
             if (peer, tokens) in results:
                 theirs = statistics.median(r["GB/s"] for r in results[(peer, tokens)])
                 line += f"; {ours / theirs:.1f}x {name} (target >= {target}x)"
