@@ -350,3 +350,39 @@ def test_a_transfer_returns_only_once_every_copy_thread_has_ended() -> None:
         with pytest.raises(OSError, match="first run failed"):
             engine._run([fail, lambda: slow(1), lambda: slow(2), lambda: slow(3)])
         assert sorted(ended) == [1, 2, 3]
+
+
+def _lock_sharer(conn: Connection) -> None:
+    """An engine whose lock's open file is shared with a process that outlives it (a child
+    that kept the descriptor): its lock says alive after its death; its threads do not."""
+    import subprocess
+    import sys
+
+    with SameHostEngine(f"{NAME}-sharer-{os.getpid()}") as engine:
+        fd = engine.registry._lock_fd
+        keeper = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=[fd]
+        )
+        threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+        conn.send((engine.registry.name, keeper.pid))
+        conn.recv()
+
+
+def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
+    with peer_process(_lock_sharer) as (_, (name, keeper), proc):
+        try:
+            reg = samehost.PeerRegistry(name, None)
+            reg.refresh()
+            assert reg.alive() and not reg.owner_gone()  # alive, two threads running
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not reg.owner_gone():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert reg.alive()  # the keeper holds the lock's open file: only the threads tell
+            proc.join(10)
+            assert reg.owner_gone()  # reaped
+            reg.close()
+        finally:
+            os.kill(keeper, signal.SIGKILL)

@@ -11,11 +11,11 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   batch may still be writing; `SameHostEngine` returns only when no write can still land, so
   a failed or aborted room is acknowledged at once and decode frees its pages at once;
 - `_handle_node_failure` (called) and `is_abort_release_safe` (extended, decode side): a
-  watcher thread reads every known prefill rank's registry lock every `SHMSLOTS_PD_WATCH_S`
-  (0.02 s); a dead rank fails its server's rooms as SGLang's heartbeat would after 2 x 5 s,
-  and when every rank of that server is dead those rooms are safe to release at once, since
-  a dead process writes nothing (a heartbeat's failure, which cannot tell dead from slow,
-  keeps SGLang's own path);
+  watcher thread reads every known prefill rank's registry lock, and whether its owner has
+  begun to exit, every `SHMSLOTS_PD_WATCH_S` (0.02 s); a dead rank fails its server's rooms
+  as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
+  those rooms are safe to release at once, since a dead process writes nothing (a
+  heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path);
 - `teardown` (extended): the engine's registry goes with the manager.
 
 The decode side's aux buffers are the plugin's shmslots table (`DecodeMetadataBuffers`),
@@ -175,15 +175,17 @@ def _classes() -> dict[str, type]:
                 self._handle_node_failure(addr)
 
         def _peer_alive(self, name: str) -> bool:
-            """False once a registry seen alive is unlocked, removed or replaced."""
+            """False once a registry seen alive is unlocked, removed or replaced, or its
+            owner has begun to exit (before its lock goes: `PeerRegistry.owner_gone`)."""
             reg = self._peers.get(name)
             if reg is None:
                 try:
                     reg = PeerRegistry(name, None)
+                    reg.refresh()  # its owner's pid and start time
                 except Exception:
                     return True  # never seen: not this host's engine, or not up yet
                 self._peers[name] = reg
-            if reg.alive() and reg.named():
+            if reg.alive() and reg.named() and not reg.owner_gone():
                 return True
             self._peers.pop(name, None)
             reg.close()

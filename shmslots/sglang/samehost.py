@@ -378,6 +378,29 @@ class PeerRegistry:
         )
         return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
 
+    def owner_gone(self) -> bool:
+        """Whether the registry's owner (its pid and start time, as last read) no longer runs
+        user code: gone, its pid reused, or every thread of it exiting.  A process killed by
+        SIGKILL tears down its address space before its descriptors close, which takes tens
+        of ms with large shared mappings; its lock goes only after.  False where the owner
+        lives in another pid namespace (the lock then says it)."""
+        if not self.pid or self.pidns != _pidns():
+            return False
+        tasks = f"/proc/{self.pid}/task"
+        try:
+            seen = set(os.listdir(tasks))
+            if process_start_ticks(self.pid) != self.start_ticks:
+                return True
+            for tid in seen:
+                if not _exiting(f"{tasks}/{tid}/stat"):
+                    return False
+            # a thread made after the listing: the listing again (an exiting thread makes none)
+            return set(os.listdir(tasks)) == seen
+        except FileNotFoundError:
+            return True  # reaped: the pid is no longer anyone's
+        except OSError:
+            return False
+
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did."""
         mm = self.segment.mm
@@ -402,6 +425,19 @@ class PeerRegistry:
 
     def close(self) -> None:
         self.segment.close()
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
+
+
+def _exiting(stat_path: str) -> bool:
+    """Whether the thread of this /proc stat file has begun to exit (its flags, field 9)."""
+    try:
+        with open(stat_path, "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True  # reaped since the listing
+    return bool(int(stat[stat.rindex(b")") + 2 :].split()[6]) & PF_EXITING)
 
 
 def _parse_regions(name: str, payload: bytes) -> list[Region]:
