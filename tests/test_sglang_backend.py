@@ -45,44 +45,28 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
     assert "invalid choice: 'shmslots'" in _parse(plugin=False)["refused"]
 
 
-def test_200_requests_through_8_slots_every_byte_checked() -> None:
-    with Pair(Shape()) as pair:
-        pair.start_prefill()
-        pair.start_decode()
-        rooms = list(range(1000, 1200))
-        pair.submit(rooms, pages=3, window=6)
-        _, sent, refused, _ = pair.reply(pair.prefill)
-        _, outcomes = pair.reply(pair.decode)
-        assert sorted(outcomes) == rooms
-        assert all(o.status == "Success" and o.verified for o in outcomes.values())
-        assert set(sent.values()) == {"Success"} and refused == 0
-        assert pair.settle() == (True, Shape().pages, Shape().slots)
-
-
-def test_mla_pages_of_one_entry_a_layer() -> None:
-    shape = Shape(mla=True, page_size=8)
+@pytest.mark.parametrize(
+    ("shape", "rooms", "pages", "window"),
+    [
+        (Shape(), 200, 3, 6),  # 200 requests through 8 aux slots
+        (Shape(mla=True, page_size=8), 40, 5, 4),  # MLA: one entry a layer
+        # SGLang's state buffers, here a Mamba group (a conv and a temporal tensor, one row a
+        # request), through its own `maybe_send_extra` and this engine
+        (Shape(mamba=True), 60, 3, 4),
+    ],
+    ids=["200-through-8-slots", "mla", "mamba-state"],
+)
+def test_every_byte_of_every_request_lands(
+    shape: Shape, rooms: int, pages: int, window: int
+) -> None:
     with Pair(shape) as pair:
         pair.start_prefill()
         pair.start_decode()
-        rooms = list(range(1, 41))
-        pair.submit(rooms, pages=5, window=4)
-        pair.reply(pair.prefill)
-        _, outcomes = pair.reply(pair.decode)
-        assert all(o.status == "Success" and o.verified for o in outcomes.values())
-        assert pair.settle() == (True, shape.pages, shape.slots)
-
-
-def test_a_mamba_state_group_moves_with_its_room() -> None:
-    """SGLang's state buffers (here a Mamba group: a conv and a temporal tensor, one row per
-    request) go through its own `maybe_send_extra` and this engine, checked byte for byte."""
-    shape = Shape(mamba=True)
-    with Pair(shape) as pair:
-        pair.start_prefill()
-        pair.start_decode()
-        rooms = list(range(1, 61))
-        pair.submit(rooms, pages=3, window=4)
+        numbers = list(range(1000, 1000 + rooms))
+        pair.submit(numbers, pages=pages, window=window)
         _, sent, refused, _ = pair.reply(pair.prefill)
         _, outcomes = pair.reply(pair.decode)
+        assert sorted(outcomes) == numbers
         assert all(o.status == "Success" and o.verified for o in outcomes.values())
         assert set(sent.values()) == {"Success"} and refused == 0
         assert pair.settle() == (True, shape.pages, shape.slots)
