@@ -637,7 +637,7 @@ _libc.mmap.restype = ctypes.c_void_p
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED_FIXED = mmap.MAP_SHARED | mmap.MAP_POPULATE | 0x10  # MAP_FIXED: resident, as before
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
-SYS_PIDFD_GETFD = 438  # one number on every architecture since Linux 5.6
+SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
 
 
 def _getfd(pidfd: int, fd: int) -> int:
