@@ -386,3 +386,32 @@ def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
             reg.close()
         finally:
             os.kill(keeper, signal.SIGKILL)
+
+
+def test_memory_the_engine_lets_go_is_private_again() -> None:
+    """Deregistered (here: the engine closed), a moved range goes back onto private pages
+    with its bytes: a child forked afterwards copies it on write instead of sharing it (a
+    shared heap page would let the child's malloc write the parent's)."""
+    t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    before = t.clone()
+    end = t.data_ptr() + t.numel()
+
+    def moved() -> list[tuple[int, int]]:
+        return [
+            m[:2]
+            for m in samehost._mappings()
+            if m[5].startswith("/memfd:shmslots-pd") and m[0] < end and m[1] > t.data_ptr()
+        ]
+
+    with SameHostEngine(f"{NAME}-back-{os.getpid()}") as engine:
+        engine.batch_register([t.data_ptr()], [t.numel()])
+        assert moved()
+    assert not moved() and torch.equal(t, before)
+    import ctypes
+
+    pid = os.fork()
+    if pid == 0:  # the child writes its copy (no torch: its thread pool is the parent's)
+        ctypes.memset(t.data_ptr(), 0, t.numel())
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert torch.equal(t, before)

@@ -17,7 +17,7 @@ them (MAP_FIXED, 64 MiB at a time), so the owner's tensors keep their addresses 
 The memfd is sealed against shrinking, so a peer's mapping of it can never fault.  The
 partial pages at either end stay private (they may hold other allocations).  While
 `batch_register` runs, nothing else may write the range; SGLang registers its pools before
-serving.
+serving.  Deregistering a range, or closing the engine, moves it back onto private pages.
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
@@ -636,6 +636,7 @@ _libc.mmap.argtypes = [
 _libc.mmap.restype = ctypes.c_void_p
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED_FIXED = mmap.MAP_SHARED | mmap.MAP_POPULATE | 0x10  # MAP_FIXED: resident, as before
+MAP_PRIVATE_FIXED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
 SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
 
@@ -715,7 +716,7 @@ class SameHostEngine:
                 regions = sorted(itertools.chain(*parts.values()), key=lambda r: r.base)
                 self.registry.publish(regions)
             except BaseException:
-                _close_memfds(p for base, p in parts.items() if base not in self._parts)
+                _unshare(p for base, p in parts.items() if base not in self._parts)
                 raise
             self._parts = parts
             self._own = (regions, [r.base for r in regions])
@@ -735,14 +736,14 @@ class SameHostEngine:
         return self.batch_register([ptr], [length])
 
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
-        """Withdraw the ranges registered at `ptrs`; their memory stays where it is (a
-        moved range stays on its memfd, whose mapping keeps it)."""
+        """Withdraw the ranges registered at `ptrs`; a moved range goes back onto private
+        pages, its bytes kept."""
         with self._lock:
             gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
             regions = sorted(itertools.chain(*self._parts.values()), key=lambda r: r.base)
             self.registry.publish(regions)
             self._own = (regions, [r.base for r in regions])
-        _close_memfds([gone])
+        _unshare([gone])
         return 0
 
     def send_probe(self, session: str) -> int:
@@ -906,7 +907,7 @@ class SameHostEngine:
         if self._threads is not None:
             self._threads.shutdown()
         parts, self._parts = self._parts, {}
-        _close_memfds(parts.values())
+        _unshare(parts.values())
 
     def __enter__(self) -> SameHostEngine:
         return self
@@ -927,11 +928,27 @@ def parse_session(session: str) -> tuple[str, int]:
     raise TransferError(f"{session!r} is not a same-host engine session")
 
 
-def _close_memfds(groups: Iterable[list[Region]]) -> None:
-    """Close the memfds these regions hold open here (their mappings keep the memory)."""
-    for region in itertools.chain(*groups):
-        if region.memfd >= 0:
-            os.close(region.memfd)
+def _unshare(groups: Iterable[list[Region]]) -> None:
+    """Move what is still mapped of the regions this engine put on memfds back onto private
+    anonymous pages, bytes kept, and close the memfds: memory the engine no longer publishes
+    must not stay shared (a child forked later would share it, malloc's chunks included,
+    instead of copying it).  Pages the owner unmapped meanwhile are left alone."""
+    moved = [r for r in itertools.chain(*groups) if r.memfd >= 0]
+    if not moved:
+        return
+    maps = _mappings()
+    for region in moved:
+        for start, end, _, _, inode, path in maps:
+            lo, hi = max(start, region.base), min(end, region.end)
+            if lo >= hi or inode != region.inode or not path.startswith("/memfd:shmslots-pd"):
+                continue
+            for at in range(lo, hi, SHARE_CHUNK):
+                n = min(SHARE_CHUNK, hi - at)
+                kept = ctypes.string_at(at, n)
+                if _libc.mmap(at, n, PROT_RW, MAP_PRIVATE_FIXED, -1, 0) != at:
+                    raise TransferError(f"mapping private pages over {at:#x} failed")
+                ctypes.memmove(at, kept, n)
+        os.close(region.memfd)
 
 
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
