@@ -47,6 +47,7 @@ def peer_process(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args))
     proc.start()
+    child.close()  # so that a peer's death is an EOF here, not a wait
     try:
         assert parent.poll(60)
         yield parent, parent.recv(), proc
@@ -136,6 +137,18 @@ def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> Non
             engine.batch_register([4096], [4096])  # the zero page's neighbour: unmapped
         with pytest.raises(ShmSlotsError, match="session"):
             engine.transfer("127.0.0.1:1234", [], [], [])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_allocation_is_refused_at_registration_not_at_transfer() -> None:
+    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with (
+        SameHostEngine(f"{NAME}-cuda-{os.getpid()}") as engine,
+        pytest.raises(TransferError, match="host memory"),
+    ):
+        engine.batch_register([kv.data_ptr()], [kv.numel()])
+    assert int(kv.sum()) == 0
 
 
 def _shm_victim(conn: Connection, private: bool) -> None:
@@ -390,8 +403,9 @@ def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
 
 def test_memory_the_engine_lets_go_is_private_again() -> None:
     """Deregistered (here: the engine closed), a moved range goes back onto private pages
-    with its bytes: a child forked afterwards copies it on write instead of sharing it (a
-    shared heap page would let the child's malloc write the parent's)."""
+    with its bytes and leaves the memfd: a child forked afterwards copies it on write instead
+    of sharing it (a shared heap page would let the child's malloc write the parent's).  A
+    child forked while it is registered gets its own copy too."""
     t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     before = t.clone()
     end = t.data_ptr() + t.numel()
@@ -403,15 +417,129 @@ def test_memory_the_engine_lets_go_is_private_again() -> None:
             if m[5].startswith("/memfd:shmslots-pd") and m[0] < end and m[1] > t.data_ptr()
         ]
 
+    import ctypes
+
+    def child_writes() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child writes its copy (no torch: its thread pool is the parent's)
+            ctypes.memset(t.data_ptr(), 0, t.numel())
+            os._exit(0 if not moved() else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert torch.equal(t, before)
+
     with SameHostEngine(f"{NAME}-back-{os.getpid()}") as engine:
         engine.batch_register([t.data_ptr()], [t.numel()])
         assert moved()
-    assert not moved() and torch.equal(t, before)
+        child_writes()  # registered: the child copies the moved pages at fork
+        assert moved()
+        memfd = os.dup(next(r.memfd for r in engine._own[0] if r.memfd >= 0))
+    try:
+        assert not moved() and torch.equal(t, before)
+        assert os.fstat(memfd).st_blocks == 0  # its pages left the file as they moved back
+    finally:
+        os.close(memfd)
+    child_writes()
+
+
+def test_a_range_that_cannot_all_move_stays_private(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A move that fails part way (here: a chunk it cannot read) puts the chunks it had
+    moved back onto private pages, bytes kept, so the range is what the caller is told:
+    private, written by process_vm_writev."""
+    import ctypes
+    import mmap
+
+    monkeypatch.setattr(samehost, "SHARE_CHUNK", 1 << 20)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mm = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    mm[:] = bytes(range(256)) * (4 << 12)
+    assert libc.mprotect(base + (2 << 20), 1 << 20, 0) == 0  # PROT_NONE
+    try:
+        with pytest.raises(OSError):
+            samehost.share(samehost.Region(base, 4 << 20))
+        shared = [m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+        assert not [m for m in shared if m[0] < base + (4 << 20) and m[1] > base]
+    finally:
+        assert libc.mprotect(base + (2 << 20), 1 << 20, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+    assert mm[: 2 << 20] == bytes(range(256)) * (2 << 12)
+    mm.close()
+
+
+def _freed_before_close(conn: Connection) -> None:
+    """Registers a block malloc took from its heap, frees it, then closes the engine: the
+    move back must not copy through a heap buffer, which malloc may place in that block."""
     import ctypes
 
-    pid = os.fork()
-    if pid == 0:  # the child writes its copy (no torch: its thread pool is the parent's)
-        ctypes.memset(t.data_ptr(), 0, t.numel())
-        os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
-    assert torch.equal(t, before)
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert libc.mallopt(-3, 32 << 20) == 1  # M_MMAP_THRESHOLD (its most): blocks from the heap
+    assert libc.mallopt(-1, 1 << 30) == 1  # M_TRIM_THRESHOLD: a freed block stays mapped
+    n = 16 << 20
+    block = libc.malloc(n)
+    ctypes.memset(block, 7, n)
+    engine = SameHostEngine(f"{NAME}-freed-{os.getpid()}")
+    engine.batch_register([block], [n])
+    moved = bool([m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")])
+    libc.free(block)
+    engine.close()
+    blocks = [libc.malloc(1 << 20) for _ in range(64)]  # the heap is whole: malloc checks
+    for b in blocks:
+        ctypes.memset(b, 1, 1 << 20)
+    for b in blocks:
+        libc.free(b)
+    shared = [m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+    conn.send((moved, shared))
+    conn.recv()
+
+
+def test_memory_freed_before_the_engine_closes_goes_back_to_malloc_whole() -> None:
+    with peer_process(_freed_before_close) as (_, (moved, shared), proc):
+        assert moved and not shared
+    assert proc.exitcode == 0
+
+
+def _deregistering_victim(conn: Connection) -> None:
+    """A peer whose moved range is deregistered when asked, while its engine lives on."""
+    pool = torch.zeros(2 << 20, dtype=torch.uint8)
+    with SameHostEngine(f"{NAME}-dereg-{os.getpid()}") as engine:
+        engine.batch_register([pool.data_ptr()], [pool.numel()])
+        conn.send((engine.get_session_id(), pool.data_ptr()))
+        conn.recv()
+        engine.batch_deregister([pool.data_ptr()])
+        conn.send("deregistered")
+        conn.recv()
+
+
+def _peer_files() -> int:
+    """Mappings of this process of a peer's memfds (a writer's own moved ranges are not
+    mapped from its peers' files: the writer fixture's source has no whole page)."""
+    return len([m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")])
+
+
+def test_a_peers_files_are_unmapped_once_deregistered_or_dead(writer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each mapping of a peer's memfd holds that file's memory: it goes when the peer no
+    longer registers the range, and when the peer dies (a restarted decode is a new session,
+    and nothing probes the old one)."""
+    monkeypatch.setattr(samehost, "PRUNE_EVERY_S", 0.0)
+    engine, src = writer
+    before = _peer_files()
+    nobody = f"{samehost.PREFIX}nobody#1:0"
+    with peer_process(_deregistering_victim) as (conn, (session, pool), _):
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [pool + 8192], [64]) == 0
+        assert _peer_files() == before + 1
+        conn.send("deregister")
+        assert conn.recv() == "deregistered"
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [pool + 8192], [64]) == -1
+        assert engine.send_probe(nobody) == -1  # any call, a moment later
+        assert _peer_files() == before
+    with peer_process(_moved_victim) as (conn, (session, start, *_), proc):
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [start + 8192], [64]) == 0
+        assert _peer_files() == before + 1
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert engine.send_probe(nobody) == -1
+        assert _peer_files() == before

@@ -181,9 +181,13 @@ def _classes() -> dict[str, type]:
             if reg is None:
                 try:
                     reg = PeerRegistry(name, None)
-                    reg.refresh()  # its owner's pid and start time
                 except Exception:
                     return True  # never seen: not this host's engine, or not up yet
+                try:
+                    reg.refresh()  # its owner's pid and start time
+                except Exception:
+                    reg.close()
+                    return True  # not published yet, or another format: looked at again
                 self._peers[name] = reg
             if reg.alive() and reg.named() and not reg.owner_gone():
                 return True

@@ -17,7 +17,9 @@ them (MAP_FIXED, 64 MiB at a time), so the owner's tensors keep their addresses 
 The memfd is sealed against shrinking, so a peer's mapping of it can never fault.  The
 partial pages at either end stay private (they may hold other allocations).  While
 `batch_register` runs, nothing else may write the range; SGLang registers its pools before
-serving.  Deregistering a range, or closing the engine, moves it back onto private pages.
+serving.  Registered memory must stay allocated until it is deregistered (as with Mooncake's
+registrations); deregistering a range, or closing the engine, moves it back onto private
+pages, and a child forked meanwhile copies it at fork.
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
@@ -57,6 +59,7 @@ import mmap
 import os
 import signal
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -165,7 +168,14 @@ def classify(base: int, length: int) -> tuple[Region, bool]:
         name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
-    return Region(base, length), anonymous and not _pinned(base, end)
+    return Region(base, length), anonymous and not _cuda_runs() and not _pinned(base, end)
+
+
+def _cuda_runs() -> bool:
+    """Whether this process has started CUDA, which can hold host pages by registration
+    (`cudaHostRegister`) without marking them in /proc: then no range is moved."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 PINNED_FLAGS = {"lo", "dc", "io", "pf"}  # mlocked, MADV_DONTFORK (CUDA, RDMA), I/O, PFN
@@ -173,8 +183,9 @@ PINNED_FLAGS = {"lo", "dc", "io", "pf"}  # mlocked, MADV_DONTFORK (CUDA, RDMA), 
 
 def _pinned(base: int, end: int) -> bool:
     """Whether any mapping over [base, end) carries a flag of memory something else may hold
-    by its physical pages (a CUDA host registration or an RDMA memory region marks its
-    range MADV_DONTFORK): moving such pages would leave the holder on the old ones."""
+    by its physical pages (mlocked, or MADV_DONTFORK as an RDMA memory region is under
+    `ibv_fork_init`): moving such pages would leave the holder on the old ones.  A long-term
+    pin leaves no flag (`_cuda_runs` covers CUDA's)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -200,6 +211,7 @@ def share(region: Region) -> list[Region]:
     if hi <= lo:
         return [region]
     fd = os.memfd_create("shmslots-pd", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    moved = 0
     try:
         os.ftruncate(fd, hi - lo)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
@@ -216,8 +228,13 @@ def share(region: Region) -> list[Region]:
                     f"mapping a memfd over {n} bytes at {lo + at:#x} failed ({os.strerror(err)}); "
                     "that range of this process may now be unmapped"
                 )
+            moved = at + n
     except BaseException:
-        os.close(fd)  # what was moved already stays moved, on a file its mapping keeps
+        try:  # the chunks moved go back: the range stays private, as the caller is told
+            for at in range(0, moved, SHARE_CHUNK):
+                _private(lo + at, min(SHARE_CHUNK, moved - at))
+        finally:
+            os.close(fd)
         raise
     parts = [
         Region(region.base, lo - region.base),
@@ -316,17 +333,24 @@ class Registry:
 
 
 _owned: weakref.WeakSet[Registry] = weakref.WeakSet()
+_engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
 
 
 def _forget_in_child() -> None:
     """A child made by fork() shares the liveness lock's open file description: its copy is
     closed, so that the lock goes when the engine's own process dies, not when all children
-    do (the child's engines are its parent's, not its own)."""
+    do (the child's engines are its parent's, not its own).  It shares the moved ranges'
+    pages too: they are copied onto its own, as fork copies private memory, and its engines
+    let go of the memfds (never punching them: the files are its parent's)."""
     for reg in list(_owned):
         if reg._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(reg._lock_fd)
             reg._lock_fd = -1
+    for engine in list(_engines):
+        parts, engine._parts = engine._parts, {}
+        engine._own = ([], [])
+        _unshare(parts.values(), punch=False)
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -389,17 +413,17 @@ class PeerRegistry:
         tasks = f"/proc/{self.pid}/task"
         try:
             seen = set(os.listdir(tasks))
-            if process_start_ticks(self.pid) != self.start_ticks:
+            if _start_ticks(self.pid) != self.start_ticks:
                 return True
             for tid in seen:
                 if not _exiting(f"{tasks}/{tid}/stat"):
                     return False
             # a thread made after the listing: the listing again (an exiting thread makes none)
             return set(os.listdir(tasks)) == seen
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             return True  # reaped: the pid is no longer anyone's
         except OSError:
-            return False
+            return False  # not known (out of descriptors, say): alive until known otherwise
 
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did."""
@@ -428,6 +452,14 @@ class PeerRegistry:
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
+
+
+def _start_ticks(pid: int) -> int:
+    """`pid`'s start time (field 22 of its stat); FileNotFoundError once it is reaped, and
+    any other OSError as it came (not a sign of death)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 def _exiting(stat_path: str) -> bool:
@@ -587,6 +619,14 @@ class _Peer:
             return repr(region.shm)
         return f"memfd {region.memfd} of {self.registry.name!r}"
 
+    def forget_unlisted(self) -> None:
+        """Unmap the files the registry, as last read, no longer lists (no transfer may be
+        using this peer)."""
+        listed = {(r.shm or r.memfd, r.inode) for r in self.registry.table[0] if r.mapped}
+        for key in [k for k in self.maps if k not in listed]:
+            with contextlib.suppress(BufferError):
+                self.maps.pop(key)[0].close()
+
     def close(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)
@@ -634,9 +674,18 @@ _libc.mmap.argtypes = [
     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
 ]  # fmt: skip
 _libc.mmap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+]  # fmt: skip
+_libc.mremap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED_FIXED = mmap.MAP_SHARED | mmap.MAP_POPULATE | 0x10  # MAP_FIXED: resident, as before
-MAP_PRIVATE_FIXED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10
+MAP_ANONYMOUS_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+MAP_FAILED = ctypes.c_void_p(-1).value
+MREMAP_MAYMOVE_FIXED = 1 | 2
+FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
 SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
 
@@ -692,6 +741,8 @@ class SameHostEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        self._pruned_at = time.monotonic()
+        _engines.add(self)
         self.refused = 0  # transfers refused for bad input (outside registered memory)
         self.failed = 0  # transfers that found their peer gone
 
@@ -865,6 +916,8 @@ class SameHostEngine:
         with self._lock:
             if self._closed:
                 raise TransferError("this same-host engine is closed")
+            if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
+                self._prune()
             peer = self._peers.get(session)
             if peer is None:
                 name, inode = parse_session(session)
@@ -872,6 +925,21 @@ class SameHostEngine:
                 self._peers[session] = peer
             peer.users += 1
             return peer
+
+    def _prune(self) -> None:
+        """Let go of idle peers whose engine died, and of mappings of files a live peer no
+        longer registers: each mapping holds its file's memory.  (A restarted decode is a new
+        session, and SGLang probes only failed ones: nothing else would drop the old one.)
+        Called under the engine's lock, so no transfer uses the peers it touches."""
+        self._pruned_at = time.monotonic()
+        for session, peer in list(self._peers.items()):
+            if peer.users:
+                continue
+            if peer.registry.alive():
+                peer.forget_unlisted()
+            else:
+                del self._peers[session]
+                peer.close()
 
     def _release(self, peer: _Peer) -> None:
         with self._lock:
@@ -903,7 +971,10 @@ class SameHostEngine:
             idle = [p for p in peers if p.users == 0]
         for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
-        self.registry.close()
+        if len(idle) == len(peers):
+            self.registry.close()
+        else:  # its peers must not see this engine gone while a write of it may land
+            log.warning("shmslots: a transfer outlived close(); the registry stays locked")
         if self._threads is not None:
             self._threads.shutdown()
         parts, self._parts = self._parts, {}
@@ -928,29 +999,47 @@ def parse_session(session: str) -> tuple[str, int]:
     raise TransferError(f"{session!r} is not a same-host engine session")
 
 
-def _unshare(groups: Iterable[list[Region]]) -> None:
+def _unshare(groups: Iterable[list[Region]], punch: bool = True) -> None:
     """Move what is still mapped of the regions this engine put on memfds back onto private
     anonymous pages, bytes kept, and close the memfds: memory the engine no longer publishes
     must not stay shared (a child forked later would share it, malloc's chunks included,
-    instead of copying it).  Pages the owner unmapped meanwhile are left alone."""
+    instead of copying it).  With `punch`, each chunk's pages leave the memfd as it moves,
+    so a peer still mapping the file holds no memory of it (and reads zeros).  Pages the
+    owner unmapped meanwhile are left alone.  Bytes a thread writes into the range while it
+    moves may be lost: the range must be quiet, as for registering."""
     moved = [r for r in itertools.chain(*groups) if r.memfd >= 0]
     if not moved:
         return
     maps = _mappings()
     for region in moved:
-        for start, end, _, _, inode, path in maps:
+        for start, end, perms, _, inode, path in maps:
             lo, hi = max(start, region.base), min(end, region.end)
-            if lo >= hi or inode != region.inode or not path.startswith("/memfd:shmslots-pd"):
+            ours = inode == region.inode and path.startswith("/memfd:shmslots-pd")
+            if lo >= hi or not ours or perms[3] != "s":
                 continue
             for at in range(lo, hi, SHARE_CHUNK):
                 n = min(SHARE_CHUNK, hi - at)
-                kept = ctypes.string_at(at, n)
-                if _libc.mmap(at, n, PROT_RW, MAP_PRIVATE_FIXED, -1, 0) != at:
-                    raise TransferError(f"mapping private pages over {at:#x} failed")
-                ctypes.memmove(at, kept, n)
+                _private(at, n)
+                if punch:  # the file's offsets are the range's, from the region's base
+                    offset = region.offset + at - region.base
+                    _libc.fallocate(region.memfd, FALLOC_PUNCH_HOLE, offset, n)
         os.close(region.memfd)
 
 
+def _private(at: int, n: int) -> None:
+    """Put the `n` bytes at `at` on private anonymous pages, bytes kept: copied onto fresh
+    pages mapped elsewhere, which one mremap then moves over the range.  (Never through a
+    heap buffer: the range may be memory its owner freed, where that buffer could lie.)"""
+    fresh = _libc.mmap(None, n, PROT_RW, MAP_ANONYMOUS_PRIVATE, -1, 0)
+    if fresh in (None, MAP_FAILED):
+        raise TransferError(f"no memory to copy {n} bytes at {at:#x} onto private pages")
+    ctypes.memmove(fresh, at, n)
+    if _libc.mremap(fresh, n, n, MREMAP_MAYMOVE_FIXED, at) != at:
+        _libc.munmap(fresh, n)
+        raise TransferError(f"moving private pages over {at:#x} failed")
+
+
+PRUNE_EVERY_S = 1.0  # how often a transfer's start looks for dead peers and unlisted files
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
 PARALLEL_BYTES = 4 << 20  # a call moving less goes on its caller's thread alone
 
