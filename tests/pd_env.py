@@ -58,7 +58,7 @@ class Shape:
     late_write_window_s: float = 0.3
     verify: bool = True  # fill and check every byte (the benchmark moves them unread)
     nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
-    mamba: bool = False  # a Mamba state group beside the KV: a conv and a temporal tensor
+    state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows) or "swa"
 
     @property
     def entries(self) -> int:
@@ -71,7 +71,8 @@ class Shape:
 
 
 MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
-STATE_ENTRY = 1000  # the state rows' entry numbers in `pattern`, after any KV entry's
+SWA_LAYERS, SWA_PAGES = 2, 2  # sliding-window layers (K and V each), pages of the window
+STATE_ENTRY = 1000  # the state parts' entry numbers in `pattern`, after any KV entry's
 
 
 def pattern(room: int, entry: int, page: int, item_len: int) -> torch.Tensor:
@@ -144,15 +145,20 @@ def _kv_args(
     args.ib_device, args.gpu_id = None, 0
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
-    if state:  # SGLang's Mamba group: one row per request in each tensor, sent by index
+    if state:
         from sglang.srt.disaggregation.base.conn import StateType
 
-        args.state_types = [StateType.MAMBA]
         args.state_data_ptrs = [[t.data_ptr() for t in state]]
         args.state_data_lens = [[t.numel() for t in state]]
-        args.state_item_lens = [list(MAMBA_ITEM_LENS)]
-        args.state_layer_ids = [list(range(len(state)))]
         args.state_dim_per_tensor = []
+        if shape.state == "mamba":  # one row per request in each tensor, sent by index
+            args.state_types = [StateType.MAMBA]
+            args.state_item_lens = [list(MAMBA_ITEM_LENS)]
+            args.state_layer_ids = [list(range(len(state)))]
+        else:  # SWA: K then V pages of its layers, sent page by page as the KV is
+            args.state_types = [StateType.SWA]
+            args.state_item_lens = [[shape.item_len] * len(state)]
+            args.state_layer_ids = [[]]
     args.prefill_start_layer, args.prefill_end_layer = 0, shape.layers
     return args
 
@@ -182,17 +188,39 @@ def _kv(shape: Shape) -> list[torch.Tensor]:
 
 
 def _state(shape: Shape) -> list[torch.Tensor]:
-    """The Mamba state tensors, a row per KV page: a room's state row is its first page's,
-    so a released room's row, like its pages, is reused only after the canary check."""
-    if not shape.mamba:
-        return []
-    return [torch.zeros(shape.pages * n, dtype=torch.uint8) for n in MAMBA_ITEM_LENS]
+    """The state group's tensors, a row or page per KV page, so a room's state parts are
+    found from its KV pages and, like them, reused only after the canary check."""
+    if shape.state == "mamba":
+        return [torch.zeros(shape.pages * n, dtype=torch.uint8) for n in MAMBA_ITEM_LENS]
+    if shape.state == "swa":
+        return [
+            torch.zeros(shape.pages * shape.item_len, dtype=torch.uint8)
+            for _ in range(2 * SWA_LAYERS)
+        ]
+    return []
 
 
-def _state_rows(state: list[torch.Tensor], page: int) -> list[torch.Tensor]:
+def _state_indices(shape: Shape, pages: list[int]) -> list[list[int]] | None:
+    """What a room's sender and receiver name of the state group: the Mamba row (its first
+    page's), or the SWA window (its last pages)."""
+    if shape.state == "mamba":
+        return [[pages[0]]]
+    if shape.state == "swa":
+        return [pages[-SWA_PAGES:]]
+    return None
+
+
+def _state_parts(
+    state: list[torch.Tensor], pages: list[int], shape: Shape
+) -> list[tuple[int, int, torch.Tensor]]:
+    """(entry, part, bytes) of a room's state: what `pattern` fills at prefill and checks at
+    decode."""
+    (indices,) = _state_indices(shape, pages) or [[]]
+    lens = MAMBA_ITEM_LENS if shape.state == "mamba" else (shape.item_len,) * len(state)
     return [
-        t[page * n : (page + 1) * n]
-        for t, n in zip(state, MAMBA_ITEM_LENS[: len(state)], strict=True)
+        (k, j, t[i * n : (i + 1) * n])
+        for k, (t, n) in enumerate(zip(state, lens, strict=True))
+        for j, i in enumerate(indices)
     ]
 
 
@@ -216,14 +244,14 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv, mamba = _kv(shape), _state(shape)
+    kv, states = _kv(shape), _state(shape)
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
     )  # fmt: skip
     _, cls = _classes(shape)
     server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
-    manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), mamba)
+    manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), states)
     conn.send(("up", os.getpid()))
     addr = f"127.0.0.1:{bootstrap_port}"
     free_pages = list(range(shape.pages))
@@ -258,15 +286,15 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     for e, t in enumerate(kv if shape.verify else ()):
                         for i, p in enumerate(pages):
                             _page(t, p, shape).copy_(pattern(room, e, i, shape.item_len))
-                    for k, row in enumerate(_state_rows(mamba, pages[0])):
-                        row.copy_(pattern(room, STATE_ENTRY + k, 0, row.numel()))
+                    for k, j, part in _state_parts(states, pages, shape):
+                        part.copy_(pattern(room, STATE_ENTRY + k, j, part.numel()))
                     req = env.sglang_req(room, HIDDEN, TOPK)
                     req.metadata_buffer_index, req.bootstrap_room = slot, room
                     buffers.set_buf(req)
                     sender.init(len(pages), slot)
                     sender.send(
                         np.asarray(pages, dtype=np.int32),
-                        state_indices=[[pages[0]]] if mamba else None,
+                        state_indices=_state_indices(shape, pages),
                     )
                     active[room] = (sender, pages, slot, True)
                     sent_at[room] = time.monotonic()
@@ -297,7 +325,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers import scheduler
 
-    kv, mamba = _kv(shape), _state(shape)
+    kv, states = _kv(shape), _state(shape)
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -306,7 +334,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         max_sampling_mask_tokens=16, custom_mem_pool=None, kv_checksum_enabled=False,
         output_dsa_topk_indices_dim=0,
     )  # fmt: skip
-    manager = _manager(shape, "decode", kv, buffers.get_buf_infos(), mamba)
+    manager = _manager(shape, "decode", kv, buffers.get_buf_infos(), states)
     _, cls = _classes(shape)
     conn.send(("up", os.getpid(), buffers.table.name))
     free_pages = list(range(shape.pages))
@@ -316,7 +344,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         if msg[0] == "stop":
             break
         if msg[0] == "settle":  # failed rooms' canaries intact; then their pages come back
-            intact = _canaries_intact(kv, mamba, released, shape)
+            intact = _canaries_intact(kv, states, released, shape)
             free_pages.extend(p for out in released for p in out.pages)
             released.clear()
             time.sleep(shape.late_write_window_s)
@@ -351,7 +379,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 asked = [*pages[:-1], shape.pages + 3] if room in bad_rooms else pages
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
                     receiver.send_metadata(
-                        np.asarray(asked, dtype=np.int32), idx, [[pages[0]]] if mamba else None
+                        np.asarray(asked, dtype=np.int32), idx, _state_indices(shape, pages)
                     )
                 active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
             for room, (receiver, out, req) in list(active.items()):
@@ -361,7 +389,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 state = receiver.poll()
                 if state == KVPoll.Success:
                     out.status, out.landed_at = "Success", time.monotonic()
-                    out.verified = _verify(kv, mamba, buffers, allocator, req, out, shape)
+                    out.verified = _verify(kv, states, buffers, allocator, req, out, shape)
                     free_pages.extend(out.pages)
                     receiver.clear()
                     landed.value += 1
@@ -378,7 +406,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                         out.status = "Failed-timeout"
                     # _do_release: pages, metadata slot, deferred state, receiver
                     out.released_at = time.monotonic()
-                    _fill_canary(kv, mamba, out, shape)
+                    _fill_canary(kv, states, out, shape)
                     buffers.clear_slot(out.slot)
                     allocator.free(out.slot)
                     manager.clear_deferred_abort_state(room)
@@ -415,8 +443,8 @@ def _verify(
         for i, p in enumerate(out.pages)
     )
     ok = ok and all(
-        torch.equal(row, pattern(out.room, STATE_ENTRY + k, 0, row.numel()))
-        for k, row in enumerate(_state_rows(state, out.pages[0]) if shape.verify else ())
+        torch.equal(part, pattern(out.room, STATE_ENTRY + k, j, part.numel()))
+        for k, j, part in (_state_parts(state, out.pages, shape) if shape.verify else ())
     )
     output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)
     want_p, want_i, want_h = env.expected_draft(out.room, HIDDEN, TOPK)
@@ -433,9 +461,9 @@ def _verify(
 def _released(
     kv: list[torch.Tensor], state: list[torch.Tensor], out: Outcome, shape: Shape
 ) -> Iterator[torch.Tensor]:
-    """The bytes a released room owned: its pages of every entry, and its state rows."""
+    """The bytes a released room owned: its pages of every entry, and its state parts."""
     yield from (_page(t, p, shape) for t in kv for p in out.pages)
-    yield from _state_rows(state, out.pages[0])
+    yield from (part for _, _, part in _state_parts(state, out.pages, shape))
 
 
 def _fill_canary(

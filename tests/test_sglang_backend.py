@@ -50,11 +50,13 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
     [
         (Shape(), 200, 3, 6),  # 200 requests through 8 aux slots
         (Shape(mla=True, page_size=8), 40, 5, 4),  # MLA: one entry a layer
-        # SGLang's state buffers, here a Mamba group (a conv and a temporal tensor, one row a
-        # request), through its own `maybe_send_extra` and this engine
-        (Shape(mamba=True), 60, 3, 4),
+        # SGLang's state buffers through its own `maybe_send_extra` and this engine: a Mamba
+        # group (a conv and a temporal tensor, one row a request), and SWA layers (K and V
+        # pages of the window, sent page by page as the KV is)
+        (Shape(state="mamba"), 60, 3, 4),
+        (Shape(state="swa"), 60, 3, 4),
     ],
-    ids=["200-through-8-slots", "mla", "mamba-state"],
+    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state"],
 )
 def test_every_byte_of_every_request_lands(
     shape: Shape, rooms: int, pages: int, window: int
@@ -85,7 +87,7 @@ def _kill_mid_transfer(pair: Pair, side: str) -> float:
 
 # big pages, so that a kill lands while transfers are in flight; a Mamba state group too, so
 # that the canary covers its rows
-BIG = Shape(layers=4, pages=48, page_size=64, heads=8, head_dim=128, mamba=True)
+BIG = Shape(layers=4, pages=48, page_size=64, heads=8, head_dim=128, state="mamba")
 
 
 def test_prefill_sigkilled_mid_transfer_decode_releases_at_once_and_serves_on() -> None:
