@@ -139,16 +139,35 @@ def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> Non
             engine.transfer("127.0.0.1:1234", [], [], [])
 
 
+def _cuda_registrant(conn: Connection) -> None:
+    """Registers a CUDA allocation (here, apart: CUDA started in the test process would keep
+    every later test's memory where it is, `samehost._cuda_runs`)."""
+    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with SameHostEngine(f"{NAME}-cuda-{os.getpid()}") as engine:
+        try:
+            engine.batch_register([kv.data_ptr()], [kv.numel()])
+            refusal = ""
+        except TransferError as exc:
+            refusal = str(exc)
+    conn.send((refusal, int(kv.sum())))
+    conn.recv()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_allocation_is_refused_at_registration_not_at_transfer() -> None:
-    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    with (
-        SameHostEngine(f"{NAME}-cuda-{os.getpid()}") as engine,
-        pytest.raises(TransferError, match="host memory"),
-    ):
-        engine.batch_register([kv.data_ptr()], [kv.numel()])
-    assert int(kv.sum()) == 0
+    with peer_process(_cuda_registrant) as (_, (refusal, total), _proc):
+        assert "host memory" in refusal and total == 0
+
+
+def test_a_process_running_cuda_moves_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """CUDA can pin host pages (`cudaHostRegister`) without a mark in /proc: in a process
+    that started it, a range is registered where it is."""
+    t = torch.ones(2 << 20, dtype=torch.uint8)
+    monkeypatch.setattr(samehost, "_cuda_runs", lambda: True)
+    with SameHostEngine(f"{NAME}-cudaproc-{os.getpid()}") as engine:
+        engine.batch_register([t.data_ptr()], [t.numel()])
+        assert [r.memfd for r in engine._own[0]] == [-1]
 
 
 def _shm_victim(conn: Connection, private: bool) -> None:
@@ -404,8 +423,7 @@ def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
 def test_memory_the_engine_lets_go_is_private_again() -> None:
     """Deregistered (here: the engine closed), a moved range goes back onto private pages
     with its bytes and leaves the memfd: a child forked afterwards copies it on write instead
-    of sharing it (a shared heap page would let the child's malloc write the parent's).  A
-    child forked while it is registered gets its own copy too."""
+    of sharing it (a shared heap page would let the child's malloc write the parent's)."""
     t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     before = t.clone()
     end = t.data_ptr() + t.numel()
@@ -419,26 +437,32 @@ def test_memory_the_engine_lets_go_is_private_again() -> None:
 
     import ctypes
 
-    def child_writes() -> None:
+    def in_child(act: Callable[[], bool]) -> None:
         pid = os.fork()
-        if pid == 0:  # the child writes its copy (no torch: its thread pool is the parent's)
-            ctypes.memset(t.data_ptr(), 0, t.numel())
-            os._exit(0 if not moved() else 1)
+        if pid == 0:  # no torch in the child: its thread pool is the parent's
+            os._exit(0 if act() else 1)
         assert os.waitpid(pid, 0)[1] == 0
-        assert torch.equal(t, before)
+
+    def writes() -> bool:
+        ctypes.memset(t.data_ptr(), 0, t.numel())
+        return not moved()
 
     with SameHostEngine(f"{NAME}-back-{os.getpid()}") as engine:
         engine.batch_register([t.data_ptr()], [t.numel()])
-        assert moved()
-        child_writes()  # registered: the child copies the moved pages at fork
-        assert moved()
+        got = moved()
+        assert got
+        # registered, the moved pages are not the child's at all (MADV_DONTFORK), neither
+        # shared with it nor copied at every fork
+        in_child(lambda: not [m for m in samehost._mappings() if m[:2] in got])
+        assert moved() == got
         memfd = os.dup(next(r.memfd for r in engine._own[0] if r.memfd >= 0))
     try:
         assert not moved() and torch.equal(t, before)
         assert os.fstat(memfd).st_blocks == 0  # its pages left the file as they moved back
     finally:
         os.close(memfd)
-    child_writes()
+    in_child(writes)  # private again: the child writes its own copy
+    assert torch.equal(t, before)
 
 
 def test_a_range_that_cannot_all_move_stays_private(monkeypatch) -> None:  # type: ignore[no-untyped-def]

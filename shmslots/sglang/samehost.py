@@ -19,7 +19,7 @@ partial pages at either end stay private (they may hold other allocations).  Whi
 `batch_register` runs, nothing else may write the range; SGLang registers its pools before
 serving.  Registered memory must stay allocated until it is deregistered (as with Mooncake's
 registrations); deregistering a range, or closing the engine, moves it back onto private
-pages, and a child forked meanwhile copies it at fork.
+pages.  A child forked meanwhile does not get the moved pages (MADV_DONTFORK).
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
@@ -172,10 +172,14 @@ def classify(base: int, length: int) -> tuple[Region, bool]:
 
 
 def _cuda_runs() -> bool:
-    """Whether this process has started CUDA, which can hold host pages by registration
-    (`cudaHostRegister`) without marking them in /proc: then no range is moved."""
+    """Whether this process has (or may have) started CUDA, which can hold host pages by
+    registration (`cudaHostRegister`) without marking them in /proc: then no range is
+    moved.  (CUDA started other than through torch is not seen.)"""
     torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # torch half imported on another thread: assume the worst
+        return True
 
 
 PINNED_FLAGS = {"lo", "dc", "io", "pf"}  # mlocked, MADV_DONTFORK (CUDA, RDMA), I/O, PFN
@@ -221,20 +225,25 @@ def share(region: Region) -> list[Region]:
             done = 0
             while done < n:
                 done += os.pwrite(fd, data[done:], at + done)
-            got = _libc.mmap(lo + at, n, PROT_RW, MAP_SHARED_FIXED, fd, at)
-            if got != lo + at:  # the old pages may be gone: no quiet fallback from here
-                err = ctypes.get_errno()
-                raise TransferError(
-                    f"mapping a memfd over {n} bytes at {lo + at:#x} failed ({os.strerror(err)}); "
-                    "that range of this process may now be unmapped"
-                )
-            moved = at + n
+            with _fork_guard:  # no child may be forked between the mapping and the madvise
+                got = _libc.mmap(lo + at, n, PROT_RW, MAP_SHARED_FIXED, fd, at)
+                if got != lo + at:  # the old pages may be gone: no quiet fallback from here
+                    err = ctypes.get_errno()
+                    raise TransferError(
+                        f"mapping a memfd over {n} bytes at {lo + at:#x} failed "
+                        f"({os.strerror(err)}); that range of this process may now be unmapped"
+                    )
+                moved = at + n
+                if _libc.madvise(lo + at, n, MADV_DONTFORK):
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"madvise(MADV_DONTFORK): {os.strerror(err)}")
     except BaseException:
-        try:  # the chunks moved go back: the range stays private, as the caller is told
-            for at in range(0, moved, SHARE_CHUNK):
+        for at in range(0, moved, SHARE_CHUNK):  # back: the range stays private, as told
+            try:
                 _private(lo + at, min(SHARE_CHUNK, moved - at))
-        finally:
-            os.close(fd)
+            except TransferError as exc:
+                log.error("shmslots: %s; that chunk stays on a memfd no peer knows", exc)
+        os.close(fd)
         raise
     parts = [
         Region(region.base, lo - region.base),
@@ -336,12 +345,20 @@ _owned: weakref.WeakSet[Registry] = weakref.WeakSet()
 _engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
 
 
+# Moved ranges are MADV_DONTFORK (as RDMA registrations are): a child made by fork() does
+# not get them, rather than share them with its parent (its malloc could write the parent's
+# memory) or copy whole pools at every fork.  The guard keeps fork out of the moment between
+# a chunk's mapping and its madvise.
+_fork_guard = threading.Lock()
+
+
 def _forget_in_child() -> None:
     """A child made by fork() shares the liveness lock's open file description: its copy is
     closed, so that the lock goes when the engine's own process dies, not when all children
-    do (the child's engines are its parent's, not its own).  It shares the moved ranges'
-    pages too: they are copied onto its own, as fork copies private memory, and its engines
-    let go of the memfds (never punching them: the files are its parent's)."""
+    do (the child's engines are its parent's, not its own).  Its engines let go of the
+    memfds too (the files are its parent's; their ranges are not mapped here)."""
+    with contextlib.suppress(RuntimeError):  # held by `before`, unless fork skipped it
+        _fork_guard.release()
     for reg in list(_owned):
         if reg._lock_fd >= 0:
             with contextlib.suppress(OSError):
@@ -350,10 +367,17 @@ def _forget_in_child() -> None:
     for engine in list(_engines):
         parts, engine._parts = engine._parts, {}
         engine._own = ([], [])
-        _unshare(parts.values(), punch=False)
+        for region in itertools.chain(*parts.values()):
+            if region.memfd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(region.memfd)
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(
+    before=_fork_guard.acquire,
+    after_in_parent=_fork_guard.release,
+    after_in_child=_forget_in_child,
+)
 
 
 class PeerRegistry:
@@ -619,13 +643,11 @@ class _Peer:
             return repr(region.shm)
         return f"memfd {region.memfd} of {self.registry.name!r}"
 
-    def forget_unlisted(self) -> None:
-        """Unmap the files the registry, as last read, no longer lists (no transfer may be
-        using this peer)."""
+    def unlisted(self) -> list[mmap.mmap]:
+        """The mappings of files the registry, as last read, no longer lists, taken out (for
+        the caller to close: no transfer may be using this peer)."""
         listed = {(r.shm or r.memfd, r.inode) for r in self.registry.table[0] if r.mapped}
-        for key in [k for k in self.maps if k not in listed]:
-            with contextlib.suppress(BufferError):
-                self.maps.pop(key)[0].close()
+        return [self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]]
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -680,12 +702,14 @@ _libc.mremap.argtypes = [
 _libc.mremap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED_FIXED = mmap.MAP_SHARED | mmap.MAP_POPULATE | 0x10  # MAP_FIXED: resident, as before
 MAP_ANONYMOUS_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 MAP_FAILED = ctypes.c_void_p(-1).value
 MREMAP_MAYMOVE_FIXED = 1 | 2
 FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+MADV_DONTFORK = 10
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
 SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
 
@@ -741,6 +765,7 @@ class SameHostEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        self._lingering: list[_Peer] = []  # peers whose transfers outlived close()
         self._pruned_at = time.monotonic()
         _engines.add(self)
         self.refused = 0  # transfers refused for bad input (outside registered memory)
@@ -913,33 +938,41 @@ class SameHostEngine:
 
     def _acquire(self, session: str) -> _Peer:
         """The session's peer, opened on first use, with one more user."""
-        with self._lock:
-            if self._closed:
-                raise TransferError("this same-host engine is closed")
-            if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
-                self._prune()
-            peer = self._peers.get(session)
-            if peer is None:
-                name, inode = parse_session(session)
-                peer = _Peer(PeerRegistry(name, inode))
-                self._peers[session] = peer
-            peer.users += 1
-            return peer
+        doomed: list[_Peer | mmap.mmap] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise TransferError("this same-host engine is closed")
+                if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
+                    doomed = self._prune()
+                peer = self._peers.get(session)
+                if peer is None:
+                    name, inode = parse_session(session)
+                    peer = _Peer(PeerRegistry(name, inode))
+                    self._peers[session] = peer
+                peer.users += 1
+                return peer
+        finally:  # unmapped outside the lock: freeing a pool's pages takes a while
+            for closable in doomed:
+                with contextlib.suppress(BufferError):
+                    closable.close()
 
-    def _prune(self) -> None:
-        """Let go of idle peers whose engine died, and of mappings of files a live peer no
-        longer registers: each mapping holds its file's memory.  (A restarted decode is a new
-        session, and SGLang probes only failed ones: nothing else would drop the old one.)
-        Called under the engine's lock, so no transfer uses the peers it touches."""
+    def _prune(self) -> list[_Peer | mmap.mmap]:
+        """Take out idle peers whose engine died, and mappings of files a live peer no
+        longer registers, for the caller to close: each mapping holds its file's memory.  (A
+        restarted decode is a new session, and SGLang probes only failed ones: nothing else
+        would drop the old one.)  Under the engine's lock: no transfer uses these peers."""
         self._pruned_at = time.monotonic()
+        doomed: list[_Peer | mmap.mmap] = []
         for session, peer in list(self._peers.items()):
             if peer.users:
                 continue
             if peer.registry.alive():
-                peer.forget_unlisted()
+                doomed += peer.unlisted()
             else:
                 del self._peers[session]
-                peer.close()
+                doomed.append(peer)
+        return doomed
 
     def _release(self, peer: _Peer) -> None:
         with self._lock:
@@ -947,8 +980,11 @@ class SameHostEngine:
             last = peer.dropped and peer.users == 0
             if last:
                 self._idle.notify_all()
+            done = last and self._lingering and not any(p.users for p in self._lingering)
         if last:
             peer.close()
+        if done:  # the transfers that outlived close() have ended: peers may see it gone
+            self.registry.close()
 
     def _drop(self, session: str, peer: _Peer) -> None:
         """Take a dead or failed peer out of the table; its last user closes it (a mapping is
@@ -963,18 +999,22 @@ class SameHostEngine:
         peer, then remove the registry, so peers see this engine gone only once none of its
         writes can still land."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            self.registry.publish([])  # peers start no more writes here
             peers, self._peers = list(self._peers.values()), {}
             for peer in peers:
                 peer.dropped = True
             self._idle.wait_for(lambda: all(p.users == 0 for p in peers), timeout=wait_s)
             idle = [p for p in peers if p.users == 0]
+            self._lingering = [p for p in peers if p.users]
         for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
-        if len(idle) == len(peers):
+        if not self._lingering:
             self.registry.close()
-        else:  # its peers must not see this engine gone while a write of it may land
-            log.warning("shmslots: a transfer outlived close(); the registry stays locked")
+        else:  # peers must not see this engine gone while a write of it may land
+            log.warning("shmslots: a transfer outlived close(); its end unlocks the registry")
         if self._threads is not None:
             self._threads.shutdown()
         parts, self._parts = self._parts, {}
@@ -1022,7 +1062,9 @@ def _unshare(groups: Iterable[list[Region]], punch: bool = True) -> None:
                 _private(at, n)
                 if punch:  # the file's offsets are the range's, from the region's base
                     offset = region.offset + at - region.base
-                    _libc.fallocate(region.memfd, FALLOC_PUNCH_HOLE, offset, n)
+                    if _libc.fallocate(region.memfd, FALLOC_PUNCH_HOLE, offset, n):
+                        err = os.strerror(ctypes.get_errno())
+                        log.warning("shmslots: a memfd keeps %d bytes moved back (%s)", n, err)
         os.close(region.memfd)
 
 
