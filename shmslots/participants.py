@@ -91,15 +91,20 @@ def close_gate(fd: int) -> bool:
     return True
 
 
+def stat_fields(path: str) -> list[bytes]:
+    """The fields of a /proc stat file from the third (state) on; OSError as it came.  The
+    command name before them may hold spaces and parentheses: split after the last ')'."""
+    with open(path, "rb") as f:
+        stat = f.read()
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
 def process_start_ticks(pid: int) -> int:
     """Start time of `pid` in clock ticks since boot (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        return int(stat_fields(f"/proc/{pid}/stat")[19])
     except OSError:
         return 0
-    # The command name may hold spaces and parentheses: split after the last ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, ShmSlotsError, TableExists
-from ..participants import _lock_request, process_start_ticks
+from ..participants import _lock_request, process_start_ticks, stat_fields
 from ..segment import SHM_DIR, Segment, unlink, validate_name
 
 MAGIC = b"SHMSLPD1"
@@ -481,19 +481,15 @@ PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
 def _start_ticks(pid: int) -> int:
     """`pid`'s start time (field 22 of its stat); FileNotFoundError once it is reaped, and
     any other OSError as it came (not a sign of death)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return int(stat_fields(f"/proc/{pid}/stat")[19])
 
 
 def _exiting(stat_path: str) -> bool:
     """Whether the thread of this /proc stat file has begun to exit (its flags, field 9)."""
     try:
-        with open(stat_path, "rb") as f:
-            stat = f.read()
+        return bool(int(stat_fields(stat_path)[6]) & PF_EXITING)
     except FileNotFoundError:
         return True  # reaped since the listing
-    return bool(int(stat[stat.rindex(b")") + 2 :].split()[6]) & PF_EXITING)
 
 
 def _parse_regions(name: str, payload: bytes) -> list[Region]:
