@@ -59,6 +59,7 @@ class Shape:
     verify: bool = True  # fill and check every byte (the benchmark moves them unread)
     nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
     state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows) or "swa"
+    device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
 
     @property
     def entries(self) -> int:
@@ -182,21 +183,20 @@ def _manager(
 
 
 def _kv(shape: Shape) -> list[torch.Tensor]:
-    return [
-        torch.zeros(shape.pages * shape.item_len, dtype=torch.uint8) for _ in range(shape.entries)
-    ]
+    return [_pool(shape.pages * shape.item_len, shape) for _ in range(shape.entries)]
+
+
+def _pool(n: int, shape: Shape) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.uint8, device=shape.device)
 
 
 def _state(shape: Shape) -> list[torch.Tensor]:
     """The state group's tensors, a row or page per KV page, so a room's state parts are
     found from its KV pages and, like them, reused only after the canary check."""
     if shape.state == "mamba":
-        return [torch.zeros(shape.pages * n, dtype=torch.uint8) for n in MAMBA_ITEM_LENS]
+        return [_pool(shape.pages * n, shape) for n in MAMBA_ITEM_LENS]
     if shape.state == "swa":
-        return [
-            torch.zeros(shape.pages * shape.item_len, dtype=torch.uint8)
-            for _ in range(2 * SWA_LAYERS)
-        ]
+        return [_pool(shape.pages * shape.item_len, shape) for _ in range(2 * SWA_LAYERS)]
     return []
 
 
@@ -438,12 +438,12 @@ def _verify(
     """Every KV byte, the state rows and the aux row are the room's; the slot is then
     consumed and released."""
     ok = all(
-        torch.equal(_page(t, p, shape), pattern(out.room, e, i, shape.item_len))
+        torch.equal(_page(t, p, shape).cpu(), pattern(out.room, e, i, shape.item_len))
         for e, t in enumerate(kv if shape.verify else ())
         for i, p in enumerate(out.pages)
     )
     ok = ok and all(
-        torch.equal(part, pattern(out.room, STATE_ENTRY + k, j, part.numel()))
+        torch.equal(part.cpu(), pattern(out.room, STATE_ENTRY + k, j, part.numel()))
         for k, j, part in (_state_parts(state, out.pages, shape) if shape.verify else ())
     )
     output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)

@@ -139,27 +139,6 @@ def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> Non
             engine.transfer("127.0.0.1:1234", [], [], [])
 
 
-def _cuda_registrant(conn: Connection) -> None:
-    """Registers a CUDA allocation (here, apart: CUDA started in the test process would keep
-    every later test's memory where it is, `samehost._cuda_runs`)."""
-    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    with SameHostEngine(f"{NAME}-cuda-{os.getpid()}") as engine:
-        try:
-            engine.batch_register([kv.data_ptr()], [kv.numel()])
-            refusal = ""
-        except TransferError as exc:
-            refusal = str(exc)
-    conn.send((refusal, int(kv.sum())))
-    conn.recv()
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_cuda_allocation_is_refused_at_registration_not_at_transfer() -> None:
-    with peer_process(_cuda_registrant) as (_, (refusal, total), _proc):
-        assert "host memory" in refusal and total == 0
-
-
 def test_a_process_running_cuda_moves_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """CUDA can pin host pages (`cudaHostRegister`) without a mark in /proc: in a process
     that started it, a range is registered where it is."""

@@ -13,10 +13,16 @@ from typing import Any
 
 import pytest
 import sglang_env as env
+import torch
 
 pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLANG_MISSING or "")
 
 from pd_env import Pair, Shape  # noqa: E402
+
+CUDA_ONLY = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _parse(plugin: bool) -> dict[str, Any]:
@@ -55,8 +61,10 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
         # pages of the window, sent page by page as the KV is)
         (Shape(state="mamba"), 60, 3, 4),
         (Shape(state="swa"), 60, 3, 4),
+        # KV and Mamba state on the GPU, written by CUDA IPC (tools/gpu_check.sh)
+        pytest.param(Shape(state="mamba", device="cuda"), 60, 3, 4, marks=CUDA_ONLY),
     ],
-    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state"],
+    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state", "cuda-kv"],
 )
 def test_every_byte_of_every_request_lands(
     shape: Shape, rooms: int, pages: int, window: int

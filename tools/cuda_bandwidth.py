@@ -1,8 +1,11 @@
-"""Hand 64 MiB CUDA tensors from one process to another through a ref field; report GB/s.
+"""Two CUDA figures, each between two processes, run by tools/gpu_check.sh on a GPU machine.
 
-The producer keeps each tensor alive until the consumer releases its slot;
-the consumer opens the ref and reduces the tensor on the GPU (so the
-bytes are really read).  Run by tools/gpu_check.sh on a GPU machine.
+1. 64 MiB CUDA tensors handed over through a ref field: the producer keeps each tensor alive
+   until the consumer releases its slot; the consumer opens the ref and reduces the tensor
+   on the GPU (so the bytes are really read).
+2. KV pages written by the same-host PD engine (CUDA IPC, `shmslots.sglang.cuda_kv`): 256 MiB
+   a call in 128 KiB pages, in runs of 16 pages scattered over a decode's pool, against the
+   same runs copied within one process by torch (cudaMemcpy device to device).
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from multiprocessing.connection import Connection
 
 import torch
 
 from shmslots import Field, SlotTable
+from shmslots.sglang.samehost import SameHostEngine
 
 N = 40
 MiB = 1 << 20
@@ -61,5 +66,69 @@ def main() -> None:
     )
 
 
+POOL = 512 * MiB
+KV_PAGE = 128 << 10
+RUN = 16 * KV_PAGE  # contiguous pages, as SGLang merges them into one block
+CALLS = 20
+
+
+def decode(conn: Connection) -> None:
+    """A decode's KV pool on the GPU, registered; kept until told."""
+    pool = torch.zeros(POOL, dtype=torch.uint8, device="cuda")
+    with SameHostEngine(f"shmslots-pd-gpubw-{os.getpid()}") as engine:
+        engine.batch_register([pool.data_ptr()], [POOL])
+        conn.send((engine.get_session_id(), pool.data_ptr()))
+        conn.recv()
+
+
+def _runs(source: int, target: int) -> tuple[list[int], list[int], list[int]]:
+    """Half the pool's runs, from the source's first half to scattered target runs."""
+    order = torch.randperm(POOL // RUN, generator=torch.Generator().manual_seed(0)).tolist()
+    targets = order[: POOL // RUN // 2]
+    return (
+        [source + i * RUN for i in range(len(targets))],
+        [target + j * RUN for j in targets],
+        [RUN] * len(targets),
+    )
+
+
+def samehost() -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=decode, args=(child,))
+    proc.start()
+    try:
+        session, target = parent.recv()
+        kv = torch.ones(POOL, dtype=torch.uint8, device="cuda")
+        with SameHostEngine(f"shmslots-pd-gpubwp-{os.getpid()}") as engine:
+            engine.batch_register([kv.data_ptr()], [POOL])
+            src, dst, n = _runs(kv.data_ptr(), target)
+            engine.transfer(session, src, dst, n)  # opens the peer's allocation
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                engine.transfer(session, src, dst, n)
+            ours = CALLS * sum(n) / (time.perf_counter() - start) / 1e9
+        local = torch.zeros_like(kv)
+        src, dst, n = _runs(0, 0)
+        pairs = [(kv[s : s + k], local[d : d + k]) for s, d, k in zip(src, dst, n, strict=True)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            for a, b in pairs:
+                b.copy_(a)
+            torch.cuda.synchronize()
+        floor = CALLS * sum(n) / (time.perf_counter() - start) / 1e9
+    finally:
+        parent.send("bye")
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    print(
+        f"same-host PD engine, GPU to GPU by CUDA IPC: {ours:.1f} GB/s in {RUN >> 20} MiB runs; "
+        f"the same runs copied in one process: {floor:.1f} GB/s ({floor / ours:.2f}x)"
+    )
+
+
 if __name__ == "__main__":
     main()
+    samehost()

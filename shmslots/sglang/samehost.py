@@ -1,5 +1,5 @@
 """A transfer engine for peers on one host: Mooncake's `TransferEngine` calls, answered by
-shared memory and `process_vm_writev`, with no network and no engine thread.
+shared memory, `process_vm_writev` and CUDA IPC, with no network and no engine thread.
 
 SGLang's Mooncake manager moves every byte through five engine calls (`batch_register`,
 `batch_deregister`, `get_session_id`, `send_probe`, `batch_transfer_sync`); `backend.py` puts
@@ -37,7 +37,9 @@ A write into a peer goes, per destination region:
   and confirmed by the registry's lock and the start time after opening, says before each
   call that the peer has not been reaped, so its pid number is not yet anyone else's (what
   remains is the microseconds between that check and the call, in which the peer would have
-  to die, be reaped and have its number handed to another process of this user).
+  to die, be reaped and have its number handed to another process of this user);
+- into a GPU region (CUDA memory, registered by IPC handle, never moved): by `cuMemcpyAsync`
+  from GPU memory registered here into the peer's allocation, opened once (cuda_kv).
 
 Both are synchronous: when `transfer` returns, or raises, no byte of it can still land.
 Every destination byte must lie inside a region the peer registered and every source byte
@@ -70,9 +72,10 @@ from dataclasses import dataclass
 from ..errors import InvalidArgument, ShmSlotsError, TableExists
 from ..participants import _lock_request, process_start_ticks, stat_fields
 from ..segment import SHM_DIR, Segment, unlink, validate_name
+from . import cuda_kv
 
 MAGIC = b"SHMSLPD1"
-FORMAT = 2
+FORMAT = 3
 REGISTRY_BYTES = 256 * 1024
 # magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length
 _HEADER = struct.Struct("<8sIIQQQQII")
@@ -95,7 +98,9 @@ class PeerGone(TransferError):
 @dataclass(frozen=True)
 class Region:
     """One registered range; `shm` names the /dev/shm file it lies in, or `memfd` is the
-    owner's descriptor of the memfd it lies in, if any."""
+    owner's descriptor of the memfd it lies in, if any; `offset` is the range's in that
+    file.  A GPU range names its device's UUID and the CUDA IPC handle of the allocation
+    holding it, `offset` being its offset in that allocation (cuda_kv)."""
 
     base: int
     length: int
@@ -103,6 +108,8 @@ class Region:
     inode: int = 0
     offset: int = 0
     memfd: int = -1
+    device: str | None = None
+    handle: str | None = None
 
     @property
     def end(self) -> int:
@@ -153,8 +160,7 @@ def classify(base: int, length: int) -> tuple[Region, bool]:
     if at < end:
         raise TransferError(
             f"{length} bytes at {base:#x} are not all readable and writable host memory of this "
-            "process; the same-host engine moves CPU memory only (a CUDA allocation, VMM memory "
-            "or a read-only range is refused here, at registration)"
+            "process (a read-only or unmapped range is refused here, at registration)"
         )
     first = covering[0]
     path = first[5]
@@ -169,6 +175,21 @@ def classify(base: int, length: int) -> tuple[Region, bool]:
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
     return Region(base, length), anonymous and not _cuda_runs() and not _pinned(base, end)
+
+
+def _classify(base: int, length: int) -> tuple[Region, bool]:
+    """`classify`, or where the range is not host memory, a GPU range by CUDA IPC (never
+    moved); TransferError for anything else, and DeviceError for device memory CUDA IPC
+    cannot share."""
+    try:
+        return classify(base, length)
+    except TransferError as refusal:
+        drv = cuda_kv.driver() if base > 0 and length > 0 else None
+        found = drv.describe(base, length) if drv is not None else None
+        if found is None:
+            raise refusal from None
+    region = Region(base, length, offset=found.offset, device=found.uuid, handle=found.handle)
+    return region, False
 
 
 def _cuda_runs() -> bool:
@@ -318,7 +339,10 @@ class Registry:
     def publish(self, regions: Sequence[Region]) -> None:
         """Rewrite the region list under the sequence number (odd while writing)."""
         payload = json.dumps(
-            [[r.base, r.length, r.shm, r.inode, r.offset, r.memfd] for r in regions]
+            [
+                [r.base, r.length, r.shm, r.inode, r.offset, r.memfd, r.device, r.handle]
+                for r in regions
+            ]
         ).encode()
         if len(payload) > REGISTRY_BYTES - PAYLOAD_AT or len(regions) > MAX_REGIONS:
             raise TransferError(f"{len(regions)} regions do not fit in a registry")
@@ -502,23 +526,49 @@ def _parse_regions(name: str, payload: bytes) -> list[Region]:
         raise TransferError(f"registry {name!r} holds no region list")
     regions = []
     for item in raw:
-        ok = isinstance(item, list) and len(item) == 6
-        base, length, shm, inode, offset, memfd = item if ok else (0, 0, None, 0, 0, -1)
+        ok = isinstance(item, list) and len(item) == 8
+        base, length, shm, inode, offset, memfd, device, handle = (
+            item if ok else (0, 0, None, 0, 0, -1, None, None)
+        )
         ints = all(type(v) is int and 0 <= v < 1 << 63 for v in (base, length, inode, offset))
         ok = ok and ints and length > 0 and type(memfd) is int and -1 <= memfd < 1 << 31
-        if not (ok and (shm is None or (isinstance(shm, str) and memfd == -1))):
+        ok = ok and (shm is None or (isinstance(shm, str) and memfd == -1))
+        gpu = _hex(device, 16) and _hex(handle, 64) and shm is None and memfd == -1
+        if not (ok and (gpu or (device is None and handle is None))):
             raise TransferError(f"registry {name!r} holds a malformed region: {item!r}")
         if shm is not None:
             try:
                 validate_name(shm)
             except InvalidArgument:
                 raise TransferError(f"registry {name!r} names no /dev/shm file: {shm!r}") from None
-        regions.append(Region(base, length, shm, inode, offset, memfd))
+        regions.append(Region(base, length, shm, inode, offset, memfd, device, handle))
     regions.sort(key=lambda r: r.base)
     for a, b in itertools.pairwise(regions):
         if a.end > b.base:
             raise TransferError(f"registry {name!r} holds overlapping regions")
     return regions
+
+
+def _hex(value: object, size: int) -> bool:
+    """Whether `value` is `size` bytes written in lowercase hex."""
+    return isinstance(value, str) and len(value) == 2 * size and set(value) <= HEX_DIGITS
+
+
+HEX_DIGITS = set("0123456789abcdef")
+
+
+@dataclass
+class _DeviceMapping:
+    """A peer's CUDA allocation opened here by its IPC handle."""
+
+    device: str
+    address: int
+    size: int
+
+    def close(self) -> None:
+        drv = cuda_kv.driver()
+        if drv is not None:  # opened through it: it is there
+            drv.close(self.device, self.address)
 
 
 class _Peer:
@@ -528,6 +578,7 @@ class _Peer:
         self.registry = registry
         self.pidfd = -1
         self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
+        self.devices: dict[str, _DeviceMapping] = {}  # by IPC handle
         self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
         self.users = 0  # transfers and probes using it now (the engine's lock guards this)
@@ -634,16 +685,39 @@ class _Peer:
                 raise TransferError(f"{self._file(region)} is not open in the peer") from None
             raise
 
+    def device_mapping(self, region: Region) -> int:
+        """This process's address of the GPU `region`, its allocation opened once."""
+        assert region.device is not None and region.handle is not None
+        with self.lock:
+            got = self.devices.get(region.handle)
+            if got is None:
+                drv = cuda_kv.driver()
+                if drv is None:
+                    raise TransferError(
+                        f"peer {self.registry.name!r} registered GPU memory, and this process "
+                        "has no CUDA driver"
+                    )
+                got = _DeviceMapping(region.device, *drv.open(region.device, region.handle))
+                self.devices[region.handle] = got
+        if region.offset + region.length > got.size:
+            raise TransferError(f"GPU region at {region.base:#x} lies past its allocation's end")
+        return got.address + region.offset
+
     def _file(self, region: Region) -> str:
         if region.shm is not None:
             return repr(region.shm)
         return f"memfd {region.memfd} of {self.registry.name!r}"
 
-    def unlisted(self) -> list[mmap.mmap]:
-        """The mappings of files the registry, as last read, no longer lists, taken out (for
-        the caller to close: no transfer may be using this peer)."""
-        listed = {(r.shm or r.memfd, r.inode) for r in self.registry.table[0] if r.mapped}
-        return [self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]]
+    def unlisted(self) -> list[mmap.mmap | _DeviceMapping]:
+        """The mappings of files and GPU allocations the registry, as last read, no longer
+        lists, taken out (for the caller to close: no transfer may be using this peer)."""
+        regions = self.registry.table[0]
+        listed = {(r.shm or r.memfd, r.inode) for r in regions if r.mapped}
+        handles = {r.handle for r in regions}
+        doomed: list[mmap.mmap | _DeviceMapping] = [
+            self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]
+        ]
+        return doomed + [self.devices.pop(h) for h in [h for h in self.devices if h not in handles]]
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -653,7 +727,17 @@ class _Peer:
             with contextlib.suppress(BufferError):  # a view still exported: it goes with it
                 mm.close()
         self.maps.clear()
+        for device in self.devices.values():
+            _close_device(device)
+        self.devices.clear()
         self.registry.close()
+
+
+def _close_device(mapping: _DeviceMapping) -> None:
+    try:
+        mapping.close()
+    except cuda_kv.DeviceError as exc:  # its peer's memory stays mapped here
+        log.warning("shmslots: %s", exc)
 
 
 def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
@@ -775,7 +859,7 @@ class SameHostEngine:
         """Publish the ranges (anonymous ones moved onto memfds first: the module's
         docstring says how and why); a range overlapping one registered is refused, and a
         refused call publishes nothing of itself."""
-        new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
+        new = [_classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
         with self._lock:
             regions = sorted(self._own[0] + [r for r, _ in new], key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
@@ -887,26 +971,54 @@ class SameHostEngine:
                 if n < 0:
                     raise TransferError(f"negative length {n}")
                 continue
-            if not _cover(own, src, n):
+            mine = _cover(own, src, n)
+            if not mine:
                 raise TransferError(f"{n} bytes at {src:#x} are not registered here")
             pieces = _cover(theirs, dst, n)
             if not pieces:
                 raise TransferError(
                     f"{n} bytes at {dst:#x} are not inside memory the peer {reg.name!r} registered"
                 )
-            plan += [(src + (at - dst), at, k, region) for at, k, region in pieces]
+            gpus = {r.device for _, _, r in mine}
+            if len(gpus) > 1 or {r.device is None for _, _, r in pieces} != {None in gpus}:
+                raise TransferError(
+                    f"{n} bytes from {src:#x} to {dst:#x} cross between host and GPU memory, "
+                    "or span GPUs: the same-host engine copies host to host and GPU to GPU"
+                )
+            gpu = gpus.pop()
+            plan += [(src + (at - dst), at, k, region, gpu) for at, k, region in pieces]
         try:
             files = {r: peer.mapping(r) for r in {p[3] for p in plan if p[3].mapped}}
-            copies = [(s, at + d - r.base, n) for s, d, n, r in plan if (at := files.get(r))]
-            writes = [(s, d, n) for s, d, n, r in plan if not files.get(r)]
-            jobs = [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
+            host = [p for p in plan if p[4] is None]
+            copies = [(s, at + d - r.base, n) for s, d, n, r, _ in host if (at := files.get(r))]
+            writes = [(s, d, n) for s, d, n, r, _ in host if not files.get(r)]
+            jobs: list[Callable[[], None]] = [
+                functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)
+            ]
             jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
+            jobs += self._device_jobs(peer, [p for p in plan if p[4] is not None])
             self._run(jobs)
-        except OSError as exc:
+        except (OSError, cuda_kv.DeviceError) as exc:
             alive = _still_alive(reg)
             self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
+
+    @staticmethod
+    def _device_jobs(
+        peer: _Peer, plan: list[tuple[int, int, int, Region, str | None]]
+    ) -> list[Callable[[], None]]:
+        """One copy job per source GPU, each on its own thread's stream (cuda_kv)."""
+        by_gpu: dict[str, list[tuple[int, int, int]]] = {}
+        for s, d, n, region, gpu in plan:
+            assert gpu is not None
+            by_gpu.setdefault(gpu, []).append((s, peer.device_mapping(region) + d - region.base, n))
+        drv = cuda_kv.driver()  # there, if any block is: device_mapping opened through it
+        return (
+            [functools.partial(drv.copy, gpu, blocks) for gpu, blocks in by_gpu.items()]
+            if drv
+            else []
+        )
 
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
@@ -934,7 +1046,7 @@ class SameHostEngine:
 
     def _acquire(self, session: str) -> _Peer:
         """The session's peer, opened on first use, with one more user."""
-        doomed: list[_Peer | mmap.mmap] = []
+        doomed: list[_Peer | mmap.mmap | _DeviceMapping] = []
         try:
             with self._lock:
                 if self._closed:
@@ -950,16 +1062,19 @@ class SameHostEngine:
                 return peer
         finally:  # unmapped outside the lock: freeing a pool's pages takes a while
             for closable in doomed:
+                if isinstance(closable, _DeviceMapping):
+                    _close_device(closable)
+                    continue
                 with contextlib.suppress(BufferError):
                     closable.close()
 
-    def _prune(self) -> list[_Peer | mmap.mmap]:
+    def _prune(self) -> list[_Peer | mmap.mmap | _DeviceMapping]:
         """Take out idle peers whose engine died, and mappings of files a live peer no
         longer registers, for the caller to close: each mapping holds its file's memory.  (A
         restarted decode is a new session, and SGLang probes only failed ones: nothing else
         would drop the old one.)  Under the engine's lock: no transfer uses these peers."""
         self._pruned_at = time.monotonic()
-        doomed: list[_Peer | mmap.mmap] = []
+        doomed: list[_Peer | mmap.mmap | _DeviceMapping] = []
         for session, peer in list(self._peers.items()):
             if peer.users:
                 continue

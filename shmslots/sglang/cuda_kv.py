@@ -1,0 +1,272 @@
+"""GPU memory for the same-host engine: CUDA IPC of an allocation's base plus an offset.
+
+SGLang registers raw pointers (its pools' `data_ptr()`s), not tensors, so torch's own
+sharing (which starts from a storage) cannot describe them; the CUDA driver API can, from
+the pointer alone.  Registering a device range asks the driver for the allocation that holds
+it (`cuMemGetAddressRange`) and an IPC handle of that allocation; the peer opens the handle
+once per allocation and writes at the range's offset in it.  Memory the legacy IPC cannot
+share — VMM memory, as torch's `expandable_segments` and SGLang's `--enable-memory-saver`
+make — is refused at registration, with the reason, rather than failing at a transfer.
+
+A transfer's copies are queued on a stream of the source's device owned by the calling
+thread (`cuMemcpyAsync`, one per block: SGLang already merges contiguous pages), and the
+stream is synchronized before the call returns, on error too: when `copy` returns or
+raises, no copy of it can still land.  The driver is loaded only when a registered range is
+not host memory, so a machine without CUDA never loads it.
+
+Devices are named by UUID, never by index: the two processes may see different
+CUDA_VISIBLE_DEVICES.  This path runs only where a GPU is lent (tools/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..errors import ShmSlotsError
+
+# cuda.h (CUpointer_attribute, CUmemorytype, CUresult)
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+CU_MEMORYTYPE_DEVICE = 2
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_STREAM_NON_BLOCKING = 1
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class DeviceError(ShmSlotsError):
+    """A CUDA call of the same-host engine failed, or device memory cannot be shared."""
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+@dataclass(frozen=True)
+class DeviceRange:
+    """A registered device range: its GPU's UUID, the IPC handle of the allocation holding
+    it, and its offset in that allocation (all hex or ints, for the registry's JSON)."""
+
+    uuid: str
+    handle: str
+    offset: int
+
+
+class Driver:
+    """The CUDA driver (libcuda), its primary contexts and this engine's streams."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._devices: dict[str, int] = {}  # uuid: this process's CUdevice
+        self._contexts: dict[int, int] = {}  # CUdevice: its retained primary context
+        self._local = threading.local()  # a thread's streams, by CUdevice (its life long)
+        self._check(lib.cuInit(0), "cuInit")
+
+    def _check(self, result: int, what: str) -> None:
+        if result:
+            raise self._error(result, what)
+
+    def _error(self, result: int, what: str) -> DeviceError:
+        name = ctypes.c_char_p()
+        self._lib.cuGetErrorName(result, ctypes.byref(name))
+        return DeviceError(f"{what} failed: {(name.value or b'?').decode()} ({result})")
+
+    # -- devices and contexts -----------------------------------------------------------
+    def _device(self, uuid: str) -> int:
+        with self._lock:
+            if not self._devices:
+                count = ctypes.c_int()
+                self._check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+                for ordinal in range(count.value):
+                    self._devices[self._uuid_of(ordinal)] = self._ordinal_device(ordinal)
+            found = self._devices.get(uuid)
+        if found is None:
+            raise DeviceError(
+                f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES): the "
+                "same-host engine writes only into GPUs both processes see"
+            )
+        return found
+
+    def _ordinal_device(self, ordinal: int) -> int:
+        dev = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        return dev.value
+
+    def _uuid_of(self, ordinal: int) -> str:
+        uuid = _Uuid()
+        dev = self._ordinal_device(ordinal)
+        self._check(self._lib.cuDeviceGetUuid_v2(ctypes.byref(uuid), dev), "cuDeviceGetUuid")
+        return bytes(uuid).hex()
+
+    @contextlib.contextmanager
+    def current(self, dev: int) -> Iterator[None]:
+        """`dev`'s primary context (torch's) current on this thread, then the one before."""
+        with self._lock:
+            ctx = self._contexts.get(dev)
+            if ctx is None:
+                handle = ctypes.c_void_p()
+                self._check(
+                    self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev),
+                    "cuDevicePrimaryCtxRetain",
+                )
+                ctx = self._contexts[dev] = handle.value or 0
+        self._check(self._lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    # -- the owner's side ---------------------------------------------------------------
+    def describe(self, ptr: int, length: int) -> DeviceRange | None:
+        """The device range at `ptr`, or None where `ptr` is not CUDA device memory;
+        DeviceError where it is but cannot be shared by IPC, or runs past its allocation."""
+        kind = ctypes.c_uint()
+        got = self._lib.cuPointerGetAttribute(
+            ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)
+        )
+        if got in (
+            CUDA_ERROR_INVALID_VALUE,
+            CUDA_ERROR_NOT_INITIALIZED,
+            CUDA_ERROR_INVALID_CONTEXT,
+        ):
+            return None  # not memory CUDA knows (no context here: none of this process's)
+        self._check(got, "cuPointerGetAttribute(MEMORY_TYPE)")
+        if kind.value != CU_MEMORYTYPE_DEVICE:
+            return None
+        ordinal = ctypes.c_int()
+        self._check(
+            self._lib.cuPointerGetAttribute(
+                ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)
+            ),
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+        )
+        dev = self._ordinal_device(ordinal.value)
+        with self.current(dev):
+            capable = ctypes.c_int()
+            self._check(
+                self._lib.cuPointerGetAttribute(
+                    ctypes.byref(capable),
+                    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                    ctypes.c_uint64(ptr),
+                ),
+                "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+            )
+            if not capable.value:
+                raise DeviceError(
+                    f"{length} bytes at {ptr:#x} are VMM device memory (torch's "
+                    "expandable_segments, SGLang's --enable-memory-saver), which CUDA IPC "
+                    "cannot share: register memory from cudaMalloc (the caching allocator's "
+                    "default)"
+                )
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            self._check(
+                self._lib.cuMemGetAddressRange_v2(
+                    ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
+                ),
+                "cuMemGetAddressRange",
+            )
+            if ptr + length > base.value + size.value:
+                raise DeviceError(
+                    f"{length} bytes at {ptr:#x} run past the end of their CUDA allocation "
+                    f"({size.value} bytes at {base.value:#x})"
+                )
+            handle = _IpcHandle()
+            self._check(
+                self._lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle"
+            )
+        return DeviceRange(self._uuid_of(ordinal.value), bytes(handle).hex(), ptr - base.value)
+
+    # -- the writer's side --------------------------------------------------------------
+    def open(self, uuid: str, handle: str) -> tuple[int, int]:
+        """The peer's allocation `handle` mapped here: (address, size).  Opened once per
+        allocation per process (CUDA refuses a second open), so the caller caches it."""
+        dev = self._device(uuid)
+        raw = bytes.fromhex(handle)
+        if len(raw) != ctypes.sizeof(_IpcHandle):
+            raise DeviceError(f"a CUDA IPC handle is 64 bytes, not {len(raw)}")
+        with self.current(dev):
+            address = ctypes.c_uint64()
+            self._check(
+                self._lib.cuIpcOpenMemHandle_v2(
+                    ctypes.byref(address),
+                    _IpcHandle.from_buffer_copy(raw),
+                    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+                ),
+                "cuIpcOpenMemHandle",
+            )
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            got = self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address)
+            if got:
+                self._lib.cuIpcCloseMemHandle(address)
+                self._check(got, "cuMemGetAddressRange")
+        return address.value, size.value
+
+    def close(self, uuid: str, address: int) -> None:
+        with self.current(self._device(uuid)):
+            self._check(
+                self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(address)), "cuIpcCloseMemHandle"
+            )
+
+    def copy(self, uuid: str, blocks: Sequence[tuple[int, int, int]]) -> None:
+        """(source, target, length) blocks, queued on this thread's stream of the GPU
+        `uuid` (the sources') and waited for: on return or raise, none can still land."""
+        dev = self._device(uuid)
+        with self.current(dev):
+            stream = self._stream(dev)
+            failure: DeviceError | None = None
+            for src, dst, n in blocks:
+                got = self._lib.cuMemcpyAsync(
+                    ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), stream
+                )
+                if got:
+                    failure = self._error(got, f"cuMemcpyAsync of {n} bytes to {dst:#x}")
+                    break
+            synced = self._lib.cuStreamSynchronize(stream)  # whatever was queued ends here
+            if failure is not None:
+                raise failure
+            self._check(synced, "cuStreamSynchronize")
+
+    def _stream(self, dev: int) -> ctypes.c_void_p:
+        streams: dict[int, ctypes.c_void_p] = self._local.__dict__.setdefault("streams", {})
+        stream = streams.get(dev)
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self._check(
+                self._lib.cuStreamCreate(ctypes.byref(stream), CU_STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+            )
+            streams[dev] = stream
+        return stream
+
+
+_driver: Driver | None = None
+_loaded = False
+_load_lock = threading.Lock()
+
+
+def driver() -> Driver | None:
+    """The process's CUDA driver, loaded on first use; None where there is none."""
+    global _driver, _loaded
+    with _load_lock:
+        if not _loaded:
+            _loaded = True
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                return None
+            try:
+                _driver = Driver(lib)
+            except DeviceError:  # a driver without a usable device
+                _driver = None
+        return _driver

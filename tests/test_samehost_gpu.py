@@ -1,0 +1,134 @@
+"""The same-host engine's GPU path: KV pages written from one process's CUDA memory into
+another's by CUDA IPC of the allocation's base plus offset, and what it refuses.  The CUDA
+tests run where a GPU is lent (tools/gpu_check.sh), each CUDA process spawned apart (CUDA
+started in the test process would keep every later test's host memory where it is); the
+refusals of forged GPU regions run everywhere."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from test_samehost import NAME, peer_process
+
+from shmslots.errors import ShmSlotsError
+from shmslots.sglang import samehost
+from shmslots.sglang.samehost import Region, SameHostEngine, TransferError
+
+MiB = 1 << 20
+PAGE = 64 << 10
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_decode(conn: Connection) -> None:
+    """Two 'layers' inside one CUDA allocation, each registered at its offset in it."""
+    pool = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    layers = [pool[1 * MiB : 3 * MiB], pool[4 * MiB : 6 * MiB]]
+    with SameHostEngine(f"{NAME}-gpudec-{os.getpid()}") as engine:
+        engine.batch_register([t.data_ptr() for t in layers], [t.numel() for t in layers])
+        conn.send((engine.get_session_id(), [t.data_ptr() for t in layers]))
+        conn.recv()
+        torch.cuda.synchronize()
+        conn.send(pool.cpu().numpy().tobytes())
+        conn.recv()
+
+
+def _gpu_prefill(conn: Connection, session: str, targets: list[int]) -> None:
+    """Pages 0-1 of each source layer to the peer's pages 5-6, page 2 to page 9; then a
+    block past the peer's registration, and one from host memory, both refused."""
+    layers = [(torch.arange(2 * MiB, device="cuda") % 251 + i).to(torch.uint8) for i in range(2)]
+    host = torch.ones(PAGE, dtype=torch.uint8)
+    with SameHostEngine(f"{NAME}-gpupre-{os.getpid()}") as engine:
+        engine.batch_register(
+            [t.data_ptr() for t in layers] + [host.data_ptr()],
+            [t.numel() for t in layers] + [host.numel()],
+        )
+        src, dst, n = [], [], []
+        for layer, target in zip(layers, targets, strict=True):
+            src += [layer.data_ptr(), layer.data_ptr() + 2 * PAGE]
+            dst += [target + 5 * PAGE, target + 9 * PAGE]
+            n += [2 * PAGE, PAGE]
+        engine.transfer(session, src, dst, n)
+        refusals = []
+        for s, d in ((layers[0].data_ptr(), targets[0] + 2 * MiB), (host.data_ptr(), targets[0])):
+            try:
+                engine.transfer(session, [s], [d], [PAGE])
+                refusals.append("")
+            except TransferError as exc:
+                refusals.append(str(exc))
+        conn.send((refusals, [t.cpu().numpy().tobytes() for t in layers]))
+        conn.recv()
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_pages_land_in_the_peers_gpu_memory_by_cuda_ipc() -> None:
+    with (
+        peer_process(_gpu_decode) as (dec, (session, targets), _),
+        peer_process(_gpu_prefill, session, targets) as (_, (refusals, sources), _),
+    ):
+        assert "not inside memory the peer" in refusals[0]
+        assert "between host and GPU" in refusals[1]
+        dec.send("check")
+        pool = bytearray(dec.recv())
+        expected = bytearray(8 * MiB)
+        for i, (at, source) in enumerate(zip((1 * MiB, 4 * MiB), sources, strict=True)):
+            expected[at + 5 * PAGE : at + 7 * PAGE] = source[: 2 * PAGE]
+            expected[at + 9 * PAGE : at + 10 * PAGE] = source[2 * PAGE : 3 * PAGE]
+            assert source[0] == i
+        assert pool == expected  # every byte: the pages sent, nothing else
+
+
+def _vmm_registrant(conn: Connection) -> None:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # before CUDA starts
+    kv = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
+    with SameHostEngine(f"{NAME}-vmm-{os.getpid()}") as engine:
+        try:
+            engine.batch_register([kv.data_ptr()], [kv.numel()])
+            refusal = ""
+        except ShmSlotsError as exc:
+            refusal = str(exc)
+        conn.send((refusal, engine.registry.segment.mm[:8] == samehost.MAGIC))
+        conn.recv()
+
+
+@pytest.mark.cuda
+@cuda
+def test_vmm_memory_is_refused_at_registration_not_at_transfer() -> None:
+    with peer_process(_vmm_registrant) as (_, (refusal, _published), _):
+        assert "VMM device memory" in refusal
+
+
+HANDLE = "ab" * 64
+UUID = "cd" * 16
+
+
+def test_a_gpu_region_takes_no_host_bytes_and_forged_gpu_regions_are_refused() -> None:
+    """A peer's GPU region is written only from GPU memory registered here (a host source is
+    refused before anything moves), and a region list with a malformed GPU entry is refused
+    whole.  Runs without CUDA: the refusals come before any CUDA call."""
+    src = torch.ones(PAGE, dtype=torch.uint8)
+    target = torch.zeros(PAGE, dtype=torch.uint8)
+    with (
+        SameHostEngine(f"{NAME}-gpuw-{os.getpid()}") as writer,
+        SameHostEngine(f"{NAME}-gpur-{os.getpid()}") as peer,
+    ):
+        writer.batch_register([src.data_ptr()], [src.numel()])
+        base = target.data_ptr()
+        peer.registry.publish([Region(base, PAGE, offset=0, device=UUID, handle=HANDLE)])
+        session = peer.get_session_id()
+        with pytest.raises(TransferError, match="between host and GPU"):
+            writer.transfer(session, [src.data_ptr()], [base], [PAGE])
+        forged = [
+            Region(base, PAGE, device=UUID, handle="ab" * 8),  # a short handle
+            Region(base, PAGE, device=UUID.upper(), handle=HANDLE),  # not as written here
+            Region(base, PAGE, handle=HANDLE),  # a handle without its GPU
+            Region(base, PAGE, memfd=3, device=UUID, handle=HANDLE),  # GPU memory in a memfd
+        ]
+        for region in forged:
+            peer.registry.publish([region])
+            with pytest.raises(TransferError, match="malformed region"):
+                writer.transfer(session, [src.data_ptr()], [base], [PAGE])
+        assert not target.any()  # nothing was written
