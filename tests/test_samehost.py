@@ -115,6 +115,56 @@ def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) 
             engine.transfer(session, [src.data_ptr()], [shown], [8])
 
 
+def test_a_transfer_that_outlives_close_keeps_the_engine_alive_to_peers_until_it_ends(
+    victim, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """close() waits `wait_s` for running transfers; one still writing then keeps the
+    registry locked (peers see the engine alive, so they do not release what it may still
+    write) until it ends, and only then is the registry gone."""
+    conn, (session, shown, _), _ = victim
+    held, go = threading.Event(), threading.Event()
+    real = samehost._Peer.write
+
+    def write(peer: samehost._Peer, blocks: list[tuple[int, int, int]]) -> None:
+        held.set()
+        assert go.wait(10)
+        real(peer, blocks)
+
+    monkeypatch.setattr(samehost._Peer, "write", write)  # the victim's 4 KiB is heap: by writev
+    src = torch.full((64,), 7, dtype=torch.uint8)
+    name = f"{NAME}-outlived-{os.getpid()}"
+    engine = SameHostEngine(name)
+    engine.batch_register([src.data_ptr()], [src.numel()])
+    failure: list[BaseException] = []
+
+    def transfer() -> None:
+        try:
+            engine.transfer(session, [src.data_ptr()], [shown], [64])
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=transfer)
+    thread.start()
+    try:
+        assert held.wait(10)
+        engine.close(wait_s=0.05)  # returns with the transfer still held
+        seen = samehost.PeerRegistry(name, None)
+        try:
+            assert seen.alive() and seen.named()  # still the engine's, and locked
+            go.set()
+            thread.join(10)
+            assert not thread.is_alive() and not failure
+            assert not seen.alive() and not seen.named()  # its end let the registry go
+        finally:
+            seen.close()
+    finally:
+        go.set()
+        thread.join(10)
+    conn.send("report")
+    written, _ = conn.recv()
+    assert written[:64] == [7] * 64  # the write that outlived close() landed whole
+
+
 def test_a_registry_that_is_not_this_users_0600_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
     engine, _ = writer
     name = f"{NAME}-wide-{os.getpid()}"

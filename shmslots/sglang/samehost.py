@@ -1126,8 +1126,8 @@ class SameHostEngine:
             self.registry.close()
         else:  # peers must not see this engine gone while a write of it may land
             log.warning("shmslots: a transfer outlived close(); its end unlocks the registry")
-        if self._threads is not None:
-            self._threads.shutdown()
+        if self._threads is not None:  # a copy still running ends on its own, joined by its call
+            self._threads.shutdown(wait=False)
         parts, self._parts = self._parts, {}
         _unshare(parts.values())
 
