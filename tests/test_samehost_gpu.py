@@ -45,6 +45,7 @@ def _gpu_prefill(conn: Connection, session: str, targets: list[int]) -> None:
             [t.data_ptr() for t in layers] + [host.data_ptr()],
             [t.numel() for t in layers] + [host.numel()],
         )
+        torch.cuda.synchronize()  # the engine's stream waits for no other: sources complete
         src, dst, n = [], [], []
         for layer, target in zip(layers, targets, strict=True):
             src += [layer.data_ptr(), layer.data_ptr() + 2 * PAGE]

@@ -102,6 +102,7 @@ def samehost() -> None:
         kv = torch.ones(POOL, dtype=torch.uint8, device="cuda")
         with SameHostEngine(f"shmslots-pd-gpubwp-{os.getpid()}") as engine:
             engine.batch_register([kv.data_ptr()], [POOL])
+            torch.cuda.synchronize()  # the engine's stream waits for no other
             src, dst, n = _runs(kv.data_ptr(), target)
             engine.transfer(session, src, dst, n)  # opens the peer's allocation
             start = time.perf_counter()

@@ -8,11 +8,12 @@ once per allocation and writes at the range's offset in it.  Memory the legacy I
 share — VMM memory, as torch's `expandable_segments` and SGLang's `--enable-memory-saver`
 make — is refused at registration, with the reason, rather than failing at a transfer.
 
-A transfer's copies are queued on a stream of the source's device owned by the calling
-thread (`cuMemcpyAsync`, one per block: SGLang already merges contiguous pages), and the
-stream is synchronized before the call returns, on error too: when `copy` returns or
-raises, no copy of it can still land.  The driver is loaded only when a registered range is
-not host memory, so a machine without CUDA never loads it.
+The peer's allocation is opened in the context of the GPU that copies into it (the
+source's), so between two GPUs the copy goes peer to peer.  A transfer's copies are queued
+on a stream of the source's GPU (`cuMemcpyAsync`, one per block: SGLang already merges
+contiguous pages), and the stream is synchronized before the call returns, on error too:
+when `copy` returns or raises, no copy of it can still land.  The driver is loaded only
+when a registered range is not host memory, so a machine without CUDA never loads it.
 
 Devices are named by UUID, never by index: the two processes may see different
 CUDA_VISIBLE_DEVICES.  This path runs only where a GPU is lent (tools/gpu_check.sh).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,7 +72,7 @@ class Driver:
         self._lock = threading.Lock()
         self._devices: dict[str, int] = {}  # uuid: this process's CUdevice
         self._contexts: dict[int, int] = {}  # CUdevice: its retained primary context
-        self._local = threading.local()  # a thread's streams, by CUdevice (its life long)
+        self._idle: dict[int, list[ctypes.c_void_p]] = {}  # CUdevice: streams not in use
         self._check(lib.cuInit(0), "cuInit")
 
     def _check(self, result: int, what: str) -> None:
@@ -92,10 +94,7 @@ class Driver:
                     self._devices[self._uuid_of(ordinal)] = self._ordinal_device(ordinal)
             found = self._devices.get(uuid)
         if found is None:
-            raise DeviceError(
-                f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES): the "
-                "same-host engine writes only into GPUs both processes see"
-            )
+            raise DeviceError(f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES)")
         return found
 
     def _ordinal_device(self, ordinal: int) -> int:
@@ -132,15 +131,18 @@ class Driver:
         """The device range at `ptr`, or None where `ptr` is not CUDA device memory;
         DeviceError where it is but cannot be shared by IPC, or runs past its allocation."""
         kind = ctypes.c_uint()
-        got = self._lib.cuPointerGetAttribute(
-            ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)
+        query = functools.partial(
+            self._lib.cuPointerGetAttribute,
+            ctypes.byref(kind),
+            CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ctypes.c_uint64(ptr),
         )
-        if got in (
-            CUDA_ERROR_INVALID_VALUE,
-            CUDA_ERROR_NOT_INITIALIZED,
-            CUDA_ERROR_INVALID_CONTEXT,
-        ):
-            return None  # not memory CUDA knows (no context here: none of this process's)
+        got = query()
+        if got == CUDA_ERROR_INVALID_CONTEXT:  # none current on this thread: the first GPU's
+            with self.current(self._ordinal_device(0)):
+                got = query()
+        if got in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED):
+            return None  # not memory CUDA knows
         self._check(got, "cuPointerGetAttribute(MEMORY_TYPE)")
         if kind.value != CU_MEMORYTYPE_DEVICE:
             return None
@@ -164,10 +166,10 @@ class Driver:
             )
             if not capable.value:
                 raise DeviceError(
-                    f"{length} bytes at {ptr:#x} are VMM device memory (torch's "
-                    "expandable_segments, SGLang's --enable-memory-saver), which CUDA IPC "
-                    "cannot share: register memory from cudaMalloc (the caching allocator's "
-                    "default)"
+                    f"{length} bytes at {ptr:#x} are device memory that CUDA IPC cannot share "
+                    "(VMM memory, as torch's expandable_segments and SGLang's "
+                    "--enable-memory-saver make, or a cudaMallocAsync pool's): register "
+                    "memory from cudaMalloc (torch's caching allocator's default)"
                 )
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
             self._check(
@@ -189,8 +191,10 @@ class Driver:
 
     # -- the writer's side --------------------------------------------------------------
     def open(self, uuid: str, handle: str) -> tuple[int, int]:
-        """The peer's allocation `handle` mapped here: (address, size).  Opened once per
-        allocation per process (CUDA refuses a second open), so the caller caches it."""
+        """The peer's allocation `handle` mapped here, (address, size), in the context of
+        the GPU `uuid` that will copy into it (the sources'): opened from another GPU, it
+        enables peer access, so the copy goes GPU to GPU.  The peer's own GPU need not be
+        visible here.  CUDA counts opens of one handle in one context; each is closed once."""
         dev = self._device(uuid)
         raw = bytes.fromhex(handle)
         if len(raw) != ctypes.sizeof(_IpcHandle):
@@ -219,35 +223,45 @@ class Driver:
             )
 
     def copy(self, uuid: str, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """(source, target, length) blocks, queued on this thread's stream of the GPU
-        `uuid` (the sources') and waited for: on return or raise, none can still land."""
+        """(source, target, length) blocks, queued on a stream of the GPU `uuid` (the
+        sources') and waited for: on return or raise, none can still land.  The stream does
+        not wait for others: the caller's sources must be complete (SGLang synchronizes its
+        forward before it sends, as Mooncake and NIXL need too)."""
         dev = self._device(uuid)
-        with self.current(dev):
-            stream = self._stream(dev)
+        with self.current(dev), self._stream(dev) as stream:
             failure: DeviceError | None = None
-            for src, dst, n in blocks:
-                got = self._lib.cuMemcpyAsync(
-                    ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), stream
-                )
-                if got:
-                    failure = self._error(got, f"cuMemcpyAsync of {n} bytes to {dst:#x}")
-                    break
-            synced = self._lib.cuStreamSynchronize(stream)  # whatever was queued ends here
+            try:
+                for src, dst, n in blocks:
+                    got = self._lib.cuMemcpyAsync(
+                        ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), stream
+                    )
+                    if got:
+                        failure = self._error(got, f"cuMemcpyAsync of {n} bytes to {dst:#x}")
+                        break
+            finally:
+                synced = self._lib.cuStreamSynchronize(stream)  # whatever was queued ends here
             if failure is not None:
                 raise failure
             self._check(synced, "cuStreamSynchronize")
 
-    def _stream(self, dev: int) -> ctypes.c_void_p:
-        streams: dict[int, ctypes.c_void_p] = self._local.__dict__.setdefault("streams", {})
-        stream = streams.get(dev)
+    @contextlib.contextmanager
+    def _stream(self, dev: int) -> Iterator[ctypes.c_void_p]:
+        """A stream of `dev` for one call, from a pool that holds as many as ever ran at
+        once (threads come and go; streams are not made per thread)."""
+        with self._lock:
+            idle = self._idle.setdefault(dev, [])
+            stream = idle.pop() if idle else None
         if stream is None:
             stream = ctypes.c_void_p()
             self._check(
                 self._lib.cuStreamCreate(ctypes.byref(stream), CU_STREAM_NON_BLOCKING),
                 "cuStreamCreate",
             )
-            streams[dev] = stream
-        return stream
+        try:
+            yield stream
+        finally:
+            with self._lock:
+                self._idle[dev].append(stream)
 
 
 _driver: Driver | None = None

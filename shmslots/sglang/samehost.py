@@ -578,7 +578,7 @@ class _Peer:
         self.registry = registry
         self.pidfd = -1
         self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
-        self.devices: dict[str, _DeviceMapping] = {}  # by IPC handle
+        self.devices: dict[tuple[str, str], _DeviceMapping] = {}  # by (IPC handle, our GPU)
         self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
         self.users = 0  # transfers and probes using it now (the engine's lock guards this)
@@ -685,11 +685,15 @@ class _Peer:
                 raise TransferError(f"{self._file(region)} is not open in the peer") from None
             raise
 
-    def device_mapping(self, region: Region) -> int:
-        """This process's address of the GPU `region`, its allocation opened once."""
-        assert region.device is not None and region.handle is not None
+    def device_mapping(self, region: Region, gpu: str) -> int:
+        """This process's address of the GPU `region`, its allocation opened once in the
+        context of our GPU `gpu`, which copies into it (a peer in this very process: the
+        region's own address, as CUDA opens no handle in the process that made it)."""
+        assert region.handle is not None
+        if self.registry.pid == os.getpid() and self.registry.pidns == _pidns():
+            return region.base
         with self.lock:
-            got = self.devices.get(region.handle)
+            got = self.devices.get((region.handle, gpu))
             if got is None:
                 drv = cuda_kv.driver()
                 if drv is None:
@@ -697,8 +701,8 @@ class _Peer:
                         f"peer {self.registry.name!r} registered GPU memory, and this process "
                         "has no CUDA driver"
                     )
-                got = _DeviceMapping(region.device, *drv.open(region.device, region.handle))
-                self.devices[region.handle] = got
+                got = _DeviceMapping(gpu, *drv.open(gpu, region.handle))
+                self.devices[(region.handle, gpu)] = got
         if region.offset + region.length > got.size:
             raise TransferError(f"GPU region at {region.base:#x} lies past its allocation's end")
         return got.address + region.offset
@@ -717,7 +721,9 @@ class _Peer:
         doomed: list[mmap.mmap | _DeviceMapping] = [
             self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]
         ]
-        return doomed + [self.devices.pop(h) for h in [h for h in self.devices if h not in handles]]
+        return doomed + [
+            self.devices.pop(k) for k in [k for k in self.devices if k[0] not in handles]
+        ]
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -846,7 +852,8 @@ class SameHostEngine:
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._lingering: list[_Peer] = []  # peers whose transfers outlived close()
-        self._pruned_at = time.monotonic()
+        self._stop = threading.Event()  # ends the pruner (started with the first peer)
+        self._pruner: threading.Thread | None = None
         _engines.add(self)
         self.refused = 0  # transfers refused for bad input (outside registered memory)
         self.failed = 0  # transfers that found their peer gone
@@ -985,6 +992,8 @@ class SameHostEngine:
                     f"{n} bytes from {src:#x} to {dst:#x} cross between host and GPU memory, "
                     "or span GPUs: the same-host engine copies host to host and GPU to GPU"
                 )
+            if None not in gpus and len(mine) > 1:  # one copy may not span CUDA allocations
+                raise TransferError(f"{n} GPU bytes at {src:#x} span ranges registered apart")
             gpu = gpus.pop()
             plan += [(src + (at - dst), at, k, region, gpu) for at, k, region in pieces]
         try:
@@ -1003,6 +1012,9 @@ class SameHostEngine:
             self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
+        if not reg.alive():  # it died meanwhile: its shared pages or GPU memory took the bytes
+            self._drop(session, peer)
+            raise PeerGone(f"the peer of session {session!r} died during the transfer")
 
     @staticmethod
     def _device_jobs(
@@ -1012,7 +1024,8 @@ class SameHostEngine:
         by_gpu: dict[str, list[tuple[int, int, int]]] = {}
         for s, d, n, region, gpu in plan:
             assert gpu is not None
-            by_gpu.setdefault(gpu, []).append((s, peer.device_mapping(region) + d - region.base, n))
+            target = peer.device_mapping(region, gpu) + d - region.base
+            by_gpu.setdefault(gpu, []).append((s, target, n))
         drv = cuda_kv.driver()  # there, if any block is: device_mapping opened through it
         return (
             [functools.partial(drv.copy, gpu, blocks) for gpu, blocks in by_gpu.items()]
@@ -1045,40 +1058,53 @@ class SameHostEngine:
             raise failure
 
     def _acquire(self, session: str) -> _Peer:
-        """The session's peer, opened on first use, with one more user."""
+        """The session's peer, opened on first use, with one more user.  A new session
+        first lets go of dead peers: a restarted decode's old mappings (its GPU memory
+        above all, which its new process may be allocating again) go before the new ones."""
         doomed: list[_Peer | mmap.mmap | _DeviceMapping] = []
         try:
             with self._lock:
                 if self._closed:
                     raise TransferError("this same-host engine is closed")
-                if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
-                    doomed = self._prune()
                 peer = self._peers.get(session)
                 if peer is None:
+                    doomed = self._prune()
                     name, inode = parse_session(session)
                     peer = _Peer(PeerRegistry(name, inode))
                     self._peers[session] = peer
+                    if self._pruner is None:
+                        self._pruner = threading.Thread(
+                            target=_prune_every,
+                            args=(weakref.ref(self), self._stop),
+                            name="shmslots-prune",
+                            daemon=True,
+                        )
+                        self._pruner.start()
                 peer.users += 1
                 return peer
-        finally:  # unmapped outside the lock: freeing a pool's pages takes a while
-            for closable in doomed:
-                if isinstance(closable, _DeviceMapping):
-                    _close_device(closable)
-                    continue
-                with contextlib.suppress(BufferError):
-                    closable.close()
+        finally:
+            _close_all(doomed)
+
+    def prune(self) -> None:
+        """Let go of idle peers whose engine died, and of mappings a live peer no longer
+        registers: each holds its file's or GPU allocation's memory.  (A restarted decode is
+        a new session, and SGLang probes only failed ones: nothing else would drop the old
+        one.)  The pruner thread calls it every PRUNE_EVERY_S."""
+        with self._lock:
+            doomed = [] if self._closed else self._prune()
+        _close_all(doomed)
 
     def _prune(self) -> list[_Peer | mmap.mmap | _DeviceMapping]:
-        """Take out idle peers whose engine died, and mappings of files a live peer no
-        longer registers, for the caller to close: each mapping holds its file's memory.  (A
-        restarted decode is a new session, and SGLang probes only failed ones: nothing else
-        would drop the old one.)  Under the engine's lock: no transfer uses these peers."""
-        self._pruned_at = time.monotonic()
+        """What `prune` lets go of, taken out under the engine's lock (no transfer uses
+        these peers) for the caller to close outside it."""
         doomed: list[_Peer | mmap.mmap | _DeviceMapping] = []
         for session, peer in list(self._peers.items()):
             if peer.users:
                 continue
-            if peer.registry.alive():
+            alive = peer.registry.alive()
+            if alive:
+                with contextlib.suppress(TransferError):  # malformed: the list as last read
+                    peer.registry.refresh()
                 doomed += peer.unlisted()
             else:
                 del self._peers[session]
@@ -1113,6 +1139,7 @@ class SameHostEngine:
             if self._closed:
                 return
             self._closed = True
+            self._stop.set()
             self.registry.publish([])  # peers start no more writes here
             peers, self._peers = list(self._peers.values()), {}
             for peer in peers:
@@ -1192,7 +1219,31 @@ def _private(at: int, n: int) -> None:
         raise TransferError(f"moving private pages over {at:#x} failed")
 
 
-PRUNE_EVERY_S = 1.0  # how often a transfer's start looks for dead peers and unlisted files
+PRUNE_EVERY_S = 1.0  # how often the pruner looks for dead peers and unlisted mappings
+
+
+def _prune_every(engine: weakref.ref[SameHostEngine], stop: threading.Event) -> None:
+    """The pruner: an idle prefill lets go of a dead decode's memory too (within a second),
+    not only at its next transfer."""
+    while not stop.wait(PRUNE_EVERY_S):
+        alive = engine()
+        if alive is None:
+            return
+        alive.prune()
+        del alive
+
+
+def _close_all(doomed: Iterable[_Peer | mmap.mmap | _DeviceMapping]) -> None:
+    """Close what pruning took out, outside the engine's lock (freeing a pool's pages takes
+    a while)."""
+    for closable in doomed:
+        if isinstance(closable, _DeviceMapping):
+            _close_device(closable)
+            continue
+        with contextlib.suppress(BufferError):
+            closable.close()
+
+
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
 PARALLEL_BYTES = 4 << 20  # a call moving less goes on its caller's thread alone
 
