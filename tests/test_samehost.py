@@ -601,3 +601,46 @@ def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "not within the timeout"
         time.sleep(0.01)
+
+
+def test_a_peer_that_dies_while_its_pages_are_written_fails_the_transfer(
+    writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write into a dead peer's shared pages succeeds (the mapping is this process's);
+    the liveness check after the copies still fails the call, as a write into a dead
+    process's private memory does."""
+    engine, src = writer
+    real = samehost._copy
+    with peer_process(_moved_victim) as (_, (session, start, *_), proc):
+        assert proc.pid is not None
+        pid = proc.pid
+
+        def copy_into_the_dead(blocks: list[tuple[int, int, int]]) -> None:
+            os.kill(pid, signal.SIGKILL)
+            proc.join(10)
+            seen = samehost.PeerRegistry(samehost.parse_session(session)[0], None)
+            try:
+                _until(lambda: not seen.alive())
+            finally:
+                seen.close()
+            real(blocks)  # lands in the dead peer's memfd, through this process's mapping
+
+        monkeypatch.setattr(samehost, "_copy", copy_into_the_dead)
+        with pytest.raises(PeerGone, match="died during the transfer"):
+            engine.transfer(session, [src.data_ptr()], [start + 8192], [64])
+
+
+def test_a_new_session_first_lets_go_of_dead_peers(writer: Any, monkeypatch: Any) -> None:
+    """A restarted decode is a new session: the old one's mappings (its memory) go before
+    the new one is opened, whenever the pruner last ran."""
+    monkeypatch.setattr(samehost, "PRUNE_EVERY_S", 3600.0)
+    engine, src = writer
+    before = _peer_files()
+    with peer_process(_moved_victim) as (_, (session, start, *_), proc):
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [start + 8192], [64]) == 0
+        assert _peer_files() == before + 1
+        proc.kill()
+        proc.join(10)
+        with peer_process(_victim) as (_, (other, shown, _), _):
+            assert engine.batch_transfer_sync(other, [src.data_ptr()], [shown], [8]) == 0
+            assert _peer_files() == before and session not in engine._peers

@@ -9,11 +9,12 @@ share — VMM memory, as torch's `expandable_segments` and SGLang's `--enable-me
 make — is refused at registration, with the reason, rather than failing at a transfer.
 
 The peer's allocation is opened in the context of the GPU that copies into it (the
-source's), so between two GPUs the copy goes peer to peer.  A transfer's copies are queued
-on a stream of the source's GPU (`cuMemcpyAsync`, one per block: SGLang already merges
-contiguous pages), and the stream is synchronized before the call returns, on error too:
-when `copy` returns or raises, no copy of it can still land.  The driver is loaded only
-when a registered range is not host memory, so a machine without CUDA never loads it.
+source's), so between two GPUs that can reach each other the copy goes peer to peer.  A
+transfer's copies are queued on a stream of the source's GPU (`cuMemcpyAsync`, one per
+block: SGLang already merges contiguous pages), and the stream is synchronized before the
+call returns, on error too: when `copy` returns or raises, no copy of it can still land.
+The driver is loaded only when a registered range is not host memory, so a machine without
+CUDA never loads it.
 
 Devices are named by UUID, never by index: the two processes may see different
 CUDA_VISIBLE_DEVICES.  This path runs only where a GPU is lent (tools/gpu_check.sh).
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,7 +39,6 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 class DeviceError(ShmSlotsError):
@@ -86,16 +85,20 @@ class Driver:
 
     # -- devices and contexts -----------------------------------------------------------
     def _device(self, uuid: str) -> int:
+        found = self._visible(uuid)
+        if found is None:
+            raise DeviceError(f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES)")
+        return found
+
+    def _visible(self, uuid: str) -> int | None:
+        """This process's CUdevice of the GPU `uuid`, or None where it does not see it."""
         with self._lock:
             if not self._devices:
                 count = ctypes.c_int()
                 self._check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
                 for ordinal in range(count.value):
                     self._devices[self._uuid_of(ordinal)] = self._ordinal_device(ordinal)
-            found = self._devices.get(uuid)
-        if found is None:
-            raise DeviceError(f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES)")
-        return found
+            return self._devices.get(uuid)
 
     def _ordinal_device(self, ordinal: int) -> int:
         dev = ctypes.c_int()
@@ -129,18 +132,20 @@ class Driver:
     # -- the owner's side ---------------------------------------------------------------
     def describe(self, ptr: int, length: int) -> DeviceRange | None:
         """The device range at `ptr`, or None where `ptr` is not CUDA device memory;
-        DeviceError where it is but cannot be shared by IPC, or runs past its allocation."""
+        DeviceError where it is but cannot be shared by IPC, or runs past its allocation.
+        On a thread with no current context, under the first GPU's primary context."""
+        ctx = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if ctx.value:
+            return self._describe(ptr, length)
+        with self.current(self._ordinal_device(0)):
+            return self._describe(ptr, length)
+
+    def _describe(self, ptr: int, length: int) -> DeviceRange | None:
         kind = ctypes.c_uint()
-        query = functools.partial(
-            self._lib.cuPointerGetAttribute,
-            ctypes.byref(kind),
-            CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            ctypes.c_uint64(ptr),
+        got = self._lib.cuPointerGetAttribute(
+            ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)
         )
-        got = query()
-        if got == CUDA_ERROR_INVALID_CONTEXT:  # none current on this thread: the first GPU's
-            with self.current(self._ordinal_device(0)):
-                got = query()
         if got in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED):
             return None  # not memory CUDA knows
         self._check(got, "cuPointerGetAttribute(MEMORY_TYPE)")
@@ -190,12 +195,23 @@ class Driver:
         return DeviceRange(self._uuid_of(ordinal.value), bytes(handle).hex(), ptr - base.value)
 
     # -- the writer's side --------------------------------------------------------------
-    def open(self, uuid: str, handle: str) -> tuple[int, int]:
-        """The peer's allocation `handle` mapped here, (address, size), in the context of
-        the GPU `uuid` that will copy into it (the sources'): opened from another GPU, it
-        enables peer access, so the copy goes GPU to GPU.  The peer's own GPU need not be
-        visible here.  CUDA counts opens of one handle in one context; each is closed once."""
+    def open(self, uuid: str, handle: str, owner: str) -> tuple[int, int, str]:
+        """The peer's allocation `handle` (on the GPU `owner`) mapped here: (address, size,
+        the GPU whose context holds the mapping, for `close`).  Opened in the context of
+        the GPU `uuid` that copies into it (the sources'), which enables peer access, so the
+        copy goes GPU to GPU, and the owner's GPU need not be visible here; where the two
+        cannot reach each other, in the owner's context, and CUDA stages the copy through
+        the host.  CUDA counts opens of one handle in one context; each is closed once."""
         dev = self._device(uuid)
+        theirs = self._visible(owner)
+        if theirs is not None and theirs != dev:
+            can = ctypes.c_int()
+            self._check(
+                self._lib.cuDeviceCanAccessPeer(ctypes.byref(can), dev, theirs),
+                "cuDeviceCanAccessPeer",
+            )
+            if not can.value:
+                dev, uuid = theirs, owner
         raw = bytes.fromhex(handle)
         if len(raw) != ctypes.sizeof(_IpcHandle):
             raise DeviceError(f"a CUDA IPC handle is 64 bytes, not {len(raw)}")
@@ -214,7 +230,7 @@ class Driver:
             if got:
                 self._lib.cuIpcCloseMemHandle(address)
                 self._check(got, "cuMemGetAddressRange")
-        return address.value, size.value
+        return address.value, size.value, uuid
 
     def close(self, uuid: str, address: int) -> None:
         with self.current(self._device(uuid)):

@@ -389,6 +389,10 @@ def _forget_in_child() -> None:
                 os.close(reg._lock_fd)
             reg._lock_fd = -1
     for engine in list(_engines):
+        # the child's engines are closed: a lock the pruner held at the fork stays held here
+        engine._lock = threading.Lock()
+        engine._idle = threading.Condition(engine._lock)
+        engine._closed, engine._peers, engine._lingering = True, {}, []
         parts, engine._parts = engine._parts, {}
         engine._own = ([], [])
         for region in itertools.chain(*parts.values()):
@@ -520,7 +524,7 @@ def _parse_regions(name: str, payload: bytes) -> list[Region]:
     """The region list as the peer wrote it, every field type- and range-checked."""
     try:
         raw = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         raise TransferError(f"registry {name!r} holds no region list") from None
     if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
         raise TransferError(f"registry {name!r} holds no region list")
@@ -701,7 +705,8 @@ class _Peer:
                         f"peer {self.registry.name!r} registered GPU memory, and this process "
                         "has no CUDA driver"
                     )
-                got = _DeviceMapping(gpu, *drv.open(gpu, region.handle))
+                address, size, holder = drv.open(gpu, region.handle, region.device or "")
+                got = _DeviceMapping(holder, address, size)
                 self.devices[(region.handle, gpu)] = got
         if region.offset + region.length > got.size:
             raise TransferError(f"GPU region at {region.base:#x} lies past its allocation's end")
@@ -1046,7 +1051,8 @@ class SameHostEngine:
                             max(1, COPY_THREADS - 1), "shmslots-copy"
                         )
                     threads = self._threads
-                futures += [threads.submit(job) for job in jobs[1:]]
+                for job in jobs[1:]:  # each kept as made: close() may refuse the next
+                    futures.append(threads.submit(job))
             if jobs:
                 jobs[0]()
         except BaseException as exc:
@@ -1101,14 +1107,17 @@ class SameHostEngine:
         for session, peer in list(self._peers.items()):
             if peer.users:
                 continue
-            alive = peer.registry.alive()
-            if alive:
-                with contextlib.suppress(TransferError):  # malformed: the list as last read
-                    peer.registry.refresh()
-                doomed += peer.unlisted()
-            else:
-                del self._peers[session]
-                doomed.append(peer)
+            try:
+                if peer.registry.alive():
+                    with contextlib.suppress(TransferError):  # malformed: the list as last read
+                        peer.registry.refresh()
+                    doomed += peer.unlisted()
+                    continue
+            except Exception:  # one peer's trouble must not stop the others', or new sessions
+                log.exception("shmslots: pruning %r failed", peer.registry.name)
+                continue
+            del self._peers[session]
+            doomed.append(peer)
         return doomed
 
     def _release(self, peer: _Peer) -> None:
@@ -1140,6 +1149,7 @@ class SameHostEngine:
                 return
             self._closed = True
             self._stop.set()
+            pruner = self._pruner
             self.registry.publish([])  # peers start no more writes here
             peers, self._peers = list(self._peers.values()), {}
             for peer in peers:
@@ -1155,6 +1165,8 @@ class SameHostEngine:
             log.warning("shmslots: a transfer outlived close(); its end unlocks the registry")
         if self._threads is not None:  # a copy still running ends on its own, joined by its call
             self._threads.shutdown(wait=False)
+        if pruner is not None and pruner is not threading.current_thread():
+            pruner.join(PRUNE_EVERY_S + 5)  # it may be unmapping: not left running at exit
         parts, self._parts = self._parts, {}
         _unshare(parts.values())
 
@@ -1229,7 +1241,10 @@ def _prune_every(engine: weakref.ref[SameHostEngine], stop: threading.Event) -> 
         alive = engine()
         if alive is None:
             return
-        alive.prune()
+        try:
+            alive.prune()
+        except Exception:  # logged, and pruning goes on
+            log.exception("shmslots: pruning failed")
         del alive
 
 
@@ -1237,11 +1252,12 @@ def _close_all(doomed: Iterable[_Peer | mmap.mmap | _DeviceMapping]) -> None:
     """Close what pruning took out, outside the engine's lock (freeing a pool's pages takes
     a while)."""
     for closable in doomed:
-        if isinstance(closable, _DeviceMapping):
-            _close_device(closable)
-            continue
-        with contextlib.suppress(BufferError):
+        try:
             closable.close()
+        except BufferError:  # a view still exported: the mapping goes with it
+            pass
+        except Exception:  # never raised into a transfer that has taken its peer
+            log.exception("shmslots: closing %r failed", closable)
 
 
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
