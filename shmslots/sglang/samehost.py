@@ -734,21 +734,10 @@ class _Peer:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
-        for mm, _ in self.maps.values():
-            with contextlib.suppress(BufferError):  # a view still exported: it goes with it
-                mm.close()
+        _close_all([mm for mm, _ in self.maps.values()] + list(self.devices.values()))
         self.maps.clear()
-        for device in self.devices.values():
-            _close_device(device)
         self.devices.clear()
         self.registry.close()
-
-
-def _close_device(mapping: _DeviceMapping) -> None:
-    try:
-        mapping.close()
-    except cuda_kv.DeviceError as exc:  # its peer's memory stays mapped here
-        log.warning("shmslots: %s", exc)
 
 
 def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
@@ -1025,18 +1014,17 @@ class SameHostEngine:
     def _device_jobs(
         peer: _Peer, plan: list[tuple[int, int, int, Region, str | None]]
     ) -> list[Callable[[], None]]:
-        """One copy job per source GPU, each on its own thread's stream (cuda_kv)."""
+        """One copy job per source GPU, each on a stream of that GPU (cuda_kv)."""
         by_gpu: dict[str, list[tuple[int, int, int]]] = {}
         for s, d, n, region, gpu in plan:
             assert gpu is not None
             target = peer.device_mapping(region, gpu) + d - region.base
             by_gpu.setdefault(gpu, []).append((s, target, n))
-        drv = cuda_kv.driver()  # there, if any block is: device_mapping opened through it
-        return (
-            [functools.partial(drv.copy, gpu, blocks) for gpu, blocks in by_gpu.items()]
-            if drv
-            else []
-        )
+        if not by_gpu:
+            return []
+        drv = cuda_kv.driver()
+        assert drv is not None  # device_mapping opened the blocks' targets through it
+        return [functools.partial(drv.copy, gpu, blocks) for gpu, blocks in by_gpu.items()]
 
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
@@ -1249,8 +1237,9 @@ def _prune_every(engine: weakref.ref[SameHostEngine], stop: threading.Event) -> 
 
 
 def _close_all(doomed: Iterable[_Peer | mmap.mmap | _DeviceMapping]) -> None:
-    """Close what pruning took out, outside the engine's lock (freeing a pool's pages takes
-    a while)."""
+    """Close peers and mappings, outside the engine's lock (freeing a pool's pages takes a
+    while); a failure is logged, never raised (a device mapping that will not close leaves
+    its peer's memory mapped here)."""
     for closable in doomed:
         try:
             closable.close()
