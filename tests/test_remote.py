@@ -520,7 +520,9 @@ def test_a_writer_killed_mid_transfer_costs_only_its_own_grants(
 ) -> None:
     """A writer process SIGKILLed while rows are on the wire: its grants expire and are
     held back, nothing torn is published, every slot comes back, and the owner's engine
-    goes on serving another writer."""
+    goes on serving another writer.  The writer is stopped wherever it is before its last
+    grants are sent, so those (at least) are still unserved when it dies: a fast writer
+    cannot finish them first and leave nothing to expire."""
     owner, survivor = engines
     shape = eagle.RowShape()
     with (
@@ -542,11 +544,13 @@ def test_a_writer_killed_mid_transfer_costs_only_its_own_grants(
                         assert lease.verify() and lease.item("output_id") == eagle.output_id(
                             lease.tag
                         )
+            writer.process.send_signal(signal.SIGSTOP)  # mid-stream, maybe mid-write
             grants = grant_batch(server, tag, 10_000, 32, 8)  # in flight as it dies
             writer.link.send({"grants": [g.encode() for g in grants]})
             writer.process.send_signal(signal.SIGKILL)
             assert writer.process.wait(10) == -signal.SIGKILL
-        _poll_until(server, lambda s, got: s.pending == 0 and s.held == 0)
+        settled = _poll_until(server, lambda s, got: s.pending == 0 and s.held == 0)
+        assert grants and {g.tag for g in grants} <= set(settled.expired)
         while (lease := table.take()) is not None:  # what it committed before it died
             with lease:
                 assert lease.verify() and lease.item("output_id") == eagle.output_id(lease.tag)
