@@ -37,6 +37,7 @@ import sglang_env as env
 import torch
 
 from shmslots.sglang import samehost
+from shmslots.sglang.backend import WATCH_ENV
 
 CANARY = 0xA5
 HIDDEN, TOPK = 64, 4
@@ -422,6 +423,71 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     buffers.close()
 
 
+def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
+    """A decode side whose watcher looks only when told, with a room bootstrapped in the
+    window between its look at SGLang's tables and SGLang's failing of a dead prefill's
+    rooms (on a busy decode, the scheduler thread's receivers race the watcher there)."""
+    os.environ[WATCH_ENV] = "3600"  # no look but this function's: the window on demand
+    _runtime("decode", shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers import scheduler
+
+    scheduler.ReqToMetadataIdxAllocator(shape.slots)  # the plugin's buffers come after it
+    buffers = scheduler.MetadataBuffers(
+        shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16, custom_mem_pool=None, kv_checksum_enabled=False,
+        output_dsa_topk_indices_dim=0,
+    )  # fmt: skip
+    manager = _manager(shape, "decode", _kv(shape), buffers.get_buf_infos(), _state(shape))
+    _, cls = _classes(shape)
+    conn.send(("up", os.getpid(), buffers.table.name))
+    addr = f"127.0.0.1:{bootstrap_port}"
+    while not manager.try_ensure_parallel_info(addr):
+        time.sleep(0.05)
+    early = cls("RECEIVER")(manager, addr, 1)
+    early.init(0)  # bootstraps, and SGLang caches the prefill's ranks
+    manager._check_prefills()  # sees them alive
+    conn.send(("bootstrapped",))
+    assert conn.recv() == ("prefill killed",)
+    late: list[Any] = []
+    handle_node_failure = manager._handle_node_failure
+
+    def in_the_window(failed: str) -> None:
+        late.append(cls("RECEIVER")(manager, addr, 2))
+        late[0].init(0)  # from SGLang's cache: the dead prefill's ranks
+        handle_node_failure(failed)
+
+    manager._handle_node_failure = in_the_window
+    manager._check_prefills()
+    [receiver] = late
+    failed = [r.poll() == KVPoll.Failed for r in (early, receiver)]  # SGLang failed both
+    receiver.ensure_abort_notified(force_arm=True)  # as DecodeTransferQueue's failed path
+    facts = {
+        "statuses": failed,
+        "safe": [
+            manager.is_abort_release_safe(room, len(r.bootstrap_infos))
+            for room, r in ((1, early), (2, receiver))
+        ],
+        "writers_gone": manager.writers_gone(2),
+        # the same ranks in lists of their own: one bootstrapped afresh keeps SGLang's path
+        "fresh_list_gone": manager.writers_gone(
+            3,
+            SimpleNamespace(
+                _connection_pool_entries={
+                    key: [dict(e) for e in entries]
+                    for key, entries in receiver._connection_pool_entries.items()
+                }
+            ),
+        ),
+    }
+    for r in (early, receiver):
+        r.clear()
+    conn.send(("facts", facts))
+    assert conn.recv() == ("stop",)
+    manager.close_engine()
+    buffers.close()
+
+
 def _page(t: torch.Tensor, page: int, shape: Shape) -> torch.Tensor:
     return t[page * shape.item_len : (page + 1) * shape.item_len]
 
@@ -514,8 +580,8 @@ class Pair:
     def start_prefill(self) -> None:
         self.prefill, _, _ = self._start(prefill_main, self.sent)
 
-    def start_decode(self) -> None:
-        self.decode, _, up = self._start(decode_main, self.landed)
+    def start_decode(self, target: Any = decode_main) -> None:
+        self.decode, _, up = self._start(target, self.landed)
         self.decode_table = up[2]
 
     def submit(

@@ -392,7 +392,7 @@ class _Manager:
     def __init__(self, gone: bool) -> None:
         self.gone = gone
 
-    def writers_gone(self, bootstrap_room: int) -> bool:
+    def writers_gone(self, bootstrap_room: int, receiver: object) -> bool:
         return self.gone
 
 

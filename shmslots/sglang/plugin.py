@@ -295,7 +295,8 @@ def _mark_writers_gone(
     for decode_req in decode_reqs:
         manager = getattr(decode_req.kv_receiver, "kv_mgr", None)
         writers_gone = getattr(manager, "writers_gone", None)
-        gone.append(int(writers_gone is not None and writers_gone(decode_req.req.bootstrap_room)))
+        room, receiver = decode_req.req.bootstrap_room, decode_req.kv_receiver
+        gone.append(int(writers_gone is not None and writers_gone(room, receiver)))
     agreed = all_reduce_flags(flags=gone, group=group, op=ReduceOp.MIN)
     for decode_req, everywhere in zip(decode_reqs, agreed, strict=True):
         if everywhere:
