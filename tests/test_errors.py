@@ -287,8 +287,10 @@ def test_a_close_by_another_thread_ends_a_waiting_take_with_table_closed(name: s
     other = SlotTable.attach(name, "watcher")  # reads the shared sleeper count after
     taker = threading.Thread(target=take)
     taker.start()
-    time.sleep(0.3)  # past the spin: asleep on the futex
-    assert other._atomics.load32(other._own.readers_waiting) == 1
+    deadline = time.monotonic() + 10  # past the spin: asleep on the futex
+    while other._atomics.load32(other._own.readers_waiting) != 1:
+        assert time.monotonic() < deadline, "the taker never slept"
+        time.sleep(0.01)
     t.close()
     t.unlink()
     taker.join(10)

@@ -242,13 +242,13 @@ def test_full_registry_is_a_clear_error_until_a_holder_dies(name: str, children:
 
 
 def test_overdue_slots_are_reported_not_reclaimed(name: str) -> None:
-    with SlotTable.create(name, SMALL, slots=2, max_hold_s=0.05) as t:
+    with SlotTable.create(name, SMALL, slots=2, max_hold_s=0.5) as t:  # past any stall
         ws = t.claim(tag=11)
         assert t.overdue() == []
-        time.sleep(0.1)
+        time.sleep(0.6)
         late = t.overdue()
         assert [(a.slot, a.state, a.tag) for a in late] == [(ws.slot, State.WRITING, 11)]
-        assert late[0].age_s >= 0.05 and t.stats().overdue == 1
+        assert late[0].age_s >= 0.5 and t.stats().overdue == 1
         ws.abort()
         assert t.overdue() == []
 

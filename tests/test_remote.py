@@ -418,13 +418,13 @@ def test_a_row_the_table_refuses_after_the_servers_check_is_held_back_not_freed(
         grant = server.grant(6)
         writer.write([(grant, small_row(6))], commit=False)
         reservation = server._pending[grant.commit_key].reservation
+        started = time.monotonic()  # before the window starts: a stall cannot shorten it
         assert not server._publish(reservation, row_hash([b"changed", b"since"]))
         assert server.held == 1 and table.stats().states["QUARANTINED"] == 1  # closed to all
         with pytest.raises(SlotsExhausted):
             server.grant(7, timeout=0.05)  # its slot is not granted again within the window
-        started = time.monotonic()
         again = server.grant(8, timeout=5.0)  # the grant's own reserve frees it in time
-        assert time.monotonic() - started >= 0.15 and again.slot == grant.slot
+        assert time.monotonic() - started >= 0.29 and again.slot == grant.slot
         assert server.held == 0 and table.stats().counters["quarantines_ended"] == 1
         server.abort(again)
 
@@ -725,11 +725,15 @@ def _check_flow(result: RemoteFlowResult, requests: int) -> None:
     handled = decode.consumed + decode.aborted
     assert sorted(handled) == sorted(published)
     assert decode.corrupted == 0 and decode.verified == len(decode.consumed) >= 2000
-    # a write for an aborted grant came anyway: discarded, counted
-    assert remote.late == len(aborted - uncommitted) > 0
-    # rows the writer never committed expired; every grant that ended unpublished had its
-    # slot held back for late writes, and freed by the end
-    assert set(settled.expired) == uncommitted - aborted and settled.expired
+    # rows the writer never committed expired, and so did any it was slower to commit than
+    # the commit timeout (a writer stalled on a loaded machine)
+    never, expired = uncommitted - aborted, set(settled.expired)
+    assert never <= expired and never
+    # a write for an aborted or slow-expired grant came anyway: discarded, counted
+    assert remote.late == len(aborted - uncommitted) + len(expired - never)
+    assert aborted - uncommitted
+    # every grant that ended unpublished had its slot held back for late writes, and freed
+    # by the end
     assert remote.quarantined == len(aborted) + len(settled.expired) + len(settled.rejected)
     assert result.final.owned == 0 and result.final.queued == 0
     assert result.consistency == []

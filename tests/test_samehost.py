@@ -257,10 +257,10 @@ def test_transfers_on_many_threads_survive_the_peer_dying_under_them(
             threads = [threading.Thread(target=pound, args=(session, dst)) for _ in range(6)]
             for t in threads:
                 t.start()
-            time.sleep(0.3)
+            _until(lambda: 0 in results)  # transfers land while it lives
             assert proc.pid is not None
             os.kill(proc.pid, signal.SIGKILL)
-            time.sleep(0.5)
+            _until(lambda: -1 in results)  # and are refused once it is dead
             stop.set()
             for t in threads:
                 t.join(10)
