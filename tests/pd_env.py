@@ -468,16 +468,11 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
             manager.is_abort_release_safe(room, len(r.bootstrap_infos))
             for room, r in ((1, early), (2, receiver))
         ],
-        "writers_gone": manager.writers_gone(2),
-        # the same ranks in lists of their own: one bootstrapped afresh keeps SGLang's path
-        "fresh_list_gone": manager.writers_gone(
-            3,
-            SimpleNamespace(
-                _connection_pool_entries={
-                    key: [dict(e) for e in entries]
-                    for key, entries in receiver._connection_pool_entries.items()
-                }
-            ),
+        "marked": manager.writers_gone(2),  # the room itself, for SGLang's release check
+        "armed": receiver._abort_generation is not None,  # an ACK awaited: none can come
+        # the same ranks in entries of their own: one bootstrapped afresh keeps SGLang's path
+        "fresh_entries_gone": manager.writers_gone(
+            3, SimpleNamespace(bootstrap_infos=[dict(e) for e in receiver.bootstrap_infos])
         ),
     }
     for r in (early, receiver):

@@ -143,8 +143,8 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         pair.decode.send(("prefill killed",))  # type: ignore[union-attr]
         _, facts = pair.reply(pair.decode)
         assert facts["statuses"] == [True, True]  # both rooms failed by SGLang
-        assert facts["safe"] == [True, True] and facts["writers_gone"]
-        assert not facts["fresh_list_gone"]
+        assert facts["safe"] == [True, True] and facts["marked"] and not facts["armed"]
+        assert not facts["fresh_entries_gone"]
 
 
 def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:

@@ -16,9 +16,11 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
   those rooms are safe to release at once, since a dead process writes nothing (a
   heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path);
-- `ensure_abort_notified` (overridden) and `_connection_pool_entries` (read), receiver: a
-  room of a dead server sends no ABORT, and one bootstrapped after the watcher's look is
-  told as the dead server's by its rank lists, SGLang's cached ones;
+- `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a room
+  of a dead server sends no ABORT, and one bootstrapped after the watcher's look is told
+  as the dead server's by its rank entries, SGLang's cached ones.  This relies on
+  `_handle_node_failure` deleting every cached entry of the server under its lock, and on
+  a receiver listing its room (`__init__`) before it reads that cache (`init`);
 - `teardown` (extended): the engine's registry goes with the manager.
 
 The decode side's aux buffers are the plugin's shmslots table (`DecodeMetadataBuffers`),
@@ -39,7 +41,7 @@ from .samehost import PREFIX, PeerRegistry, SameHostEngine
 
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
-DEAD_RANK_LISTS = 256  # dead prefills' rank lists remembered (a receiver's is told by identity)
+DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
 UTILS = "sglang.srt.disaggregation.utils"
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ def _classes() -> dict[str, type]:
                 registry_name(self.local_ip, self.rank_port), self.rank_port
             )
             self._dead_rooms: set[int] = set()
-            self._dead_ranks: tuple[list[dict[str, Any]], ...] = ()  # see writers_dead
+            self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
             self._peers: dict[str, PeerRegistry] = {}
             self._watch_stop = threading.Event()
             if self.disaggregation_mode == DisaggregationMode.DECODE:
@@ -161,7 +163,7 @@ def _classes() -> dict[str, type]:
             are its rooms safe to release at once: a live rank may still be writing."""
             with self.connection_lock:  # ranks and rooms in one look: a room bootstrapped
                 ranks: dict[str, set[str]] = {}  # after it may be a restarted prefill's
-                lists: dict[str, list[list[dict[str, Any]]]] = {}
+                entries_of: dict[str, list[dict[str, Any]]] = {}
                 for key, entries in self.connection_pool.items():
                     for addr in self.prefill_info_table:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
@@ -169,7 +171,7 @@ def _classes() -> dict[str, type]:
                                 registry_name(str(info["rank_ip"]), int(info["rank_port"]))
                                 for info in entries
                             )
-                            lists.setdefault(addr, []).append(entries)
+                            entries_of.setdefault(addr, []).extend(entries)
                 rooms = {addr: set(self.addr_to_rooms_tracker.get(addr, ())) for addr in ranks}
             for addr, names in ranks.items():
                 dead = {name for name in names if not self._peer_alive(name)}
@@ -180,7 +182,8 @@ def _classes() -> dict[str, type]:
                         r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success
                     }
                     # rebound, never mutated: the scheduler thread reads it without a lock
-                    self._dead_ranks = (*self._dead_ranks, *lists[addr])[-DEAD_RANK_LISTS:]
+                    dead_ranks = {**self._dead_ranks, **{id(e): e for e in entries_of[addr]}}
+                    self._dead_ranks = dict(list(dead_ranks.items())[-DEAD_RANK_ENTRIES:])
                 self._handle_node_failure(addr)
 
         def _peer_alive(self, name: str) -> bool:
@@ -214,20 +217,16 @@ def _classes() -> dict[str, type]:
             """Every prefill rank that could write this room is dead (the plugin frees its
             metadata slot at once instead of quarantining it; no ABORT need be sent).
 
-            A receiver made after the watcher's look at SGLang's tables took its rank lists
-            from SGLang's cache, and SGLang failed its room with the rest
-            (`_handle_node_failure` reads the rooms again).  By those lists' identity (its
-            `_connection_pool_entries`) such a room is told from one bootstrapped afresh,
-            perhaps to a prefill restarted at that address, and marked as the watcher's
-            own are."""
+            A receiver made after the watcher's look at SGLang's tables took its rank
+            entries from SGLang's cache, and SGLang failed its room with the rest
+            (`_handle_node_failure` reads the rooms again).  By those entries' identity (its
+            `bootstrap_infos`) it is told from one bootstrapped afresh, perhaps to a prefill
+            restarted at that address.  The answer is the receiver's, not the room's: a
+            later receiver of the same room is asked afresh."""
             if bootstrap_room in self._dead_rooms:
                 return True
-            lists = getattr(receiver, "_connection_pool_entries", {}).values()
-            dead = self._dead_ranks
-            if not lists or not all(any(r is d for d in dead) for r in lists):
-                return False
-            self._dead_rooms.add(bootstrap_room)
-            return True
+            dead, infos = self._dead_ranks, getattr(receiver, "bootstrap_infos", None) or ()
+            return bool(dead and infos) and all(dead.get(id(i)) is i for i in infos)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
             self._dead_rooms.discard(bootstrap_room)
@@ -264,13 +263,17 @@ def _classes() -> dict[str, type]:
                 mgr._dead_rooms.discard(bootstrap_room)  # watcher's mark from then on stays
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
-        def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-            """A room whose prefill is dead needs no ABORT: nothing is left to stop, and the
-            send would wait out ZMQ's send timeout on the scheduler thread."""
-            if self.kv_mgr.writers_gone(self.bootstrap_room, self):
-                self.abort_notified = True
+        def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+            """A room whose prefill is dead needs no ABORT, and no ACK is awaited: nothing is
+            left to stop, and the send would wait out ZMQ's send timeout on the scheduler
+            thread.  Every ABORT of SGLang's receiver comes here (an abort, a failure, a
+            wait timed out, a clear), so the room is marked safe to release for each."""
+            mgr, room = self.kv_mgr, self.bootstrap_room
+            if mgr.writers_gone(room, self):
+                if mgr.request_status.get(room) != KVPoll.Success:
+                    mgr._dead_rooms.add(room)
                 return
-            super().ensure_abort_notified(force_arm=force_arm)
+            super()._send_abort_notification(force_arm=force_arm)
 
     class ShmslotsKVBootstrapServer(MooncakeKVBootstrapServer):  # type: ignore[misc]
         pass
