@@ -36,9 +36,11 @@ class Arena:
     def alloc(self, nbytes: int, slot: int, generation: int) -> int | None:
         """Offset (in the segment) of `nbytes` on free pages now owned by (slot, generation).
 
-        First fit from a rotating hint; a page lost to a racing allocator rolls back what
-        was taken and the search goes on past it: one compiled call (`claim_run`), however
-        many pages.
+        First fit from a hint: past this process's last block, or at the block it last
+        freed, whose pages are likely still in its cache (a producer's next loan then
+        fills warm memory, as a ring reusing one cell does).  A page lost to a racing
+        allocator rolls back what was taken and the search goes on past it: one compiled
+        call (`claim_run`), however many pages.
         """
         need = self.pages_for(nbytes)
         if need > self.pages:
@@ -53,6 +55,7 @@ class Arena:
     def free(self, offset: int, nbytes: int, slot: int, generation: int) -> None:
         first = (offset - self._data) // self.page_size
         self._release(first, self.pages_for(nbytes), page_tag(slot, generation))
+        self._hint = first  # the next block starts on these pages, warm in this cache
 
     def _release(self, first: int, count: int, tag: int) -> None:
         if count:
