@@ -15,6 +15,7 @@ from . import layout as L
 from ._core import AtomicView
 
 _GEN = 0xFFFF_FFFF
+WARM_BLOCKS = 8  # blocks this process freed, remembered for a next block of their size
 
 
 def page_tag(slot: int, generation: int) -> int:
@@ -29,6 +30,7 @@ class Arena:
         self._table = lay.arena_table
         self._data = lay.arena
         self._hint = 0
+        self._warm: list[tuple[int, int]] = []  # (pages, first page), the newest last
 
     def pages_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.page_size))
@@ -36,26 +38,42 @@ class Arena:
     def alloc(self, nbytes: int, slot: int, generation: int) -> int | None:
         """Offset (in the segment) of `nbytes` on free pages now owned by (slot, generation).
 
-        First fit from a hint: past this process's last block, or at the block it last
-        freed, whose pages are likely still in its cache (a producer's next loan then
-        fills warm memory, as a ring reusing one cell does).  A page lost to a racing
-        allocator rolls back what was taken and the search goes on past it: one compiled
-        call (`claim_run`), however many pages.
+        First fit from the block of this size this process freed last (`free(warm=True)`),
+        whose pages are likely still in its cache: a producer's next loan of a shape then
+        fills warm memory, as a ring reusing one cell does.  Otherwise next fit, past its
+        last such block, so that a block of another size does not split a freed hole.  A
+        page lost to a racing allocator rolls back what was taken and the search goes on
+        past it: one compiled call (`claim_run`), however many pages.
         """
         need = self.pages_for(nbytes)
         if need > self.pages:
             return None
-        tag = page_tag(slot, generation)
-        first = self._a.claim_run(self._table, self.pages, need, self._hint, tag)
+        warm = self._warm_start(need)
+        start = self._hint if warm is None else warm
+        first = self._a.claim_run(self._table, self.pages, need, start, page_tag(slot, generation))
         if first < 0:
             return None
-        self._hint = first + need
+        if warm is None:
+            self._hint = first + need
         return self._data + first * self.page_size
 
-    def free(self, offset: int, nbytes: int, slot: int, generation: int) -> None:
-        first = (offset - self._data) // self.page_size
-        self._release(first, self.pages_for(nbytes), page_tag(slot, generation))
-        self._hint = first  # the next block starts on these pages, warm in this cache
+    def _warm_start(self, need: int) -> int | None:
+        """The first page of the block of `need` pages this process freed last, if any."""
+        for i in range(len(self._warm) - 1, -1, -1):
+            if self._warm[i][0] == need:
+                return self._warm.pop(i)[1]
+        return None
+
+    def free(
+        self, offset: int, nbytes: int, slot: int, generation: int, warm: bool = False
+    ) -> None:
+        """Free a block of (slot, generation).  `warm`: its next block of this size may
+        start here; never for pages something may still reference, which would then
+        overlap the very next row."""
+        first, count = (offset - self._data) // self.page_size, self.pages_for(nbytes)
+        self._release(first, count, page_tag(slot, generation))
+        if warm:
+            self._warm = [*self._warm, (count, first)][-WARM_BLOCKS:]
 
     def _release(self, first: int, count: int, tag: int) -> None:
         if count:

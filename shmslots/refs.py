@@ -141,9 +141,12 @@ class RefStore:
         if pin in self._pins:
             self._pins.remove(pin)
 
-    def _let_go(self, pin: Pin) -> None:
+    def _let_go(self, pin: Pin, warm: bool = False) -> None:
+        """`warm`: the pin's row has been consumed (its generation moved on), so its pages
+        may take this process's next block of their size; a pin let go before publish may
+        be a loan still referenced (reported), and its pages go to no block of this row."""
         if pin.offset is not None and self._arena is not None:
-            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation)
+            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation, warm)
         if pin.release is not None:
             pin.release()  # before the tensor goes: its block is then free at once
         pin.tensor = None
@@ -157,7 +160,7 @@ class RefStore:
             if self._own.generation(pin.slot) == pin.generation:
                 keep.append(pin)
             else:
-                self._let_go(pin)
+                self._let_go(pin, warm=True)
         dropped = len(self._pins) - len(keep)
         self._pins = keep
         return dropped

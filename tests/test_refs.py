@@ -411,15 +411,44 @@ def test_alloc_refuses_bad_input_and_a_loan_kept_past_publish_is_reported(name: 
             ws.alloc("blob", (3 * MiB,))  # 12 MiB of float32 in an 8 MiB arena
         assert t.stats().arena_bytes_used == 0  # nothing was taken by the refusals
         first = ws.alloc("blob", (10,))
+        kept_at = first.data_ptr()
         with pytest.warns(LeakedViewWarning, match="previous loan"):
             second = ws.alloc("blob", (20,))  # replaces `first`, whose pages go at once
-        ws.write(id=2, hidden=hidden(2, 1))
+        ws.write(id=2, hidden=hidden(2, 1))  # but to no other block of this row
         with pytest.warns(LeakedViewWarning, match="blob"):
             ws.publish()  # `second` is still referenced: it would see the next row's data
         assert t.stats().counters["leaked_views"] == 2
         del first, second
         lease = t.take()
         assert lease is not None and lease.tensor("blob").shape == (20,)
+        at, nbytes = lease.tensor("hidden").data_ptr(), lease.tensor("hidden").nbytes
+        assert not at <= kept_at < at + nbytes  # `first` does not write into this row
+        lease.release()
+
+
+def test_a_producers_next_block_of_a_size_starts_where_its_last_was_freed(name: str) -> None:
+    """Row after row, each ref field's block lands on the pages the last row's block of its
+    size freed, still in this process's cache (a ring reusing its cell does the same); a
+    block of another size goes past them, so it does not split the hole."""
+    with _table(name) as t:
+        placed = []
+        for i in range(3):
+            ws = t.claim()
+            loan = ws.alloc("blob", (MiB // 4,))  # 1 MiB
+            loan.fill_(float(i))
+            del loan
+            ws.write(id=i, hidden=hidden(i, 2)).publish()
+            lease = t.take()
+            assert lease is not None
+            placed.append(tuple(lease.tensor(f).data_ptr() for f in ("blob", "hidden")))
+            lease.release()
+        assert placed[0] == placed[1] == placed[2]
+        ws = t.claim()  # a blob of 256 KiB, a size no block freed had: not in the 1 MiB hole
+        ws.write(id=9, blob=torch.ones(MiB // 16), hidden=hidden(9, 2)).publish()
+        lease = t.take()
+        assert lease is not None
+        small, warm = (lease.tensor(f).data_ptr() for f in ("blob", "hidden"))
+        assert not placed[0][0] <= small < placed[0][0] + MiB and warm == placed[0][1]
         lease.release()
 
 
