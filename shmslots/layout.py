@@ -39,7 +39,7 @@
           │               (schema.py: item_len is a multiple of 64)      │
           ├──────────────────────────────────────────────────────────────┤
           │ ARENA TABLE   arena_pages x u64: (slot + 1, generation) that  │
-          │               owns each page, 0 = free  (arena.py)            │
+          │               owns each page, 0 = free  (csrc/arena.c)        │
           ├──────────────────────────────────────────────────────────────┤ page aligned
           │ ARENA         arena_pages x arena_page_size: tensor data that │
           │               ref fields refer to                            │

@@ -14,7 +14,7 @@ from collections import Counter
 
 from . import layout as L
 from ._core import AtomicView
-from .arena import Arena
+from .arena import open_arena
 from .ownership import RECLAIMED, Ownership
 from .participants import Registry
 from .segment import Segment
@@ -47,7 +47,7 @@ class Membership:
             self.registry = Registry(atomics, mv, layout, self.lock_fd)
             self.participant, died_here = self.registry.register(role, name, stamp)
             self.own = Ownership(atomics, segment.mm, layout, self.participant + 1)
-            self.arena = Arena(atomics, layout) if layout.arena_pages else None
+            self.arena = open_arena(atomics, layout)
             if died_here:  # the entry we took was a dead participant's: settle its slots first
                 self.own.reclaim_own(drop_held)
                 self.own.count("participants_reaped")
@@ -72,7 +72,7 @@ class Membership:
         done["quarantines_ended"] += self.own.hot.expire()
         done = +done  # drops the reasons of nothing done
         if done and self.arena is not None:
-            done["arena_pages_freed"] = self.arena.collect(self.own.generation)
+            done["arena_pages_freed"] = self.arena.collect()
         return done
 
     def leave(self) -> bool:

@@ -1,6 +1,6 @@
 """Ref fields: tensors that stay out of the row, kept alive until the slot moves on.
 
-A CPU tensor is copied once into arena pages (arena.py) owned by the write
+A CPU tensor is copied once into arena pages (csrc/arena.c) owned by the write
 slot's (slot, generation); a CUDA tensor stays where it is and travels as a
 CUDA IPC description (cuda_ipc.py).  Either way the row holds a small
 msgpack ref, and the producer keeps what the ref points to — the
@@ -23,8 +23,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from . import cuda_ipc
-from ._core import REF_REFUSALS, arena_ref, cuda_ref, mapped
-from .arena import Arena
+from ._core import REF_REFUSALS, Arena, arena_ref, cuda_ref, mapped
 from .errors import CorruptTable, SchemaError, SlotsExhausted
 from .ownership import Ownership
 from .ref_codec import check_fits, decode
@@ -55,7 +54,7 @@ class RefStore:
         self._mm = mm
         self._pin = memoryview(mm)  # held by every tensor opened here (see _core.mapped)
         self._table = table
-        self._pins: list[Pin] = []
+        self._pins: list[Pin] = []  # CUDA ones: the arena keeps its blocks' book itself
         self.ipc = cuda_ipc.IpcLedger(cuda_ipc.CudaIpc())  # every share and its one release
 
     # -- producer side ---------------------------------------------------------------
@@ -104,34 +103,32 @@ class RefStore:
             raise SchemaError(
                 f"field {f.name!r}: ref of {len(item)} bytes exceeds its {f.budget}-byte budget"
             )
-        self._pins.append(pin)
+        if pin.offset is None:  # an arena block is in the arena's own book
+            self._pins.append(pin)
         return item
 
     def _arena_pin(self, slot: int, generation: int, f: Field, nbytes: int) -> Pin:
-        """`nbytes` of arena pages, owned by (slot, generation)."""
+        """`nbytes` of arena pages, lent to (slot, generation) in the arena's book."""
         name = f.name
-        if self._arena is None:
+        arena = self._arena
+        if arena is None:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
-        if self._arena.pages_for(nbytes) > self._arena.pages:
-            raise SchemaError(
-                f"field {name!r}: {nbytes} bytes exceed the whole arena "
-                f"({self._arena.pages * self._arena.page_size} bytes)"
-            )
-        offset = self._arena.alloc(nbytes, slot, generation)
+        offset = arena.loan(nbytes, slot, generation)
         if offset is None:
+            if arena.pages_for(nbytes) > arena.pages:
+                raise SchemaError(
+                    f"field {name!r}: {nbytes} bytes exceed the whole arena "
+                    f"({arena.pages * arena.page_size} bytes)"
+                )
             self.collect()
-            offset = self._arena.alloc(nbytes, slot, generation)
+            offset = arena.loan(nbytes, slot, generation)
         if offset is None:
-            pages, blocks = self._arena.usage()
+            pages, blocks = arena.usage()
             raise SlotsExhausted(
                 f"arena has no {nbytes} contiguous free bytes for field {name!r}",
-                {
-                    "arena_pages_used": pages,
-                    "arena_blocks": blocks,
-                    "arena_pages": self._arena.pages,
-                },
+                {"arena_pages_used": pages, "arena_blocks": blocks, "arena_pages": arena.pages},
             )
         return Pin(slot, generation, name, offset=offset, nbytes=nbytes)
 
@@ -141,27 +138,28 @@ class RefStore:
         if pin in self._pins:
             self._pins.remove(pin)
 
-    def _let_go(self, pin: Pin, warm: bool = False) -> None:
-        """`warm`: the pin's row has been consumed (its generation moved on), so its pages
-        may take this process's next block of their size; a pin let go before publish may
-        be a loan still referenced (reported), and its pages go to no block of this row."""
+    def _let_go(self, pin: Pin) -> None:
+        """An arena block goes back to the arena at once, to no warm start (it may be a loan
+        still referenced, reported); a CUDA tensor's share is released."""
         if pin.offset is not None and self._arena is not None:
-            self._arena.free(pin.offset, pin.nbytes, pin.slot, pin.generation, warm)
+            self._arena.unpin(pin.offset, pin.slot, pin.generation)
         if pin.release is not None:
             pin.release()  # before the tensor goes: its block is then free at once
         pin.tensor = None
 
     def collect_own(self) -> int:
-        """Drop this process's pins whose slot generation advanced; cheap, O(pins)."""
+        """Drop this process's pins whose slot generation advanced: the arena's blocks in one
+        compiled call, the CUDA tensors here; cheap, O(pins)."""
+        dropped = self._arena.collect_own() if self._arena is not None else 0
         if not self._pins:
-            return 0
+            return dropped
         keep = []
         for pin in self._pins:
             if self._own.generation(pin.slot) == pin.generation:
                 keep.append(pin)
             else:
-                self._let_go(pin, warm=True)
-        dropped = len(self._pins) - len(keep)
+                self._let_go(pin)
+        dropped += len(self._pins) - len(keep)
         self._pins = keep
         return dropped
 
@@ -169,17 +167,16 @@ class RefStore:
         """collect_own, plus arena pages orphaned by any process (a dead producer's)."""
         dropped = self.collect_own()
         if self._arena is not None:
-            dropped += self._arena.collect(self._own.generation)
+            dropped += self._arena.collect()
         return dropped
 
     def pinned(self) -> tuple[int, int]:
         """(refs, bytes) this process keeps alive."""
-        size = 0
+        refs, size = self._arena.pinned() if self._arena is not None else (0, 0)
         for pin in self._pins:
-            size += pin.nbytes or (
-                pin.tensor.numel() * pin.tensor.element_size() if pin.tensor is not None else 0
-            )
-        return len(self._pins), size
+            if pin.tensor is not None:
+                size += pin.tensor.numel() * pin.tensor.element_size()
+        return refs + len(self._pins), size
 
     # -- reader side --------------------------------------------------------------------
     @property
@@ -200,11 +197,13 @@ class RefStore:
         d = decode(rows.field_bytes(slot, name))
         check_fits(d, rows.schema.slots[name].field, name)
         if d["pid"] == os.getpid():  # opening in the producer: the local tensor
-            for pin in self._pins:
+            for pin in self._pins:  # CUDA pins only: an arena block is in the arena's book
                 if (pin.slot, pin.generation, pin.name) == (slot, generation, name):
-                    if pin.tensor is None:  # this slot's pin is an arena one: a forged ref
-                        raise CorruptTable(f"CUDA ref of {name!r} where this process lent none")
+                    assert pin.tensor is not None  # released only once collected
                     return alias(pin.tensor)
+            # a process cannot open its own CUDA IPC handle: a ref naming this process that
+            # this table did not lend (an arena row's bytes rewritten, say) is forged
+            raise CorruptTable(f"CUDA ref of {name!r} names this process, which lent none")
         return alias(self.ipc.open(d))
 
 

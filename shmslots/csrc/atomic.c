@@ -30,6 +30,8 @@ typedef struct {
     int held;
 } AtomicView;
 
+static PyTypeObject AtomicViewType;
+
 /* The `width`-byte word at byte offset off_obj of buf, checked; NULL: error set. */
 static char *
 word_in(Py_buffer *buf, PyObject *off_obj, Py_ssize_t width)
@@ -159,109 +161,27 @@ av_add32(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLong(__atomic_fetch_add(p, (uint32_t)delta, __ATOMIC_SEQ_CST));
 }
 
-/* `count` consecutive 64-bit words from byte offset args[0], checked; NULL: error set. */
-static uint64_t *
-words_at(AtomicView *self, PyObject *off_obj, PyObject *count_obj, Py_ssize_t *count)
+/* `count` consecutive 64-bit words at byte offset `off` of AtomicView `view`, checked: the
+ * view is one and still held, the words aligned and inside it.  NULL with an error set. */
+uint64_t *
+atomic_words(PyObject *view, Py_ssize_t off, Py_ssize_t count)
 {
-    *count = PyLong_AsSsize_t(count_obj);
-    if (*count == -1 && PyErr_Occurred())
-        return NULL;
-    if (*count < 0 || *count > PY_SSIZE_T_MAX / 8) {
-        PyErr_Format(PyExc_ValueError, "a run of %zd words", *count);
+    if (!PyObject_TypeCheck(view, &AtomicViewType)) {
+        PyErr_SetString(PyExc_TypeError, "an AtomicView is needed");
         return NULL;
     }
-    if (!addr_of(self, off_obj, 8)) /* the first word: in range and aligned */
+    AtomicView *self = (AtomicView *)view;
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
         return NULL;
-    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
-    if (off > self->buf.len - 8 * *count) {
-        PyErr_Format(PyExc_IndexError, "%zd words at offset %zd run past the buffer", *count,
+    }
+    if (count < 0 || count > PY_SSIZE_T_MAX / 8 || off < 0 || off > self->buf.len - 8 * count ||
+        ((uintptr_t)self->buf.buf + (uintptr_t)off) % 8 != 0) {
+        PyErr_Format(PyExc_IndexError, "%zd words at offset %zd are not in the buffer", count,
                      off);
         return NULL;
     }
     return (uint64_t *)((char *)self->buf.buf + off);
-}
-
-/* cas_run(off, count, expected, new, stop) -> how many of the `count` words from off were
- * swapped from expected to new, in order; with stop true it ends at the first that does not
- * hold expected (taking a run), else it goes on over every word (giving one back). */
-static PyObject *
-av_cas_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t count, swapped = 0;
-    uint64_t expected, desired;
-    if (!nargs_ok(nargs, 5, "cas_run")) return NULL;
-    /* First: truth testing can run Python (__bool__), which may release the view and unmap
-     * the buffer; nothing after words_at may run Python. */
-    int stop = PyObject_IsTrue(args[4]);
-    if (stop < 0) return NULL;
-    uint64_t *p = words_at(self, args[0], args[1], &count);
-    if (!p || !as_u64(args[2], &expected) || !as_u64(args[3], &desired)) return NULL;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint64_t want = expected;
-        if (__atomic_compare_exchange_n(p + i, &want, desired, 0, __ATOMIC_SEQ_CST,
-                                        __ATOMIC_SEQ_CST))
-            swapped++;
-        else if (stop)
-            break;
-    }
-    return PyLong_FromSsize_t(swapped);
-}
-
-/* claim_run(off, count, need, start, tag) -> the index of the first of `need` consecutive
- * words, among the `count` from off, each swapped from 0 to `tag` by this call, or -1 when no
- * such run can be had.  First fit from word `start`, then from 0 (a rotating hint); a word
- * lost to a racing claimer gives back what this call took of that run, and the search goes on
- * past it.  The arena's whole search (arena.py) in one call, however many pages. */
-static PyObject *
-av_claim_run(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t count, need, start;
-    uint64_t tag;
-    if (!nargs_ok(nargs, 5, "claim_run")) return NULL;
-    /* every number first: converting one may run Python (__index__), which may release the
-     * view; nothing after words_at may run Python */
-    need = PyLong_AsSsize_t(args[2]);
-    if (need == -1 && PyErr_Occurred()) return NULL;
-    start = PyLong_AsSsize_t(args[3]);
-    if ((start == -1 && PyErr_Occurred()) || !as_u64(args[4], &tag)) return NULL;
-    if (need < 1 || start < 0 || tag == 0) {
-        PyErr_Format(PyExc_ValueError, "claim_run of %zd words from %zd with tag %llu", need,
-                     start, (unsigned long long)tag);
-        return NULL;
-    }
-    uint64_t *p = words_at(self, args[0], args[1], &count);
-    if (!p) return NULL;
-    if (start > count - need) start = 0;
-    for (Py_ssize_t from = start;; from = 0) {
-        Py_ssize_t run = 0;
-        for (Py_ssize_t i = from; i < count; i++) {
-            if (__atomic_load_n(p + i, __ATOMIC_ACQUIRE) != 0) {
-                run = 0;
-                continue;
-            }
-            if (++run < need)
-                continue;
-            Py_ssize_t first = i + 1 - need, taken = 0;
-            uint64_t free_word = 0;
-            while (taken < need &&
-                   __atomic_compare_exchange_n(p + first + taken, &free_word, tag, 0,
-                                               __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-                taken++;
-                free_word = 0;
-            }
-            if (taken == need)
-                return PyLong_FromSsize_t(first);
-            for (Py_ssize_t k = 0; k < taken; k++) { /* give back; ours, so no CAS can fail */
-                uint64_t mine = tag;
-                __atomic_compare_exchange_n(p + first + k, &mine, 0, 0, __ATOMIC_SEQ_CST,
-                                            __ATOMIC_SEQ_CST);
-            }
-            i = first + taken; /* the lost word: the search goes on after it */
-            run = 0;
-        }
-        if (from == 0)
-            return PyLong_FromSsize_t(-1);
-    }
 }
 
 /* futex_wait(off, expected, timeout_s) -> bool
@@ -361,10 +281,6 @@ static PyMethodDef av_methods[] = {
     {"fetch_and", (PyCFunction)(void (*)(void))av_and, METH_FASTCALL, "fetch_and(off, mask) -> old"},
     {"load32", (PyCFunction)(void (*)(void))av_load32, METH_FASTCALL, "load32(off) -> u32"},
     {"add32", (PyCFunction)(void (*)(void))av_add32, METH_FASTCALL, "add32(off, delta) -> old u32"},
-    {"claim_run", (PyCFunction)(void (*)(void))av_claim_run, METH_FASTCALL,
-     "claim_run(off, count, need, start, tag) -> first of `need` words taken 0 -> tag, or -1"},
-    {"cas_run", (PyCFunction)(void (*)(void))av_cas_run, METH_FASTCALL,
-     "cas_run(off, count, expected, new, stop) -> words swapped"},
     {"futex_wait", (PyCFunction)(void (*)(void))av_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, timeout_s) -> False on timeout"},
     {"futex_wake", (PyCFunction)(void (*)(void))av_futex_wake, METH_FASTCALL,

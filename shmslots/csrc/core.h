@@ -1,9 +1,10 @@
 /* shmslots._core: what its files share.
  *
- * One extension, five files, one job each: atomic.c (atomics and futexes on a mapping),
- * hotpath.c (the slot protocol's transitions and the ready ring), rowcodec.c (the rules a
- * tensor must pass and the row copies), refcodec.c (a ref field's bytes), leases.c (the
- * type-state handles' fast paths); module.c joins them.  leases.c calls the others through
+ * One extension, seven files, one job each: atomic.c (atomics and futexes on a mapping),
+ * arena.c (the arena's pages and the blocks this process lent), hotpath.c (the slot
+ * protocol's transitions and the ready ring), rowcodec.c (the rules a tensor must pass and the
+ * row copies), refcodec.c (a ref field's bytes), leases.c (the type-state handles' fast
+ * paths); module.c joins them.  leases.c calls the others through
  * the functions declared here, C to C: a handle's step makes no Python call between two
  * compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
  * module against the installed torch, through the capsule tensors.h describes.
@@ -152,9 +153,16 @@ PyObject *codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *fla
 extern const TensorApi *tensor_api;
 int bind_tensors(void);
 
+/* -- atomic.c: the words of a mapping ---------------------------------------------------------- */
+
+/* `count` 64-bit words at byte offset `off` of AtomicView `view`, checked (an AtomicView, still
+ * held, the words aligned and inside it); NULL with an error set. */
+uint64_t *atomic_words(PyObject *view, Py_ssize_t off, Py_ssize_t count);
+
 /* -- each file adds its types and functions to the module ------------------------------------ */
 
 int atomic_add(PyObject *m);
+int arena_add(PyObject *m);
 int hotpath_add(PyObject *m);
 int rowcodec_add(PyObject *m);
 int leases_add(PyObject *m);

@@ -1,4 +1,4 @@
-/* shmslots._core: the module, made of its four files (core.h says which does what), and, in
+/* shmslots._core: the module, made of its files (core.h says which does what), and, in
  * the test build only, the kill points that SIGKILL this process inside a compiled step. */
 #include "core.h"
 #include <signal.h>
@@ -113,8 +113,8 @@ PyInit__core(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
         return NULL;
-    if (atomic_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 || refcodec_add(m) < 0 ||
-        leases_add(m) < 0 || add_kill_points(m) < 0 ||
+    if (atomic_add(m) < 0 || arena_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 ||
+        refcodec_add(m) < 0 || leases_add(m) < 0 || add_kill_points(m) < 0 ||
         PyModule_AddIntConstant(m, "STEP_DONE", STEP_DONE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REFUSED", STEP_REFUSED) < 0 ||
         PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0 ||
