@@ -47,14 +47,15 @@ from .errors import (
     SlotsExhausted,
     StaleLeaseError,
 )
+from .refs import Pin
 from .rows import check_out
 from .schema import contiguous_strides
 from .states import Event, State
 
 if TYPE_CHECKING:
+    from ._core import Arena
     from .ownership import Ownership
     from .parts import TableParts
-    from .refs import Pin
     from .rows import Rows
 
 _WRITING = int(State.WRITING)
@@ -71,6 +72,7 @@ def handle_core(
     own: Ownership,
     rows: Rows,
     ref_place: tuple[int, int, str],
+    arena: Arena | None,
     strict: bool,
     redeliver_dropped: bool,
     idle_every_s: float,
@@ -91,6 +93,8 @@ def handle_core(
         redeliver_dropped=redeliver_dropped,
         idle_every_ns=int(idle_every_s * 1e9),
         ref_place=ref_place,
+        arena=arena,
+        pin=Pin,
     )
 
 
@@ -265,6 +269,12 @@ class WriteSlot(_Handle, WriteSlotCore):
     `write(**fields)` copies values into the row; all are checked before any
     byte changes.  A ref field's tensor is pinned (arena copy, or the CUDA
     tensor kept referenced) until this slot's generation moves on.
+    `alloc(name, shape)` is a tensor of the table's arena for ref field `name`,
+    to fill in place: the loan pattern for big CPU tensors, with no copy at all.
+    The row refers to it at once (it counts as written), and a reader opens the
+    same pages zero-copy.  Fill it before publish; a loan kept past publish or
+    abort is reported as a leaked view (it would see the next occupant's data),
+    and one moved out of the arena is refused.
     `publish(timeout=1.0)` seals the row (generation, checksum), queues it and
     makes it READY.  `abort()` hands the slot back unpublished.
     """
@@ -321,12 +331,8 @@ class WriteSlot(_Handle, WriteSlotCore):
     def _views(self) -> WatchedTensors:
         return self._watched if self._watched is not None else self._parts.rows.views(self.slot)
 
-    def alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor of the table's arena for ref field `name`, to fill in place: the loan
-        pattern for big CPU tensors, with no copy at all.  The row refers to it at once (it
-        counts as written), and a reader opens the same pages zero-copy.  Fill it before
-        publish; a loan kept past publish or abort is reported as a leaked view (it would
-        see the next occupant's data), and one moved out of the arena is refused."""
+    def _alloc_slow(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """alloc() past its compiled plain case (csrc/leases.c), and every error of it."""
         self._check_open("alloc")
         parts = self._parts
         fs = parts.rows.schema.slots.get(name) if isinstance(name, str) else None

@@ -115,13 +115,13 @@ class RefStore:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
+        whole = arena.pages * arena.page_size
+        if nbytes > whole:
+            raise SchemaError(
+                f"field {name!r}: {nbytes} bytes exceed the whole arena ({whole} bytes)"
+            )
         offset = arena.loan(nbytes, slot, generation)
         if offset is None:
-            if arena.pages_for(nbytes) > arena.pages:
-                raise SchemaError(
-                    f"field {name!r}: {nbytes} bytes exceed the whole arena "
-                    f"({arena.pages * arena.page_size} bytes)"
-                )
             self.collect()
             offset = arena.loan(nbytes, slot, generation)
         if offset is None:

@@ -228,6 +228,7 @@ class SlotTable:
                 self._own,
                 self._rows,
                 self._refs.place,
+                member.arena,
                 self._strict,
                 not self.drop_on_consumer_death,
                 STRANDED_CHECK_S,

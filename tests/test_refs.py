@@ -426,6 +426,67 @@ def test_alloc_refuses_bad_input_and_a_loan_kept_past_publish_is_reported(name: 
         lease.release()
 
 
+def test_a_loan_is_the_same_through_the_compiled_path_and_the_slow_one(name: str) -> None:
+    """alloc's plain case is compiled (csrc/leases.c); a shape given as a list, a replacement
+    and every refusal take the Python path.  Both lend the same block and write the same ref,
+    and a refusal on either lends nothing."""
+    with _table(name) as t:
+        ws = t.claim()
+        bad = [
+            ("blob", (True,)), ("blob", (2.0,)), ("blob", (3, 4)), ("blob", (2**63,)),
+            ("hidden", (1, 8)), ("hidden", (1,)), ("id", (1,)), ("nope", (1,)), (3, (1,)),
+        ]  # fmt: skip
+        for field, shape in bad:
+            with pytest.raises(SchemaError):
+                ws.alloc(field, shape)  # type: ignore[arg-type]
+            assert t._refs.pinned() == (0, 0) and t.stats().arena_blocks == 0, (field, shape)
+        refs: list[tuple[Any, ...]] = []
+        shapes: list[Any] = [(10,), [10]]  # compiled, then Python
+        for shape in shapes:
+            w = ws if not refs else t.claim()
+            w.alloc("blob", shape).fill_(1.5)
+            w.write(id=len(refs), hidden=hidden(1, 1)).publish()
+            lease = t.take()
+            assert lease is not None
+            refs.append(parse_ref(t._rows.field_bytes(lease.slot, "blob")))
+            assert lease.tensor("blob").tolist() == [1.5] * 10
+            lease.release()
+        assert refs[0][0:1] + refs[0][3:] == refs[1][0:1] + refs[1][3:]  # all but the place
+        ws = t.claim()
+        ws.alloc("blob", (10,))  # compiled
+        ws.alloc("blob", (30,))  # a replacement: Python, which gives the first block back
+        assert t._refs.pinned() == (1, 120) and t.stats().arena_blocks == 1
+        ws.abort()
+        assert t._refs.collect_own() == 1 and t.stats().arena_blocks == 0
+
+
+def test_a_loan_refused_late_lends_nothing(name: str) -> None:
+    """A ref over its field's budget (here: the table's name is long) and a full arena are
+    found by the compiled path, then worded by the slow one; neither leaves a block lent."""
+    long_name = name + "-" + "n" * 60
+    fields = (Field("blob", "float32", (None,), kind="ref", budget=64),)
+    with SlotTable.create(long_name, fields, slots=2, arena_bytes=MiB) as t:
+        ws = t.claim()
+        with pytest.raises(SchemaError, match="budget"):
+            ws.alloc("blob", (4,))
+        assert t._refs.pinned() == (0, 0) and t.stats().arena_blocks == 0
+        ws.abort()
+    with _table(name) as t:
+        page = t.layout.arena_page_size
+        held = []
+        for floats in (MiB, (t.layout.arena_pages - 2) * page // 4 - MiB):  # all pages but 2
+            ws = t.claim()
+            ws.alloc("blob", (floats,))
+            ws.alloc("hidden", (0, HIDDEN))  # a page
+            held.append(ws)
+        ws = t.claim()
+        with pytest.raises(SlotsExhausted):
+            ws.alloc("blob", (1,))
+        assert t._refs.pinned()[0] == 4 and t.stats().arena_bytes_used == 8 * MiB  # as before
+        for w in [*held, ws]:
+            w.abort()
+
+
 def test_a_producers_next_block_of_a_size_starts_where_its_last_was_freed(name: str) -> None:
     """Row after row, each ref field's block lands on the pages the last row's block of its
     size freed, still in this process's cache (a ring reusing its cell does the same); a

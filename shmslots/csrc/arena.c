@@ -44,6 +44,8 @@ typedef struct {
     Py_ssize_t nlent, cap;
 } Arena;
 
+static PyTypeObject ArenaType;
+
 static uint64_t
 page_tag(Py_ssize_t slot, uint64_t generation)
 {
@@ -179,18 +181,84 @@ as_u64(PyObject *o, uint64_t *out)
     return 1;
 }
 
-/* loan(nbytes, slot, generation) -> offset | None
- * `nbytes` on free pages, now owned by (slot, generation) and in this process's book until
- * that slot's generation moves on (collect_own) or the block is given back (unpin).  First fit
- * from the block of this size this process last freed after its row was consumed: a producer's
- * next loan of a shape then fills warm memory, as a ring reusing one cell does.  Otherwise next
- * fit past its last such block, so that a block of another size does not split a freed hole.
- * None: no run of free pages that long. */
+/* core.h: lend a block.  First fit from the block of this size this process last freed after its
+ * row was consumed: a producer's next loan of a shape then fills warm memory, as a ring reusing
+ * one cell does.  Otherwise next fit past its last such block, so that a block of another size
+ * does not split a freed hole. */
+int
+arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generation,
+           Py_ssize_t *offset)
+{
+    if (!PyObject_TypeCheck(arena, &ArenaType)) {
+        PyErr_SetString(PyExc_TypeError, "an Arena is needed");
+        return -1;
+    }
+    Arena *self = (Arena *)arena;
+    if (slot < 0 || slot >= self->slots) {
+        PyErr_Format(PyExc_ValueError, "slot %zd is not one of the table's %zd", slot, self->slots);
+        return -1;
+    }
+    Py_ssize_t need = pages_for(self, nbytes);
+    if (need > self->pages)
+        return 0;
+    if (self->nlent == self->cap) { /* first: a failure here leaves nothing taken */
+        Py_ssize_t cap = self->cap ? 2 * self->cap : 16;
+        Block *grown = PyMem_Realloc(self->lent, (size_t)cap * sizeof(Block));
+        if (!grown) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->lent = grown;
+        self->cap = cap;
+    }
+    uint64_t *words = page_words(self);
+    if (!words)
+        return -1;
+    uint64_t tag = page_tag(slot, generation);
+    Py_ssize_t warm = warm_start(self, need);
+    Py_ssize_t first = take_run(words, self->pages, need, warm < 0 ? self->hint : warm, tag);
+    if (first < 0)
+        return 0;
+    if (warm < 0)
+        self->hint = first + need;
+    self->lent[self->nlent++] = (Block){slot, first, need, tag, nbytes};
+    *offset = self->data + first * self->page_size;
+    return 1;
+}
+
+/* core.h: give a block back before publish (a ref overwritten, a loan replaced).  Its pages take
+ * no warm start: the replaced loan may still be referenced, and would then overlap this row's
+ * next block. */
+int
+arena_give_back(PyObject *arena, Py_ssize_t offset, Py_ssize_t slot, uint64_t generation)
+{
+    if (!PyObject_TypeCheck(arena, &ArenaType)) {
+        PyErr_SetString(PyExc_TypeError, "an Arena is needed");
+        return -1;
+    }
+    Arena *self = (Arena *)arena;
+    uint64_t tag = page_tag(slot, generation);
+    for (Py_ssize_t i = self->nlent - 1; i >= 0; i--) {
+        Block *b = &self->lent[i];
+        if (b->tag != tag || self->data + b->first * self->page_size != offset)
+            continue;
+        uint64_t *words = page_words(self);
+        if (!words)
+            return -1;
+        give_back(words + b->first, b->count, tag);
+        memmove(b, b + 1, (size_t)(self->nlent - i - 1) * sizeof(Block));
+        self->nlent--;
+        return 1;
+    }
+    return 0;
+}
+
+/* loan(nbytes, slot, generation) -> offset | None: arena_lend (core.h) from Python. */
 static PyObject *
 arena_loan(Arena *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t nbytes, generation;
-    Py_ssize_t slot;
+    Py_ssize_t slot, offset;
     if (nargs != 3) {
         PyErr_Format(PyExc_TypeError, "loan() takes 3 arguments (%zd given)", nargs);
         return NULL;
@@ -198,36 +266,13 @@ arena_loan(Arena *self, PyObject *const *args, Py_ssize_t nargs)
     if (!as_u64(args[0], &nbytes) || !as_slot(self, args[1], &slot) ||
         !as_u64(args[2], &generation))
         return NULL;
-    Py_ssize_t need = pages_for(self, nbytes);
-    if (need > self->pages)
-        Py_RETURN_NONE;
-    if (self->nlent == self->cap) { /* first: a failure here leaves nothing taken */
-        Py_ssize_t cap = self->cap ? 2 * self->cap : 16;
-        Block *grown = PyMem_Realloc(self->lent, (size_t)cap * sizeof(Block));
-        if (!grown)
-            return PyErr_NoMemory();
-        self->lent = grown;
-        self->cap = cap;
-    }
-    uint64_t *words = page_words(self);
-    if (!words)
+    int lent = arena_lend((PyObject *)self, nbytes, slot, generation, &offset);
+    if (lent < 0)
         return NULL;
-    uint64_t tag = page_tag(slot, generation);
-    Py_ssize_t warm = warm_start(self, need);
-    Py_ssize_t first = take_run(words, self->pages, need, warm < 0 ? self->hint : warm, tag);
-    if (first < 0)
-        Py_RETURN_NONE;
-    if (warm < 0)
-        self->hint = first + need;
-    self->lent[self->nlent++] = (Block){slot, first, need, tag, nbytes};
-    return PyLong_FromSsize_t(self->data + first * self->page_size);
+    return lent ? PyLong_FromSsize_t(offset) : Py_NewRef(Py_None);
 }
 
-/* unpin(offset, slot, generation) -> bool
- * Give back the block lent at `offset` to (slot, generation) now, before its row is published
- * (a ref overwritten, a loan replaced).  Its pages take no warm start: the replaced loan may
- * still be referenced, and would then overlap this row's next block.  False: no such block in
- * the book (already collected). */
+/* unpin(offset, slot, generation) -> bool: arena_give_back (core.h) from Python. */
 static PyObject *
 arena_unpin(Arena *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -241,20 +286,8 @@ arena_unpin(Arena *self, PyObject *const *args, Py_ssize_t nargs)
     if ((offset == -1 && PyErr_Occurred()) || !as_slot(self, args[1], &slot) ||
         !as_u64(args[2], &generation))
         return NULL;
-    uint64_t tag = page_tag(slot, generation);
-    for (Py_ssize_t i = self->nlent - 1; i >= 0; i--) {
-        Block *b = &self->lent[i];
-        if (b->tag != tag || self->data + b->first * self->page_size != offset)
-            continue;
-        uint64_t *words = page_words(self);
-        if (!words)
-            return NULL;
-        give_back(words + b->first, b->count, tag);
-        memmove(b, b + 1, (size_t)(self->nlent - i - 1) * sizeof(Block));
-        self->nlent--;
-        Py_RETURN_TRUE;
-    }
-    Py_RETURN_FALSE;
+    int given = arena_give_back((PyObject *)self, offset, slot, generation);
+    return given < 0 ? NULL : PyBool_FromLong(given);
 }
 
 /* collect_own() -> int

@@ -120,6 +120,12 @@ typedef struct {
 int ref_open_arena(const char *raw, Py_ssize_t len, const RefPlace *place, int dtype,
                    Py_ssize_t itemsize, const RefShape *shape, uint64_t *offset,
                    uint64_t *nbytes, int *ndim, int64_t *sizes);
+/* The bytes of an arena ref to `nbytes` at `offset` with `ndim` sizes, in table `table` (at
+ * most REF_MAX_DIMS sizes and 255 bytes of name, the caller's check): ref_arena_len of them,
+ * written to `item` by ref_put_arena. */
+Py_ssize_t ref_arena_len(int ndim, Py_ssize_t table_len);
+void ref_put_arena(char *item, int dtype, uint64_t offset, uint64_t nbytes, int ndim,
+                   const int64_t *sizes, const char *table, Py_ssize_t table_len);
 int refcodec_add(PyObject *m);
 
 /* -- rowcodec.c: a row's copies --------------------------------------------------------------- */
@@ -141,6 +147,14 @@ PyObject *codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name);
  * an export of the mapping), Py_None (new reference: not a ref field), a refusal code (a
  * new int: REF_*), or NULL with an error set. */
 PyObject *codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *place);
+/* Ref field `name` of `slot` (at `generation`) given a block of the arena (an Arena) for a
+ * tensor of `shape`, its ref written into the row and opened as codec_open_ref opens it: 1 with
+ * *tensor (a new reference), *offset and *nbytes set; 0 not the plain case (not a ref field, a
+ * shape it does not take, a ref over its budget, no room in the arena): nothing changed;
+ * -1 error set, the block given back. */
+int codec_loan(RowCodec *r, Py_ssize_t slot, uint64_t generation, PyObject *name, PyObject *shape,
+               PyObject *arena, const RefPlace *place, PyObject **tensor, Py_ssize_t *offset,
+               uint64_t *nbytes);
 /* Py_True moved, Py_False not the plain case (nothing moved), or NULL: gather (`out`) copies
  * field `name` of each of `slots` into `flat`, scatter the other way. */
 PyObject *codec_move(RowCodec *r, PyObject *slots, PyObject *name, PyObject *flat, int out);
@@ -158,6 +172,17 @@ int bind_tensors(void);
 /* `count` 64-bit words at byte offset `off` of AtomicView `view`, checked (an AtomicView, still
  * held, the words aligned and inside it); NULL with an error set. */
 uint64_t *atomic_words(PyObject *view, Py_ssize_t off, Py_ssize_t count);
+
+/* -- arena.c: the blocks this process lends ---------------------------------------------------- */
+
+/* `nbytes` of arena pages lent to (slot, generation) and entered in `arena`'s book (an Arena):
+ * 1 with *offset (in the segment) set, 0 no run of free pages that long, -1 error set.  The
+ * search, where it starts and the book are arena.c's: csrc/arena.c says why. */
+int arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generation,
+               Py_ssize_t *offset);
+/* The block lent at `offset` to (slot, generation) given back before its row was published:
+ * 1 given back, 0 no such block in the book, -1 error set. */
+int arena_give_back(PyObject *arena, Py_ssize_t offset, Py_ssize_t slot, uint64_t generation);
 
 /* -- each file adds its types and functions to the module ------------------------------------ */
 

@@ -4,7 +4,7 @@
  * error message; this file only makes their common case fast.  Each method
  * here does the plain case — an open handle of an open table, a known field,
  * no view left behind, a transition that succeeds — and otherwise calls the
- * handle's Python method for the step (`_write_slow`, `_publish_slow`,
+ * handle's Python method for the step (`_write_slow`, `_alloc_slow`, `_publish_slow`,
  * `_abort_slow`, `_view_slow`, `_item_slow`, `_copy_slow`, `_tensor_slow`, `_end`) before
  * changing anything, which does the checks in Python and raises the error.  Slots still move
  * only through hotpath.c's steps (hot_*) and rows only through rowcodec.c's (codec_*), called
@@ -27,7 +27,7 @@ static PyTypeObject *tensor_type, *storage_type; /* torch.Tensor, torch.UntypedS
 /* torch.Tensor's own untyped_storage, called with the tensor: a method set on the instance
  * (tensors have a __dict__) must not stand in for it. */
 static PyObject *tensor_untyped_storage;
-static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_publish_slow, *s_abort_slow,
+static PyObject *s_untyped_storage, *s_core, *s_write_slow, *s_alloc_slow, *s_publish_slow, *s_abort_slow,
     *s_view_slow, *s_item_slow, *s_copy_slow, *s_tensor_slow, *s_end, *s_release, *s_abort,
     *s_timeout, *s_idle, *default_timeout;
 
@@ -439,6 +439,8 @@ typedef struct {
     PyObject *parts;                         /* the table's TableParts, set once it exists */
     PyObject *views;                         /* Rows' per-slot WatchedTensors (or None) list */
     PyTypeObject *write_slot, *lease, *reservation; /* the classes leases.py defines */
+    PyObject *arena;                         /* this process's Arena (csrc/arena.c), or None */
+    PyObject *pin;                           /* refs.Pin: what a write slot keeps of a loan */
 } Core;
 
 static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
@@ -463,8 +465,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"hot", "codec", "views", "write_slot", "lease", "reservation",
                          "nfields", "plain_claim", "strict", "redeliver_dropped",
-                         "idle_every_ns", "ref_place", NULL};
-    PyObject *hot, *codec, *views, *write_slot, *lease, *reservation;
+                         "idle_every_ns", "ref_place", "arena", "pin", NULL};
+    PyObject *hot, *codec, *views, *write_slot, *lease, *reservation, *arena, *pin;
     Py_ssize_t nfields;
     int plain_claim, strict, redeliver_dropped;
     long long idle_every_ns;
@@ -477,10 +479,10 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     if (bind_torch() < 0)
         return -1;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "O!O!O!O!O!O!$npppL(KKU)", kw, &HotPathType, &hot, &RowCodecType,
+            args, kwds, "O!O!O!O!O!O!$npppL(KKU)OO", kw, &HotPathType, &hot, &RowCodecType,
             &codec, &PyList_Type, &views, &PyType_Type, &write_slot, &PyType_Type, &lease,
             &PyType_Type, &reservation, &nfields, &plain_claim, &strict, &redeliver_dropped,
-            &idle_every_ns, &lo, &hi, &table_name))
+            &idle_every_ns, &lo, &hi, &table_name, &arena, &pin))
         return -1;
     const char *table = PyUnicode_AsUTF8AndSize(table_name, &c->place.table_len);
     if (!table)
@@ -504,6 +506,8 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
     c->idle_every_ns = idle_every_ns;
     c->idle_due_ns = 0;
     c->table_name = Py_NewRef(table_name);
+    c->arena = Py_NewRef(arena);
+    c->pin = Py_NewRef(pin);
     c->place.table = table;
     c->place.lo = lo;
     c->place.hi = hi;
@@ -515,7 +519,7 @@ core_init(Core *c, PyObject *args, PyObject *kwds)
 #define CORE_REFS(c)                                                                          \
     {(PyObject **)&(c)->hot, (PyObject **)&(c)->codec, &(c)->parts, &(c)->views,              \
      (PyObject **)&(c)->write_slot, (PyObject **)&(c)->lease,                                 \
-     (PyObject **)&(c)->reservation, &(c)->table_name}
+     (PyObject **)&(c)->reservation, &(c)->table_name, &(c)->arena, &(c)->pin}
 #define COUNT(a) (sizeof(a) / sizeof(*(a)))
 
 static int
@@ -910,6 +914,81 @@ ws_write(Handle *h, PyObject *args, PyObject *kwargs)
     PyObject *result = slow((PyObject *)h, s_write_slow, fields, NULL);
     Py_DECREF(fields);
     return result;
+}
+
+/* `name`'s entry in a handle's dict of pins or opened loans: 1 there, 0 not (no dict yet
+ * included), -1 error or not the plain case (Python may have put anything there). */
+static int
+listed(PyObject *dict, PyObject *name)
+{
+    if (!dict || dict == Py_None)
+        return 0;
+    return PyDict_CheckExact(dict) ? PyDict_Contains(dict, name) : -1;
+}
+
+/* alloc(name, shape): a loan of the arena for ref field `name` (see leases.WriteSlot), in one
+ * call: the block (arena.c), its ref in the row and the tensor over it (codec_loan), the pin
+ * the write slot keeps of it, the loan watched.  The plain case is a first loan of the field
+ * in this write slot, a tuple of ints its shape takes, and room in the arena; anything else
+ * (a replacement, a list, an error to word, a full arena to collect) is `_alloc_slow`. */
+static PyObject *
+ws_alloc(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!made(h))
+        return NULL;
+    Core *c = h->core;
+    if (nargs != 2 || kwnames || !usable(h) || c->arena == Py_None)
+        return slow_call((PyObject *)h, s_alloc_slow, args, nargs, kwnames);
+    PyObject *name = args[0], *tensor = NULL, *pin = NULL;
+    int before = PyUnicode_CheckExact(name) ? listed(h->pins, name) : -1;
+    if (!before)
+        before = listed(h->opened, name);
+    if (before)
+        return before < 0 && PyErr_Occurred() ? NULL : slow_call((PyObject *)h, s_alloc_slow,
+                                                                   args, nargs, kwnames);
+    Py_ssize_t slot, offset;
+    uint64_t gen, nbytes;
+    int gc_was = hold_collection(); /* from the check that h is open to the tensor */
+    int lent = usable(h) && ids(h, &slot, &gen)
+                   ? codec_loan(c->codec, slot, gen, name, args[1], c->arena, &c->place, &tensor,
+                                &offset, &nbytes)
+                   : (PyErr_Occurred() ? -1 : 0);
+    collection_back(gc_was);
+    if (lent <= 0)
+        return lent < 0 ? NULL : slow_call((PyObject *)h, s_alloc_slow, args, nargs, kwnames);
+    PyObject *at = PyLong_FromSsize_t(offset), *size = PyLong_FromUnsignedLongLong(nbytes);
+    if (at && size) {
+        PyObject *fields[] = {h->slot, h->generation, name, at, size};
+        pin = PyObject_Vectorcall(c->pin, fields, COUNT(fields), NULL);
+    }
+    Py_XDECREF(at);
+    Py_XDECREF(size);
+    if (pin && (!h->pins || h->pins == Py_None)) /* else a dict: listed() said so */
+        Py_XSETREF(h->pins, PyDict_New());
+    if (pin && h->pins && PyDict_SetItem(h->pins, name, pin) == 0) {
+        PyObject *loan = watch_opened(h, name, tensor); /* takes the tensor */
+        PyObject *written = loan ? lazy_set(&h->written) : NULL;
+        if (written && PySet_Add(written, name) == 0) {
+            Py_DECREF(pin);
+            return loan;
+        }
+        Py_XDECREF(loan);
+        tensor = NULL;
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        if (h->opened && PyDict_CheckExact(h->opened) && PyDict_DelItem(h->opened, name) < 0)
+            PyErr_Clear();
+        if (PyDict_DelItem(h->pins, name) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, trace);
+    }
+    Py_XDECREF(pin);
+    Py_XDECREF(tensor);
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    arena_give_back(c->arena, offset, slot, gen); /* lent just now: found, given back */
+    PyErr_Restore(type, value, trace);
+    return NULL;
 }
 
 /* The one sealing order, for publish and keep alike: prove the slot is still this handle's
@@ -1863,6 +1942,8 @@ static PyTypeObject HandleType = {
 static PyMethodDef ws_methods[] = {
     {"write", (PyCFunction)(void (*)(void))ws_write, METH_VARARGS | METH_KEYWORDS,
      "write(**fields): copy values into the row (see leases.WriteSlot)"},
+    {"alloc", (PyCFunction)(void (*)(void))ws_alloc, METH_FASTCALL | METH_KEYWORDS,
+     "alloc(name, shape) -> a tensor of the arena to fill in place (see leases.WriteSlot)"},
     {"publish", (PyCFunction)(void (*)(void))ws_publish, METH_FASTCALL | METH_KEYWORDS,
      "publish(timeout=1.0): seal, queue and make READY"},
     {"abort", (PyCFunction)ws_abort, METH_NOARGS, "abort(): hand the slot back unpublished"},
@@ -1949,7 +2030,8 @@ leases_add(PyObject *m)
 {
     struct { PyObject **at; const char *text; } names[] = {
         {&s_untyped_storage, "untyped_storage"}, {&s_core, "_core"},
-        {&s_write_slow, "_write_slow"}, {&s_publish_slow, "_publish_slow"},
+        {&s_write_slow, "_write_slow"}, {&s_alloc_slow, "_alloc_slow"},
+        {&s_publish_slow, "_publish_slow"},
         {&s_abort_slow, "_abort_slow"}, {&s_view_slow, "_view_slow"}, {&s_item_slow, "_item_slow"},
         {&s_copy_slow, "_copy_slow"}, {&s_tensor_slow, "_tensor_slow"},
         {&s_end, "_end"},

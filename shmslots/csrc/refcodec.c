@@ -179,6 +179,31 @@ item_bytes(int kind, Py_ssize_t n, char **body)
     return out;
 }
 
+Py_ssize_t
+ref_arena_len(int ndim, Py_ssize_t table_len)
+{
+    return REF_HEAD + ARENA_FIXED + 8 * (Py_ssize_t)ndim + table_len;
+}
+
+void
+ref_put_arena(char *item, int dtype, uint64_t offset, uint64_t nbytes, int ndim,
+              const int64_t *sizes, const char *table, Py_ssize_t table_len)
+{
+    Py_ssize_t body = ref_arena_len(ndim, table_len) - REF_HEAD;
+    item[0] = (char)(body & 0xFF);
+    item[1] = (char)(body >> 8);
+    char *p = item + REF_HEAD;
+    p[0] = (char)REF_ARENA;
+    p[1] = (char)dtype;
+    p[2] = (char)ndim;
+    p[3] = (char)table_len;
+    put64(p + 4, offset);
+    put64(p + 12, nbytes);
+    for (int d = 0; d < ndim; d++)
+        put64(p + ARENA_FIXED + 8 * d, (uint64_t)sizes[d]);
+    memcpy(p + ARENA_FIXED + 8 * ndim, table, (size_t)table_len);
+}
+
 /* arena_ref(dtype index, offset, nbytes, shape, table) -> the ref's item bytes */
 static PyObject *
 arena_ref(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -205,26 +230,20 @@ arena_ref(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "a ref's dtype index, dimensions or table name is too big");
         return NULL;
     }
-    char *p;
-    PyObject *out = item_bytes(REF_ARENA, ARENA_FIXED - 1 + 8 * ndim + table_len, &p);
-    if (!out)
-        return NULL;
-    p[0] = (char)dtype;
-    p[1] = (char)ndim;
-    p[2] = (char)table_len;
-    put64(p + 3, offset);
-    put64(p + 11, nbytes);
+    int64_t sizes[REF_MAX_DIMS];
     for (Py_ssize_t d = 0; d < ndim; d++) {
         long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(args[3], d));
         if (size < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "a negative size");
-            Py_DECREF(out);
             return NULL;
         }
-        put64(p + ARENA_FIXED - 1 + 8 * d, (uint64_t)size);
+        sizes[d] = size;
     }
-    memcpy(p + ARENA_FIXED - 1 + 8 * ndim, table, (size_t)table_len);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ref_arena_len((int)ndim, table_len));
+    if (out)
+        ref_put_arena(PyBytes_AS_STRING(out), (int)dtype, offset, nbytes, (int)ndim, sizes, table,
+                      table_len);
     return out;
 }
 

@@ -1200,6 +1200,60 @@ codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *pla
                        sizes);
 }
 
+int
+codec_loan(RowCodec *r, Py_ssize_t slot, uint64_t generation, PyObject *name, PyObject *shape,
+           PyObject *arena, const RefPlace *place, PyObject **tensor, Py_ssize_t *offset,
+           uint64_t *nbytes)
+{
+    if (!slot_in_range(r, slot))
+        return -1;
+    PyObject *i = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(r->index, name) : NULL;
+    if (!i)
+        return PyErr_Occurred() ? -1 : 0;
+    Spec *s = &r->spec[PyLong_AsSsize_t(i)];
+    if (s->scalar != REF || s->ndim > REF_MAX_DIMS || !PyTuple_CheckExact(shape) ||
+        PyTuple_GET_SIZE(shape) != s->ndim || place->table_len > 255 ||
+        ref_arena_len(s->ndim, place->table_len) > s->nbytes)
+        return 0;
+    int64_t sizes[REF_MAX_DIMS];
+    uint64_t nonzero = 1, count; /* as ref_open_arena counts: every size, an empty one too */
+    int empty = 0;
+    for (int d = 0; d < s->ndim; d++) {
+        PyObject *o = PyTuple_GET_ITEM(shape, d);
+        int overflow = 0;
+        long long size = PyLong_CheckExact(o) ? PyLong_AsLongLongAndOverflow(o, &overflow) : -1;
+        if (size < 0 || overflow || (s->dims[d] >= 0 && size != s->dims[d]))
+            return 0; /* the slow path words it */
+        if (!size)
+            empty = 1;
+        else if (__builtin_mul_overflow(nonzero, (uint64_t)size, &nonzero) || nonzero > INT64_MAX)
+            return 0;
+        sizes[d] = size;
+    }
+    if (__builtin_mul_overflow(empty ? 0 : nonzero, (uint64_t)s->itemsize, &count))
+        return 0;
+    int lent = arena_lend(arena, count, slot, generation, offset);
+    if (lent <= 0)
+        return lent;
+    ref_put_arena(item_at(r, s, slot), s->dtype_index, (uint64_t)*offset, count, s->ndim, sizes,
+                  place->table, place->table_len);
+    PyObject *t = codec_open_ref(r, slot, name, place); /* the block, as a reader will see it */
+    if (t && !PyLong_Check(t)) {
+        *tensor = t;
+        *nbytes = count;
+        return 1;
+    }
+    if (t) { /* the ref just written refused: a place that is not the arena's */
+        PyErr_Format(PyExc_SystemError, "a loan's own ref is refused (code %R)", t);
+        Py_DECREF(t);
+    }
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    arena_give_back(arena, *offset, slot, generation); /* ours, lent just now: it is found */
+    PyErr_Restore(type, value, trace);
+    return -1;
+}
+
 /* open_ref(slot, name, lo, hi, table) -> codec_open_ref's answer */
 static PyObject *
 rc_open_ref(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
