@@ -4,7 +4,7 @@ back, and what it refuses.  tests/test_refs.py drives the same object through ta
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -64,6 +64,8 @@ def test_blocks_go_first_fit_past_foreign_pages_and_a_failed_loan_takes_nothing(
     before = m.pages()
     assert m.arena.loan(10 * PAGE, 2, 0) is None  # 9 free pages in a row at most
     assert m.arena.loan((PAGES + 1) * PAGE, 2, 0) is None  # more than the arena
+    assert m.arena.pages_for(2**64 - 1) == 2**52  # no wrap to one page near 2**64
+    assert m.arena.loan(2**64 - 1, 2, 0) is None
     assert m.pages() == before
     assert before[:7] == [tag(0, 0)] * 2 + [0, tag(3, 7)] + [tag(1, 0)] * 2 + [tag(2, 0)]
     assert m.arena.usage() == (6, 4)
@@ -157,6 +159,9 @@ def test_bad_arguments_and_a_released_view_change_nothing(m: Mapping) -> None:
         {"table": TABLE + 4},  # misaligned
         {"pages": 0},
         {"entry_size": 12},
+        {"entry_size": 2**62, "slots": 32},  # a span whose size wraps to 0 words
+        {"data": DATA + PAGE},  # pages past the mapping
+        {"page_size": 12},
     ],
 )
 def test_an_arena_outside_its_mapping_is_refused(m: Mapping, where: dict[str, int]) -> None:
@@ -177,3 +182,11 @@ def test_an_arena_is_made_over_an_atomic_view_once(m: Mapping) -> None:
         Arena(m.mm, **spans)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="once"):
         m.arena.__init__(m.a, **spans)  # type: ignore[misc]
+    bare = Arena.__new__(Arena)  # never initialized: refused, not a crash
+    calls: list[Callable[[], object]] = [
+        lambda: bare.pages_for(1), bare.usage, bare.collect, bare.pinned,
+        lambda: bare.loan(1, 0, 0), lambda: bare.unpin(0, 0, 0),
+    ]  # fmt: skip
+    for call in calls:
+        with pytest.raises(TypeError, match="never initialized"):
+            call()

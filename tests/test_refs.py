@@ -434,6 +434,7 @@ def test_a_loan_is_the_same_through_the_compiled_path_and_the_slow_one(name: str
         ws = t.claim()
         bad = [
             ("blob", (True,)), ("blob", (2.0,)), ("blob", (3, 4)), ("blob", (2**63,)),
+            ("blob", (2**62 - 1,)), ("hidden", (2**51 - 1, HIDDEN)),  # bytes just under 2**64
             ("hidden", (1, 8)), ("hidden", (1,)), ("id", (1,)), ("nope", (1,)), (3, (1,)),
         ]  # fmt: skip
         for field, shape in bad:

@@ -52,10 +52,22 @@ page_tag(Py_ssize_t slot, uint64_t generation)
     return ((uint64_t)(slot + 1) << 32) | (generation & TAG_GEN);
 }
 
+/* An Arena made without __init__ (or whose __init__ failed) has no view: refuse it. */
+static int
+made(Arena *a)
+{
+    if (a->view)
+        return 1;
+    PyErr_SetString(PyExc_TypeError, "Arena was never initialized");
+    return 0;
+}
+
 /* The slot words' generations, or NULL with an error set (the view released). */
 static const char *
 slot_words(Arena *a)
 {
+    if (!made(a))
+        return NULL;
     return (const char *)atomic_words(a->view, a->entries, a->slots * (a->entry_size / 8));
 }
 
@@ -122,13 +134,16 @@ give_back(uint64_t *p, Py_ssize_t count, uint64_t tag)
 static uint64_t *
 page_words(Arena *a)
 {
+    if (!made(a))
+        return NULL;
     return atomic_words(a->view, a->table, a->pages);
 }
 
+/* The pages `nbytes` takes (at least one), for an Arena that was made. */
 static Py_ssize_t
 pages_for(Arena *a, uint64_t nbytes)
 {
-    uint64_t n = (nbytes + (uint64_t)a->page_size - 1) / (uint64_t)a->page_size;
+    uint64_t size = (uint64_t)a->page_size, n = nbytes / size + (nbytes % size != 0);
     return n ? (Py_ssize_t)(n > (uint64_t)PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : n) : 1;
 }
 
@@ -194,6 +209,8 @@ arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generatio
         return -1;
     }
     Arena *self = (Arena *)arena;
+    if (!made(self))
+        return -1;
     if (slot < 0 || slot >= self->slots) {
         PyErr_Format(PyExc_ValueError, "slot %zd is not one of the table's %zd", slot, self->slots);
         return -1;
@@ -237,6 +254,8 @@ arena_give_back(PyObject *arena, Py_ssize_t offset, Py_ssize_t slot, uint64_t ge
         return -1;
     }
     Arena *self = (Arena *)arena;
+    if (!made(self))
+        return -1;
     uint64_t tag = page_tag(slot, generation);
     for (Py_ssize_t i = self->nlent - 1; i >= 0; i--) {
         Block *b = &self->lent[i];
@@ -263,6 +282,8 @@ arena_loan(Arena *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "loan() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
+    if (!made(self))
+        return NULL;
     if (!as_u64(args[0], &nbytes) || !as_slot(self, args[1], &slot) ||
         !as_u64(args[2], &generation))
         return NULL;
@@ -282,6 +303,8 @@ arena_unpin(Arena *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "unpin() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
+    if (!made(self))
+        return NULL;
     offset = PyLong_AsSsize_t(args[0]);
     if ((offset == -1 && PyErr_Occurred()) || !as_slot(self, args[1], &slot) ||
         !as_u64(args[2], &generation))
@@ -366,6 +389,8 @@ arena_usage(Arena *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 arena_pinned(Arena *self, PyObject *Py_UNUSED(ignored))
 {
+    if (!made(self))
+        return NULL;
     unsigned long long bytes = 0;
     for (Py_ssize_t i = 0; i < self->nlent; i++)
         bytes += self->lent[i].nbytes;
@@ -377,7 +402,7 @@ static PyObject *
 arena_pages_for(Arena *self, PyObject *arg)
 {
     uint64_t nbytes;
-    if (!as_u64(arg, &nbytes))
+    if (!made(self) || !as_u64(arg, &nbytes))
         return NULL;
     return PyLong_FromSsize_t(pages_for(self, nbytes));
 }
@@ -396,13 +421,17 @@ arena_init(Arena *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "an Arena is made once");
         return -1;
     }
-    if (pages < 1 || page_size < 1 || data < 0 || slots < 1 || entry_size < 8 ||
-        entry_size % 8 || slots > (Py_ssize_t)(UINT32_MAX - 1)) {
+    if (pages < 1 || page_size < 8 || page_size % 8 || slots < 1 || entry_size < 8 ||
+        entry_size % 8 || slots > (Py_ssize_t)(UINT32_MAX - 1) ||
+        entry_size / 8 > PY_SSIZE_T_MAX / 8 / slots || page_size / 8 > PY_SSIZE_T_MAX / 8 / pages) {
         PyErr_SetString(PyExc_ValueError, "an arena needs pages, a page size and slot words");
         return -1;
     }
-    /* both spans in the view, checked once here and again at every use (it may be released) */
-    if (!atomic_words(view, table, pages) || !atomic_words(view, entries, slots * (entry_size / 8)))
+    /* every span in the view: the page words and the slot words, checked again at every use
+     * (the view may be released), and the pages themselves */
+    if (!atomic_words(view, table, pages) ||
+        !atomic_words(view, entries, slots * (entry_size / 8)) ||
+        !atomic_words(view, data, pages * (page_size / 8)))
         return -1;
     Py_INCREF(view);
     self->view = view;
