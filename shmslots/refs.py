@@ -115,6 +115,7 @@ class RefStore:
             raise SchemaError(
                 f"field {name!r}: CPU tensors need an arena (create the table with arena_bytes=)"
             )
+        self._own.layout.check_slot(slot)  # a handle made in Python may name any number
         whole = arena.pages * arena.page_size
         if nbytes > whole:
             raise SchemaError(

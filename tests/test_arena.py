@@ -110,6 +110,18 @@ def test_a_block_given_back_before_publish_warms_nothing(m: Mapping) -> None:
     assert m.arena.loan(PAGE, 0, 0) == at(1)
 
 
+def test_a_search_that_finds_no_room_keeps_its_warm_start(m: Mapping) -> None:
+    assert m.arena.loan(2 * PAGE, 0, 0) == at(0)
+    m.move_on(0, 1)
+    assert m.arena.collect_own() == 1  # pages 0-1: the warm start of a 2-page block
+    for page in range(PAGES):
+        m.a.store(TABLE + 8 * page, tag(3, 0))  # another process holds every page
+    assert m.arena.loan(2 * PAGE, 0, 1) is None
+    for page in range(PAGES):
+        m.a.store(TABLE + 8 * page, 0)
+    assert m.arena.loan(2 * PAGE, 0, 1) == at(0)  # still warm: not next fit (page 2)
+
+
 def test_the_warm_list_keeps_the_newest_blocks(m: Mapping) -> None:
     for slot in range(SLOTS):
         assert m.arena.loan(PAGE, slot, 0) == at(slot)

@@ -15,12 +15,14 @@ from conftest import SPAWN, Children, row_bytes
 from shmslots import (
     CorruptTable,
     Field,
+    InvalidSlot,
     LeakedViewError,
     LeakedViewWarning,
     SchemaError,
     SlotsExhausted,
     SlotTable,
     State,
+    WriteSlot,
 )
 from shmslots._core import arena_ref, cuda_ref, parse_ref
 from shmslots.ref_codec import decode
@@ -441,6 +443,9 @@ def test_a_loan_is_the_same_through_the_compiled_path_and_the_slow_one(name: str
             with pytest.raises(SchemaError):
                 ws.alloc(field, shape)  # type: ignore[arg-type]
             assert t._refs.pinned() == (0, 0) and t.stats().arena_blocks == 0, (field, shape)
+        stray = WriteSlot(t, 99, 0, 0)  # a handle made in Python for a slot past the table
+        with pytest.raises(InvalidSlot):  # worded by Python: the compiled path hands it over
+            stray.alloc("blob", (1,))
         refs: list[tuple[Any, ...]] = []
         shapes: list[Any] = [(10,), [10]]  # compiled, then Python
         for shape in shapes:

@@ -147,20 +147,21 @@ pages_for(Arena *a, uint64_t nbytes)
     return n ? (Py_ssize_t)(n > (uint64_t)PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : n) : 1;
 }
 
-/* The first page of the block of `need` pages this process freed last, taken from the warm
- * list, or -1. */
-static Py_ssize_t
-warm_start(Arena *a, Py_ssize_t need)
+/* The index in the warm list of the block of `need` pages this process freed last, or -1. */
+static int
+warm_index(Arena *a, Py_ssize_t need)
 {
-    for (int i = a->nwarm - 1; i >= 0; i--) {
-        if (a->warm[i].pages != need)
-            continue;
-        Py_ssize_t first = a->warm[i].first;
-        memmove(&a->warm[i], &a->warm[i + 1], (size_t)(a->nwarm - i - 1) * sizeof(WarmBlock));
-        a->nwarm--;
-        return first;
-    }
+    for (int i = a->nwarm - 1; i >= 0; i--)
+        if (a->warm[i].pages == need)
+            return i;
     return -1;
+}
+
+static void
+forget_warm(Arena *a, int i)
+{
+    memmove(&a->warm[i], &a->warm[i + 1], (size_t)(a->nwarm - i - 1) * sizeof(WarmBlock));
+    a->nwarm--;
 }
 
 static void
@@ -196,6 +197,17 @@ as_u64(PyObject *o, uint64_t *out)
     return 1;
 }
 
+/* `o` as an Arena that was made, or NULL with an error set: for callers in C. */
+static Arena *
+arena_of(PyObject *o)
+{
+    if (!PyObject_TypeCheck(o, &ArenaType)) {
+        PyErr_SetString(PyExc_TypeError, "an Arena is needed");
+        return NULL;
+    }
+    return made((Arena *)o) ? (Arena *)o : NULL;
+}
+
 /* core.h: lend a block.  First fit from the block of this size this process last freed after its
  * row was consumed: a producer's next loan of a shape then fills warm memory, as a ring reusing
  * one cell does.  Otherwise next fit past its last such block, so that a block of another size
@@ -204,12 +216,8 @@ int
 arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generation,
            Py_ssize_t *offset)
 {
-    if (!PyObject_TypeCheck(arena, &ArenaType)) {
-        PyErr_SetString(PyExc_TypeError, "an Arena is needed");
-        return -1;
-    }
-    Arena *self = (Arena *)arena;
-    if (!made(self))
+    Arena *self = arena_of(arena);
+    if (!self)
         return -1;
     if (slot < 0 || slot >= self->slots) {
         PyErr_Format(PyExc_ValueError, "slot %zd is not one of the table's %zd", slot, self->slots);
@@ -232,12 +240,15 @@ arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generatio
     if (!words)
         return -1;
     uint64_t tag = page_tag(slot, generation);
-    Py_ssize_t warm = warm_start(self, need);
-    Py_ssize_t first = take_run(words, self->pages, need, warm < 0 ? self->hint : warm, tag);
+    int warm = warm_index(self, need); /* forgotten once used: a failed search keeps it */
+    Py_ssize_t start = warm < 0 ? self->hint : self->warm[warm].first;
+    Py_ssize_t first = take_run(words, self->pages, need, start, tag);
     if (first < 0)
         return 0;
     if (warm < 0)
         self->hint = first + need;
+    else
+        forget_warm(self, warm);
     self->lent[self->nlent++] = (Block){slot, first, need, tag, nbytes};
     *offset = self->data + first * self->page_size;
     return 1;
@@ -249,12 +260,8 @@ arena_lend(PyObject *arena, uint64_t nbytes, Py_ssize_t slot, uint64_t generatio
 int
 arena_give_back(PyObject *arena, Py_ssize_t offset, Py_ssize_t slot, uint64_t generation)
 {
-    if (!PyObject_TypeCheck(arena, &ArenaType)) {
-        PyErr_SetString(PyExc_TypeError, "an Arena is needed");
-        return -1;
-    }
-    Arena *self = (Arena *)arena;
-    if (!made(self))
+    Arena *self = arena_of(arena);
+    if (!self)
         return -1;
     uint64_t tag = page_tag(slot, generation);
     for (Py_ssize_t i = self->nlent - 1; i >= 0; i--) {

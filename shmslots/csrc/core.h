@@ -149,8 +149,9 @@ PyObject *codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name);
 PyObject *codec_open_ref(RowCodec *r, Py_ssize_t slot, PyObject *name, const RefPlace *place);
 /* Ref field `name` of `slot` (at `generation`) given a block of the arena (an Arena) for a
  * tensor of `shape`, its ref written into the row and opened as codec_open_ref opens it: 1 with
- * *tensor (a new reference), *offset and *nbytes set; 0 not the plain case (not a ref field, a
- * shape it does not take, a ref over its budget, no room in the arena): nothing changed;
+ * *tensor (a new reference), *offset and *nbytes set; 0 not the plain case (a slot out of
+ * range, not a ref field, a shape it does not take, a ref over its budget, no room in the
+ * arena): nothing changed;
  * -1 error set, the block given back. */
 int codec_loan(RowCodec *r, Py_ssize_t slot, uint64_t generation, PyObject *name, PyObject *shape,
                PyObject *arena, const RefPlace *place, PyObject **tensor, Py_ssize_t *offset,
