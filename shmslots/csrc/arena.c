@@ -187,16 +187,6 @@ as_slot(Arena *a, PyObject *o, Py_ssize_t *slot)
     return 1;
 }
 
-static int
-as_u64(PyObject *o, uint64_t *out)
-{
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return 0;
-    *out = (uint64_t)v;
-    return 1;
-}
-
 /* `o` as an Arena that was made, or NULL with an error set: for callers in C. */
 static Arena *
 arena_of(PyObject *o)

@@ -68,7 +68,7 @@ nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name)
     return 1;
 }
 
-static int
+int
 as_u64(PyObject *o, uint64_t *out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);

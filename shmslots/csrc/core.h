@@ -173,6 +173,9 @@ int bind_tensors(void);
 /* `count` 64-bit words at byte offset `off` of AtomicView `view`, checked (an AtomicView, still
  * held, the words aligned and inside it); NULL with an error set. */
 uint64_t *atomic_words(PyObject *view, Py_ssize_t off, Py_ssize_t count);
+/* An int argument as a u64: 1, or 0 with an error set (a negative or too big number, or not an
+ * int; no Python runs). */
+int as_u64(PyObject *o, uint64_t *out);
 
 /* -- arena.c: the blocks this process lends ---------------------------------------------------- */
 
