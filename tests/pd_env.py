@@ -568,9 +568,16 @@ class Pair:
         proc = self.ctx.Process(target=target, args=(child, self.shape, self.port, counter))
         proc.start()
         self.procs.append(proc)
+        child.close()  # so that its death on the way up is an EOF here, not a wait
         if not parent.poll(120):
             raise TimeoutError(f"{target.__name__} did not come up")
-        return parent, proc, parent.recv()
+        try:
+            return parent, proc, parent.recv()
+        except EOFError:
+            proc.join(10)
+            raise RuntimeError(
+                f"{target.__name__} died on the way up (exit code {proc.exitcode})"
+            ) from None
 
     def start_prefill(self) -> None:
         self.prefill, _, _ = self._start(prefill_main, self.sent)

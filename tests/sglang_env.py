@@ -21,6 +21,7 @@ What stands in, and why:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import socket
@@ -42,8 +43,16 @@ except ImportError as exc:  # the README's test command installs it; say so if i
 
 def install_torchvision_stand_in() -> None:
     """Before SGLang is imported: the servers' strict torchvision stand-in
-    (sglang_cpu/standins.py), alone; this path runs no sgl_kernel op either way."""
-    standins.install(roots=("torchvision",))
+    (sglang_cpu/standins.py); this path runs no sgl_kernel op either way.  On a CUDA machine
+    SGLang imports sgl_kernel at module level, so where it is not installed (its wheel is
+    CUDA's and large: tools/gpu_check.sh's machine may lack it) that one stands in too,
+    equally strict; a CPU machine keeps SGLang's own import-time choices."""
+    cuda_without_kernels = torch.cuda.is_available() and (
+        importlib.util.find_spec("sgl_kernel") is None
+    )
+    standins.install(
+        roots=("torchvision", "sgl_kernel") if cuda_without_kernels else ("torchvision",)
+    )
 
 
 def free_port() -> int:

@@ -302,8 +302,9 @@ def test_dead_consumer_does_not_leak_the_block(name: str, children: Children, mo
 def _cuda_producer(name: str, ready: Queue[int], release_seen: Queue[int]) -> None:
     with SlotTable.attach(name, "producer") as t:
         x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        h = hidden(1, 3).cuda()
         ws = t.claim(tag=1)
-        ws.write(id=1, blob=x)
+        ws.write(id=1, blob=x, hidden=h)
         ws.publish()
         ready.put(1)
         release_seen.get(timeout=60)
@@ -324,6 +325,7 @@ def test_cuda_tensor_between_spawned_processes(name: str, children: Children) ->
         got = lease.tensor("blob")
         assert got.is_cuda
         assert torch.equal(got.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+        assert torch.equal(lease.tensor("hidden").cpu(), hidden(1, 3))
         desc = decode(t._rows.field_bytes(lease.slot, "blob"))
         from shmslots.cuda_ipc import device_uuid
 
