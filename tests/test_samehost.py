@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from shmslots.errors import ShmSlotsError
 from shmslots.segment import SHM_DIR
 from shmslots.sglang import samehost
-from shmslots.sglang.samehost import PeerGone, SameHostEngine, TransferError
+from shmslots.sglang.samehost import PeerGone, Region, SameHostEngine, TransferError
 
 NAME = "shmslots-pd-test"
 
@@ -644,3 +645,46 @@ def test_a_new_session_first_lets_go_of_dead_peers(writer: Any, monkeypatch: Any
         with peer_process(_victim) as (_, (other, shown, _), _):
             assert engine.batch_transfer_sync(other, [src.data_ptr()], [shown], [8]) == 0
             assert _peer_files() == before and session not in engine._peers
+
+
+def test_every_block_is_placed_before_any_is_written_one_region_or_across_two() -> None:
+    """Blocks inside one region on each side (placed by array lookups) and blocks across two
+    adjacent regions of the peer's (placed piece by piece) in one transfer land byte for
+    byte; a transfer with one block past any address, out of int64, malformed or negative
+    among good ones writes nothing."""
+    src = torch.arange(64, dtype=torch.uint8).repeat(64)  # 4 KiB
+    target = torch.zeros(4096, dtype=torch.uint8)
+    with (
+        SameHostEngine(f"{NAME}-planw-{os.getpid()}") as writer,
+        SameHostEngine(f"{NAME}-planr-{os.getpid()}") as peer,
+    ):
+        writer.batch_register([src.data_ptr()], [src.numel()])
+        base, s = target.data_ptr(), src.data_ptr()
+        peer.registry.publish([Region(base, 1000), Region(base + 1000, 3096)])
+        session = peer.get_session_id()
+        bad: list[tuple[Any, Any, Any]] = [
+            ([s, s], [base, base + (1 << 63) - 8], [8, 8]),  # past any address
+            ([s, s], [base, 1 << 64], [8, 8]),  # not an int64
+            ([s, s], [base, base + 4090], [8, 8]),  # past the peer's regions
+            ([s, s], [base, base + 8], [8, -8]),  # negative
+            ([s, "x"], [base, base + 8], [8, 8]),  # not a number
+            ([[s, s]], [[base, base + 8]], [[8, 8]]),  # not flat
+            (np.array([np.nan, s]), [base, base + 8], np.array([0.0, 8.0])),  # NaN, if empty
+        ]
+        for sources, targets, lengths in bad:
+            assert writer.batch_transfer_sync(session, sources, targets, lengths) == -1
+        assert not target.any()  # nothing was written
+        # 16 blocks inside one region each, one across the regions' seam, one empty
+        sources = [s + 64 * i for i in range(16)] + [s + 3000, s]
+        targets = [base + 2000 + 64 * i for i in range(16)] + [base + 990, base]
+        lengths = [64] * 16 + [20, 0]
+        writer.transfer(session, sources, targets, lengths)
+        expected = torch.zeros(4096, dtype=torch.uint8)
+        expected[2000:3024] = src[:1024]
+        expected[990:1010] = src[3000:3020]
+        assert torch.equal(target, expected)
+        # overlapping targets, the first block across the seam: the later block lands last
+        writer.transfer(session, [s, s + 100], [base + 990, base + 1000], [20, 8])
+        expected[990:1010] = src[:20]
+        expected[1000:1008] = src[100:108]
+        assert torch.equal(target, expected)

@@ -14,7 +14,7 @@ import torch
 from test_samehost import NAME, peer_process
 
 from shmslots.errors import ShmSlotsError
-from shmslots.sglang import samehost
+from shmslots.sglang import cuda_kv, samehost
 from shmslots.sglang.samehost import Region, SameHostEngine, TransferError
 
 MiB = 1 << 20
@@ -59,17 +59,25 @@ def _gpu_prefill(conn: Connection, session: str, targets: list[int]) -> None:
                 refusals.append("")
             except TransferError as exc:
                 refusals.append(str(exc))
-        conn.send((refusals, [t.cpu().numpy().tobytes() for t in layers]))
+        drv = cuda_kv.driver()
+        assert drv is not None
+        conn.send((refusals, [t.cpu().numpy().tobytes() for t in layers], drv.batched))
         conn.recv()
 
 
 @pytest.mark.cuda
 @cuda
-def test_gpu_pages_land_in_the_peers_gpu_memory_by_cuda_ipc() -> None:
+@pytest.mark.parametrize("batched", [True, False], ids=["one-batch-call", "a-call-per-block"])
+def test_gpu_pages_land_in_the_peers_gpu_memory_by_cuda_ipc(
+    batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHMSLOTS_CUDA_BATCH", "1" if batched else "0")  # the spawned see it
     with (
         peer_process(_gpu_decode) as (dec, (session, targets), _),
-        peer_process(_gpu_prefill, session, targets) as (_, (refusals, sources), _),
+        peer_process(_gpu_prefill, session, targets) as (_, (refusals, sources, used), _),
     ):
+        if used != batched:
+            pytest.skip("this CUDA driver has no cuMemcpyBatchAsync (before CUDA 12.8)")
         assert "not inside memory the peer" in refusals[0]
         assert "between host and GPU" in refusals[1]
         dec.send("check")
@@ -99,7 +107,7 @@ def _vmm_registrant(conn: Connection) -> None:
 @cuda
 def test_vmm_memory_is_refused_at_registration_not_at_transfer() -> None:
     with peer_process(_vmm_registrant) as (_, (refusal, _published), _):
-        assert "VMM device memory" in refusal
+        assert "CUDA IPC cannot share" in refusal and "VMM memory" in refusal
 
 
 HANDLE = "ab" * 64

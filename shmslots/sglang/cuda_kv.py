@@ -10,9 +10,10 @@ make — is refused at registration, with the reason, rather than failing at a t
 
 The peer's allocation is opened in the context of the GPU that copies into it (the
 source's), so between two GPUs that can reach each other the copy goes peer to peer.  A
-transfer's copies are queued on a stream of the source's GPU (`cuMemcpyAsync`, one per
-block: SGLang already merges contiguous pages), and the stream is synchronized before the
-call returns, on error too: when `copy` returns or raises, no copy of it can still land.
+transfer's copies are queued on a stream of the source's GPU, all in one driver call where the
+driver has `cuMemcpyBatchAsync` (CUDA 12.8 and later; set SHMSLOTS_CUDA_BATCH=0 for the
+other way), else one `cuMemcpyAsync` per block; the stream is synchronized before the call
+returns, on error too: when `copy` returns or raises, no copy of it can still land.
 The driver is loaded only when a registered range is not host memory, so a machine without
 CUDA never loads it.
 
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import ShmSlotsError
 
@@ -37,6 +41,8 @@ CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 CU_MEMORYTYPE_DEVICE = 2
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -51,6 +57,20 @@ class _IpcHandle(ctypes.Structure):
 
 class _Uuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _CopyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes (CUDA 12.8): the source read in stream order, both location hints
+    (read for managed memory only) naming the copying GPU."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_location_type", ctypes.c_int),
+        ("src_location_id", ctypes.c_int),
+        ("dst_location_type", ctypes.c_int),
+        ("dst_location_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,10 @@ class Driver:
         self._contexts: dict[int, int] = {}  # CUdevice: its retained primary context
         self._idle: dict[int, list[ctypes.c_void_p]] = {}  # CUdevice: streams not in use
         self._check(lib.cuInit(0), "cuInit")
+        # the 12.8 entry point, which libcuda keeps under this name (13.0's, without
+        # failIdx, is cuMemcpyBatchAsync_v2)
+        batch = getattr(lib, "cuMemcpyBatchAsync", None)
+        self.batched = batch is not None and os.environ.get("SHMSLOTS_CUDA_BATCH") != "0"
 
     def _check(self, result: int, what: str) -> None:
         if result:
@@ -238,27 +262,86 @@ class Driver:
                 self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(address)), "cuIpcCloseMemHandle"
             )
 
-    def copy(self, uuid: str, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """(source, target, length) blocks, queued on a stream of the GPU `uuid` (the
-        sources') and waited for: on return or raise, none can still land.  The stream does
-        not wait for others: the caller's sources must be complete (SGLang synchronizes its
-        forward before it sends, as Mooncake and NIXL need too)."""
+    def copy(
+        self, uuid: str, sources: np.ndarray, targets: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        """Blocks of `lengths[i]` bytes from `sources[i]` to `targets[i]` (int64 arrays),
+        queued on a stream of the GPU `uuid` (the sources') and waited for: on return or
+        raise, none can still land.  The stream does not wait for others: the caller's
+        sources must be complete (SGLang synchronizes its forward before it sends, as
+        Mooncake and NIXL need too)."""
         dev = self._device(uuid)
+        srcs, dsts, sizes = (
+            np.ascontiguousarray(a, dtype=np.uint64) for a in (sources, targets, lengths)
+        )
+        # a batch's copies run in no set order: blocks whose targets overlap go one by one,
+        # in order, so the later lands last (SGLang's never overlap)
+        batch = self.batched and not _overlapping(dsts, sizes)
+        queue = self._queue_batch if batch else self._queue_each
         with self.current(dev), self._stream(dev) as stream:
             failure: DeviceError | None = None
             try:
-                for src, dst, n in blocks:
-                    got = self._lib.cuMemcpyAsync(
-                        ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), stream
-                    )
-                    if got:
-                        failure = self._error(got, f"cuMemcpyAsync of {n} bytes to {dst:#x}")
-                        break
+                failure = queue(dev, srcs, dsts, sizes, stream)
             finally:
                 synced = self._lib.cuStreamSynchronize(stream)  # whatever was queued ends here
             if failure is not None:
                 raise failure
             self._check(synced, "cuStreamSynchronize")
+
+    def _queue_each(
+        self,
+        dev: int,
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        sizes: np.ndarray,
+        stream: ctypes.c_void_p,
+    ) -> DeviceError | None:
+        """One `cuMemcpyAsync` per block; the first refusal ends the queueing."""
+        for src, dst, n in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
+            got = self._lib.cuMemcpyAsync(
+                ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), stream
+            )
+            if got:
+                return self._error(got, f"cuMemcpyAsync of {n} bytes to {dst:#x}")
+        return None
+
+    def _queue_batch(
+        self,
+        dev: int,
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        sizes: np.ndarray,
+        stream: ctypes.c_void_p,
+    ) -> DeviceError | None:
+        """Every block in one `cuMemcpyBatchAsync`, with one set of attributes."""
+        count = len(sizes)
+        if not count:
+            return None
+        attrs = _CopyAttributes(
+            CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            CU_MEM_LOCATION_TYPE_DEVICE,
+            dev,
+            CU_MEM_LOCATION_TYPE_DEVICE,
+            dev,
+            0,
+        )
+        failed = ctypes.c_size_t(count)
+        got = self._lib.cuMemcpyBatchAsync(
+            ctypes.c_void_p(dsts.ctypes.data),
+            ctypes.c_void_p(srcs.ctypes.data),
+            ctypes.c_void_p(sizes.ctypes.data),  # size_t: a uint64 on every CUDA platform
+            ctypes.c_size_t(count),
+            ctypes.byref(attrs),
+            (ctypes.c_size_t * 1)(0),
+            ctypes.c_size_t(1),
+            ctypes.byref(failed),
+            stream,
+        )
+        if not got:
+            return None
+        at = failed.value
+        where = f" (block {at}: {sizes[at]} bytes to {int(dsts[at]):#x})" if at < count else ""
+        return self._error(got, f"cuMemcpyBatchAsync of {count} blocks{where}")
 
     @contextlib.contextmanager
     def _stream(self, dev: int) -> Iterator[ctypes.c_void_p]:
@@ -278,6 +361,13 @@ class Driver:
         finally:
             with self._lock:
                 self._idle[dev].append(stream)
+
+
+def _overlapping(targets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether any two of the blocks at `targets` share a byte."""
+    order = np.argsort(targets, kind="stable")
+    ends = (targets + lengths)[order]
+    return bool(np.any(ends[:-1] > targets[order][1:]))
 
 
 _driver: Driver | None = None

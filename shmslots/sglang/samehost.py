@@ -69,6 +69,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import InvalidArgument, ShmSlotsError, TableExists
 from ..participants import _lock_request, process_start_ticks, stat_fields
 from ..segment import SHM_DIR, Segment, unlink, validate_name
@@ -964,43 +966,9 @@ class SameHostEngine:
             raise PeerGone(f"the peer of session {session!r} is dead")
         with peer.lock:
             reg.refresh()
-        own, theirs = self._own, reg.table
-        plan = []
-        for src, dst, n in zip(sources, targets, lengths, strict=True):
-            src, dst, n = int(src), int(dst), int(n)
-            if n <= 0:
-                if n < 0:
-                    raise TransferError(f"negative length {n}")
-                continue
-            mine = _cover(own, src, n)
-            if not mine:
-                raise TransferError(f"{n} bytes at {src:#x} are not registered here")
-            pieces = _cover(theirs, dst, n)
-            if not pieces:
-                raise TransferError(
-                    f"{n} bytes at {dst:#x} are not inside memory the peer {reg.name!r} registered"
-                )
-            gpus = {r.device for _, _, r in mine}
-            if len(gpus) > 1 or {r.device is None for _, _, r in pieces} != {None in gpus}:
-                raise TransferError(
-                    f"{n} bytes from {src:#x} to {dst:#x} cross between host and GPU memory, "
-                    "or span GPUs: the same-host engine copies host to host and GPU to GPU"
-                )
-            if None not in gpus and len(mine) > 1:  # one copy may not span CUDA allocations
-                raise TransferError(f"{n} GPU bytes at {src:#x} span ranges registered apart")
-            gpu = gpus.pop()
-            plan += [(src + (at - dst), at, k, region, gpu) for at, k, region in pieces]
+        plan = _plan(self._own, reg.table, reg.name, sources, targets, lengths)
         try:
-            files = {r: peer.mapping(r) for r in {p[3] for p in plan if p[3].mapped}}
-            host = [p for p in plan if p[4] is None]
-            copies = [(s, at + d - r.base, n) for s, d, n, r, _ in host if (at := files.get(r))]
-            writes = [(s, d, n) for s, d, n, r, _ in host if not files.get(r)]
-            jobs: list[Callable[[], None]] = [
-                functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)
-            ]
-            jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
-            jobs += self._device_jobs(peer, [p for p in plan if p[4] is not None])
-            self._run(jobs)
+            self._run(self._jobs(peer, plan))
         except (OSError, cuda_kv.DeviceError) as exc:
             alive = _still_alive(reg)
             self._drop(session, peer)
@@ -1011,20 +979,36 @@ class SameHostEngine:
             raise PeerGone(f"the peer of session {session!r} died during the transfer")
 
     @staticmethod
-    def _device_jobs(
-        peer: _Peer, plan: list[tuple[int, int, int, Region, str | None]]
-    ) -> list[Callable[[], None]]:
-        """One copy job per source GPU, each on a stream of that GPU (cuda_kv)."""
-        by_gpu: dict[str, list[tuple[int, int, int]]] = {}
-        for s, d, n, region, gpu in plan:
-            assert gpu is not None
-            target = peer.device_mapping(region, gpu) + d - region.base
-            by_gpu.setdefault(gpu, []).append((s, target, n))
-        if not by_gpu:
-            return []
-        drv = cuda_kv.driver()
-        assert drv is not None  # device_mapping opened the blocks' targets through it
-        return [functools.partial(drv.copy, gpu, blocks) for gpu, blocks in by_gpu.items()]
+    def _jobs(peer: _Peer, plan: _Plan) -> list[Callable[[], None]]:
+        """The plan's copies as jobs: host blocks into the peer's mapped files by memmove
+        and into its anonymous memory by process_vm_writev, split over the copy threads;
+        GPU blocks one job per source GPU, on a stream of it (cuda_kv)."""
+        regions = plan.regions
+        jobs: list[Callable[[], None]] = []
+        for route, gpu in enumerate(plan.routes):
+            mine = plan.route == route
+            src, dst, n, held = plan.src[mine], plan.dst[mine], plan.n[mine], plan.region[mine]
+            used = np.unique(held)
+            delta = np.zeros(len(regions), dtype=np.int64)  # target address - region's base
+            if gpu is not None:
+                for i in used.tolist():
+                    delta[i] = peer.device_mapping(regions[i], gpu) - regions[i].base
+                drv = cuda_kv.driver()
+                assert drv is not None  # device_mapping opened the targets through it
+                jobs.append(functools.partial(drv.copy, gpu, src, dst + delta[held], n))
+                continue
+            files = np.zeros(len(regions), dtype=bool)
+            for i in used.tolist():
+                at = peer.mapping(regions[i]) if regions[i].mapped else None
+                if at:
+                    files[i], delta[i] = True, at - regions[i].base
+            into = files[held]
+            target = dst + delta[held]
+            copies = _triples(src[into], target[into], n[into])
+            writes = _triples(src[~into], dst[~into], n[~into])
+            jobs += [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
+            jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
+        return jobs
 
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
@@ -1279,19 +1263,162 @@ def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[in
     return [run for run in runs if run]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A transfer's blocks, every one checked: per block its source, its target (the peer's
+    address), its length, the index of the peer's region holding the target, and its route,
+    an index into `routes`: the GPU (UUID) whose stream copies it, or None, host to host."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    n: np.ndarray
+    region: np.ndarray
+    route: np.ndarray
+    routes: list[str | None]
+    regions: list[Region]  # the peer's, as read for this plan
+
+
+ADDRESS_LIMIT = 1 << 62  # a block at or past it is planned alone (Python's ints, no wrap)
+ADDRESS_END = 1 << 63  # registered bases and lengths lie below it (`_parse_regions`)
+
+
+def _plan(
+    own: tuple[list[Region], list[int]],
+    theirs: tuple[list[Region], list[int]],
+    peer: str,
+    sources: Sequence[int],
+    targets: Sequence[int],
+    lengths: Sequence[int],
+) -> _Plan:
+    """Every block of a transfer checked against both sides' regions before any is written:
+    TransferError for the first block that is not wholly inside registered memory on each
+    side, or that crosses between host and GPU memory (`_route`).  The blocks that one region
+    holds on each side (SGLang's, always) are placed by array lookups and routed once per
+    pair of regions; any other, across adjacent regions or odd, goes through `_cover` alone
+    (the same rule, block by block)."""
+    arrays = [_int64(a) for a in (sources, targets, lengths)]
+    if any(a is None for a in arrays):  # each block is then read as a Python int below
+        sources, targets, lengths = list(sources), list(targets), list(lengths)
+        arrays = [np.full(len(sources), -1, dtype=np.int64)] * 3
+    src, dst, n = (a for a in arrays if a is not None)
+    plain = (src >= 0) & (dst >= 0) & (n > 0) & (src < ADDRESS_LIMIT) & (dst < ADDRESS_LIMIT)
+    plain &= n < ADDRESS_LIMIT
+    mine, their = _holder(own, src, n, plain), _holder(theirs, dst, n, plain)
+    whole = plain & (mine >= 0) & (their >= 0)
+    routes: list[str | None] = []
+    pairs = (mine * (len(theirs[0]) + 1) + their)[whole]
+    _, first, which = np.unique(pairs, return_index=True, return_inverse=True)
+    codes = []
+    for k in np.flatnonzero(whole)[first].tolist():  # the first block of each pair
+        held, into = own[0][mine[k]], theirs[0][their[k]]
+        codes.append(_index(routes, _route([held], [into], int(src[k]), int(dst[k]), int(n[k]))))
+    route = np.array(codes, dtype=np.int64)[which.reshape(-1)]
+    extra: list[list[int]] = [[], [], [], [], [], []]  # src, dst, n, region, route, block
+    for k in np.flatnonzero(~whole & (n != 0)).tolist():
+        s, d, length = int(sources[k]), int(targets[k]), int(lengths[k])
+        if length <= 0:
+            if length < 0:
+                raise TransferError(f"negative length {length}")
+            continue
+        if max(s, d) + length > ADDRESS_END:
+            raise TransferError(f"{length} bytes from {s:#x} to {d:#x} run past any address")
+        held = _cover(own, s, length)
+        if not held:
+            raise TransferError(f"{length} bytes at {s:#x} are not registered here")
+        pieces = _cover(theirs, d, length)
+        if not pieces:
+            raise TransferError(
+                f"{length} bytes at {d:#x} are not inside memory the peer {peer!r} registered"
+            )
+        gpu = _route(
+            [own[0][i] for _, _, i in held], [theirs[0][i] for _, _, i in pieces], s, d, length
+        )
+        code = _index(routes, gpu)
+        for a, k2, i in pieces:
+            for column, value in zip(extra, (s + (a - d), a, k2, i, code, k), strict=True):
+                column.append(value)
+    more = [np.array(column, dtype=np.int64) for column in extra]
+    # every placed block or piece keeps its call's order: where targets overlap, the
+    # later block lands last, as it did block by block (cuda_kv keeps that order too)
+    order = np.argsort(np.concatenate([np.flatnonzero(whole), more[5]]), kind="stable")
+    return _Plan(
+        np.concatenate([src[whole], more[0]])[order],
+        np.concatenate([dst[whole], more[1]])[order],
+        np.concatenate([n[whole], more[2]])[order],
+        np.concatenate([their[whole], more[3]])[order],
+        np.concatenate([route, more[4]])[order],
+        routes,
+        theirs[0],
+    )
+
+
+def _int64(values: Sequence[int]) -> np.ndarray | None:
+    """`values` as a flat int64 array where they are integers (uint64 past 2**63 wraps
+    negative: such a block is planned alone), else None (floats, bools, anything odd: read
+    one by one as Python ints, as always)."""
+    try:
+        array = np.asarray(values)
+    except Exception:
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        return None
+    return array.astype(np.int64)
+
+
+def _triples(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
+    return list(zip(src.tolist(), dst.tolist(), n.tolist(), strict=True))
+
+
+def _index(items: list[str | None], item: str | None) -> int:
+    """`item`'s index in `items`, appended if new (a transfer has a route or two)."""
+    if item not in items:
+        items.append(item)
+    return items.index(item)
+
+
+def _route(mine: list[Region], theirs: list[Region], src: int, dst: int, n: int) -> str | None:
+    """The GPU whose stream copies `n` bytes from `src` (in the regions `mine`, registered
+    here) to `dst` (in the peer's `theirs`), or None for host to host: the one rule of what
+    may be copied where.  TransferError for host to GPU, GPU to host, a block over two GPUs
+    or over two CUDA allocations."""
+    gpus = {r.device for r in mine}
+    if len(gpus) > 1 or {r.device is None for r in theirs} != {None in gpus}:
+        raise TransferError(
+            f"{n} bytes from {src:#x} to {dst:#x} cross between host and GPU memory, "
+            "or span GPUs: the same-host engine copies host to host and GPU to GPU"
+        )
+    if None not in gpus and len(mine) > 1:  # one copy may not span CUDA allocations
+        raise TransferError(f"{n} GPU bytes at {src:#x} span ranges registered apart")
+    return gpus.pop()
+
+
+def _holder(
+    table: tuple[list[Region], list[int]], address: np.ndarray, n: np.ndarray, plain: np.ndarray
+) -> np.ndarray:
+    """Per block, the index in `table` of the one region that holds all its `n` bytes at
+    `address`, or -1 (none does, or the block is not `plain`)."""
+    regions, bases = table
+    if not regions or not len(address):
+        return np.full(len(address), -1, dtype=np.int64)
+    ends = np.array([min(r.end, ADDRESS_END - 1) for r in regions], dtype=np.int64)
+    i = np.searchsorted(np.array(bases, dtype=np.int64), address, side="right") - 1
+    inside = plain & (i >= 0) & (address + np.where(plain, n, 0) <= ends[np.maximum(i, 0)])
+    return np.where(inside, i, -1)
+
+
 def _cover(
     table: tuple[list[Region], list[int]], address: int, length: int
-) -> list[tuple[int, int, Region]]:
-    """The (address, length, region) pieces of `length` bytes at `address` over adjacent
-    regions of `table` (a moved range is published as up to three), or [] where any byte
-    lies outside them."""
+) -> list[tuple[int, int, int]]:
+    """The (address, length, region's index) pieces of `length` bytes at `address` over
+    adjacent regions of `table` (a moved range is published as up to three), or [] where any
+    byte lies outside them."""
     regions, bases = table
     i = bisect.bisect_right(bases, address) - 1
     pieces = []
     at, end = address, address + length
     while 0 <= i < len(regions) and regions[i].base <= at < regions[i].end:
         r = regions[i]
-        pieces.append((at, min(end, r.end) - at, r))
+        pieces.append((at, min(end, r.end) - at, i))
         at = r.end
         if at >= end:
             return pieces
