@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import socket
 import subprocess
@@ -47,6 +48,7 @@ from sglang_cpu.harness import (
     generate,
     post,
     server_env,
+    sweep_dead_load_files,
 )
 from sglang_cpu.model import make_model
 
@@ -293,3 +295,26 @@ def _decode_loads(pair: Pair) -> dict[str, Any]:
     with urllib.request.urlopen(f"{pair.decode.url}/v1/loads", timeout=10) as reply:
         [loads] = json.loads(reply.read())["loads"]
     return dict(loads)
+
+
+def test_a_dead_servers_load_snapshot_is_swept_and_a_live_ones_kept() -> None:
+    """SGLang never unlinks its load-snapshot files: one no live process maps, made over a
+    minute ago, is a dead server's and goes; one mapped (a live server's) or just made (a
+    server between making and mapping it) stays."""
+    names = [f"sglang_loads_shmslots-test-{kind}-{os.getpid()}.shm" for kind in "dmf"]
+    dead, mapped, fresh = (f"/dev/shm/{n}" for n in names)
+    for path in (dead, mapped, fresh):
+        Path(path).write_bytes(bytes(4096))
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    os.utime(mapped, (old, old))
+    try:
+        with open(mapped, "r+b") as held, mmap.mmap(held.fileno(), 4096):
+            swept = sweep_dead_load_files()
+            assert names[0] in swept and not os.path.exists(dead)
+            assert os.path.exists(mapped) and os.path.exists(fresh)
+            assert names[1] not in swept and names[2] not in swept
+    finally:
+        for path in (dead, mapped, fresh):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -5,7 +5,9 @@ router), on this CPU, and stopped on every exit path.
 own, and leaving the block (normally, by an exception, or by a test's timeout) SIGTERMs
 each, SIGKILLs what is left of its session after a grace period, and waits for it.  The /dev/shm
 entries SGLang made meanwhile (its own `sglang*` segments and multiprocessing's semaphores)
-are removed then, and counted in `left_in_shm`: a clean run leaves none.
+are removed then, and counted in `left_in_shm`: a clean run leaves none.  SGLang's load
+snapshots left by servers of a run that died before its stop are removed at the start of the
+next (`sweep_dead_load_files`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Deployment:
         self.logs = logs
         self.started: list[Process] = []
         self.left_in_shm: list[str] = []
+        self.swept = sweep_dead_load_files()
         self._shm_before = set(os.listdir("/dev/shm"))
         self._pids: set[int] = set()  # every process of its servers seen, for what they left
 
@@ -184,6 +187,27 @@ class Deployment:
                 self.left_in_shm.append(entry)
                 with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
                     os.unlink(f"/dev/shm/{entry}")
+
+
+LOAD_FILES = "sglang_loads_"  # SGLang's load snapshots (managers/load_snapshot.py)
+SETTLED_S = 60.0  # a live server maps its file within milliseconds of making it
+
+
+def sweep_dead_load_files() -> list[str]:
+    """Remove (and name) the load-snapshot files of SGLang servers that are gone.  SGLang
+    never unlinks them; `stop` removes its own servers', but a harness SIGKILLed before its
+    stop leaves them.  A live server or reader maps its file from just after making it until
+    it exits, so one no live process maps, made over a minute ago, is a dead server's."""
+    swept = []
+    now = time.time()
+    for entry in sorted(os.listdir("/dev/shm")):
+        if not entry.startswith(LOAD_FILES):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+            if now - os.stat(f"/dev/shm/{entry}").st_mtime > SETTLED_S and not _mapped(entry):
+                os.unlink(f"/dev/shm/{entry}")
+                swept.append(entry)
+    return swept
 
 
 def _maker(entry: str) -> int | None:
