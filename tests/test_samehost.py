@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+import shmslots.sglang.samehost.engine as engine_code
 from shmslots.errors import ShmSlotsError
 from shmslots.segment import SHM_DIR
 from shmslots.sglang import samehost
 from shmslots.sglang.samehost import PeerGone, Region, SameHostEngine, TransferError
+from shmslots.sglang.samehost.memfd import share
+from shmslots.sglang.samehost.peer import Peer
+from shmslots.sglang.samehost.regions import mappings
 
 NAME = "shmslots-pd-test"
 
@@ -124,14 +128,14 @@ def test_a_transfer_that_outlives_close_keeps_the_engine_alive_to_peers_until_it
     write) until it ends, and only then is the registry gone."""
     conn, (session, shown, _), _ = victim
     held, go = threading.Event(), threading.Event()
-    real = samehost._Peer.write
+    real = Peer.write
 
-    def write(peer: samehost._Peer, blocks: list[tuple[int, int, int]]) -> None:
+    def write(peer: Peer, blocks: list[tuple[int, int, int]]) -> None:
         held.set()
         assert go.wait(10)
         real(peer, blocks)
 
-    monkeypatch.setattr(samehost._Peer, "write", write)  # the victim's 4 KiB is heap: by writev
+    monkeypatch.setattr(Peer, "write", write)  # the victim's 4 KiB is heap: by writev
     src = torch.full((64,), 7, dtype=torch.uint8)
     name = f"{NAME}-outlived-{os.getpid()}"
     engine = SameHostEngine(name)
@@ -194,10 +198,10 @@ def test_a_process_running_cuda_moves_nothing(monkeypatch) -> None:  # type: ign
     """CUDA can pin host pages (`cudaHostRegister`) without a mark in /proc: in a process
     that started it, a range is registered where it is."""
     t = torch.ones(2 << 20, dtype=torch.uint8)
-    monkeypatch.setattr(samehost, "_cuda_runs", lambda: True)
+    monkeypatch.setattr("shmslots.sglang.samehost.regions._cuda_runs", lambda: True)
     with SameHostEngine(f"{NAME}-cudaproc-{os.getpid()}") as engine:
         engine.batch_register([t.data_ptr()], [t.numel()])
-        assert [r.memfd for r in engine._own[0]] == [-1]
+        assert [r.memfd for r in engine._own.regions] == [-1]
 
 
 def _shm_victim(conn: Connection, private: bool) -> None:
@@ -293,13 +297,13 @@ def _moved_victim(conn: Connection) -> None:
     before = view.numpy().tobytes()
     with SameHostEngine(f"{NAME}-moved-{os.getpid()}") as engine:
         engine.batch_register([view.data_ptr()], [view.numel()])
-        (memfd,) = [r.memfd for r in engine._own[0] if r.memfd >= 0]
+        (memfd,) = [r.memfd for r in engine._own.regions if r.memfd >= 0]
         try:
             os.ftruncate(memfd, 4096)
             shrank = True
         except PermissionError:
             shrank = False
-        moved = [m[:2] for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+        moved = [m[:2] for m in mappings() if m[5].startswith("/memfd:shmslots-pd")]
         kept = view.numpy().tobytes() == before
         conn.send((engine.get_session_id(), view.data_ptr(), before, kept, moved, shrank))
         conn.recv()
@@ -321,7 +325,7 @@ def test_registered_anonymous_memory_moves_onto_a_sealed_memfd_in_place(writer) 
         lo, hi = -(-start // page) * page, (start + MOVED) // page * page
         assert kept and not shrank
         assert moved == [(lo, hi)]  # every whole page, and nothing of its neighbours
-        assert MOVED > samehost.PARALLEL_BYTES
+        assert MOVED > engine_code.PARALLEL_BYTES
         assert engine.batch_transfer_sync(session, [whole.data_ptr()], [start], [MOVED]) == 0
         blocks = [(0, 16), (lo - start - 100, 200), (hi - start - 100, 400), (5 * page, 4096)]
         sources = [src.data_ptr()] * len(blocks)
@@ -390,7 +394,7 @@ def test_memory_pinned_by_another_holder_stays_where_it_is() -> None:
     try:
         with SameHostEngine(f"{NAME}-pinned-{os.getpid()}") as engine:
             engine.batch_register([address, free.data_ptr()], [1 << 20, 1 << 20])
-            moved = {r.base for r in engine._own[0] if r.memfd >= 0}
+            moved = {r.base for r in engine._own.regions if r.memfd >= 0}
             assert not any(address <= b < address + (1 << 20) for b in moved)
             assert any(free.data_ptr() <= b < free.data_ptr() + (1 << 20) for b in moved)
     finally:
@@ -461,7 +465,7 @@ def test_memory_the_engine_lets_go_is_private_again() -> None:
     def moved() -> list[tuple[int, int]]:
         return [
             m[:2]
-            for m in samehost._mappings()
+            for m in mappings()
             if m[5].startswith("/memfd:shmslots-pd") and m[0] < end and m[1] > t.data_ptr()
         ]
 
@@ -483,9 +487,9 @@ def test_memory_the_engine_lets_go_is_private_again() -> None:
         assert got
         # registered, the moved pages are not the child's at all (MADV_DONTFORK), neither
         # shared with it nor copied at every fork
-        in_child(lambda: not [m for m in samehost._mappings() if m[:2] in got])
+        in_child(lambda: not [m for m in mappings() if m[:2] in got])
         assert moved() == got
-        memfd = os.dup(next(r.memfd for r in engine._own[0] if r.memfd >= 0))
+        memfd = os.dup(next(r.memfd for r in engine._own.regions if r.memfd >= 0))
     try:
         assert not moved() and torch.equal(t, before)
         assert os.fstat(memfd).st_blocks == 0  # its pages left the file as they moved back
@@ -502,7 +506,7 @@ def test_a_range_that_cannot_all_move_stays_private(monkeypatch) -> None:  # typ
     import ctypes
     import mmap
 
-    monkeypatch.setattr(samehost, "SHARE_CHUNK", 1 << 20)
+    monkeypatch.setattr("shmslots.sglang.samehost.memfd.SHARE_CHUNK", 1 << 20)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     mm = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE)
@@ -511,8 +515,8 @@ def test_a_range_that_cannot_all_move_stays_private(monkeypatch) -> None:  # typ
     assert libc.mprotect(base + (2 << 20), 1 << 20, 0) == 0  # PROT_NONE
     try:
         with pytest.raises(OSError):
-            samehost.share(samehost.Region(base, 4 << 20))
-        shared = [m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+            share(samehost.Region(base, 4 << 20))
+        shared = [m for m in mappings() if m[5].startswith("/memfd:shmslots-pd")]
         assert not [m for m in shared if m[0] < base + (4 << 20) and m[1] > base]
     finally:
         assert libc.mprotect(base + (2 << 20), 1 << 20, mmap.PROT_READ | mmap.PROT_WRITE) == 0
@@ -536,7 +540,7 @@ def _freed_before_close(conn: Connection) -> None:
     ctypes.memset(block, 7, n)
     engine = SameHostEngine(f"{NAME}-freed-{os.getpid()}")
     engine.batch_register([block], [n])
-    moved = bool([m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")])
+    moved = bool([m for m in mappings() if m[5].startswith("/memfd:shmslots-pd")])
     libc.free(block)
     engine.close()
     blocks = [libc.malloc(1 << 20) for _ in range(64)]  # the heap is whole: malloc checks
@@ -544,7 +548,7 @@ def _freed_before_close(conn: Connection) -> None:
         ctypes.memset(b, 1, 1 << 20)
     for b in blocks:
         libc.free(b)
-    shared = [m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")]
+    shared = [m for m in mappings() if m[5].startswith("/memfd:shmslots-pd")]
     conn.send((moved, shared))
     conn.recv()
 
@@ -570,14 +574,14 @@ def _deregistering_victim(conn: Connection) -> None:
 def _peer_files() -> int:
     """Mappings of this process of a peer's memfds (a writer's own moved ranges are not
     mapped from its peers' files: the writer fixture's source has no whole page)."""
-    return len([m for m in samehost._mappings() if m[5].startswith("/memfd:shmslots-pd")])
+    return len([m for m in mappings() if m[5].startswith("/memfd:shmslots-pd")])
 
 
 def test_a_peers_files_are_unmapped_once_deregistered_or_dead(writer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each mapping of a peer's memfd holds that file's memory: it goes when the peer no
     longer registers the range, and when the peer dies (a restarted decode is a new session,
     and nothing probes the old one)."""
-    monkeypatch.setattr(samehost, "PRUNE_EVERY_S", 0.05)
+    monkeypatch.setattr(engine_code, "PRUNE_EVERY_S", 0.05)
     engine, src = writer
     before = _peer_files()
     with peer_process(_deregistering_victim) as (conn, (session, pool), _):
@@ -611,7 +615,7 @@ def test_a_peer_that_dies_while_its_pages_are_written_fails_the_transfer(
     the liveness check after the copies still fails the call, as a write into a dead
     process's private memory does."""
     engine, src = writer
-    real = samehost._copy
+    real = engine_code._copy
     with peer_process(_moved_victim) as (_, (session, start, *_), proc):
         assert proc.pid is not None
         pid = proc.pid
@@ -626,7 +630,7 @@ def test_a_peer_that_dies_while_its_pages_are_written_fails_the_transfer(
                 seen.close()
             real(blocks)  # lands in the dead peer's memfd, through this process's mapping
 
-        monkeypatch.setattr(samehost, "_copy", copy_into_the_dead)
+        monkeypatch.setattr(engine_code, "_copy", copy_into_the_dead)
         with pytest.raises(PeerGone, match="died during the transfer"):
             engine.transfer(session, [src.data_ptr()], [start + 8192], [64])
 
@@ -634,7 +638,7 @@ def test_a_peer_that_dies_while_its_pages_are_written_fails_the_transfer(
 def test_a_new_session_first_lets_go_of_dead_peers(writer: Any, monkeypatch: Any) -> None:
     """A restarted decode is a new session: the old one's mappings (its memory) go before
     the new one is opened, whenever the pruner last ran."""
-    monkeypatch.setattr(samehost, "PRUNE_EVERY_S", 3600.0)
+    monkeypatch.setattr(engine_code, "PRUNE_EVERY_S", 3600.0)
     engine, src = writer
     before = _peer_files()
     with peer_process(_moved_victim) as (_, (session, start, *_), proc):
@@ -665,6 +669,7 @@ def test_every_block_is_placed_before_any_is_written_one_region_or_across_two() 
         bad: list[tuple[Any, Any, Any]] = [
             ([s, s], [base, base + (1 << 63) - 8], [8, 8]),  # past any address
             ([s, s], [base, 1 << 64], [8, 8]),  # not an int64
+            ([s, -(1 << 70)], [base, base + 8], [8, 8]),  # before any address
             ([s, s], [base, base + 4090], [8, 8]),  # past the peer's regions
             ([s, s], [base, base + 8], [8, -8]),  # negative
             ([s, "x"], [base, base + 8], [8, 8]),  # not a number
@@ -672,6 +677,8 @@ def test_every_block_is_placed_before_any_is_written_one_region_or_across_two() 
             (np.array([np.nan, s]), [base, base + 8], np.array([0.0, 8.0])),  # NaN, if empty
         ]
         for sources, targets, lengths in bad:
+            with pytest.raises(TransferError):  # refused in words, not by an accident
+                writer.transfer(session, sources, targets, lengths)
             assert writer.batch_transfer_sync(session, sources, targets, lengths) == -1
         assert not target.any()  # nothing was written
         # 16 blocks inside one region each, one across the regions' seam, one empty

@@ -14,8 +14,8 @@ import torch
 from test_samehost import NAME, peer_process
 
 from shmslots.errors import ShmSlotsError
-from shmslots.sglang import cuda_kv, samehost
-from shmslots.sglang.samehost import Region, SameHostEngine, TransferError
+from shmslots.sglang import cuda_kv
+from shmslots.sglang.samehost import Region, SameHostEngine, TransferError, registry
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -99,7 +99,7 @@ def _vmm_registrant(conn: Connection) -> None:
             refusal = ""
         except ShmSlotsError as exc:
             refusal = str(exc)
-        conn.send((refusal, engine.registry.segment.mm[:8] == samehost.MAGIC))
+        conn.send((refusal, engine.registry.segment.mm[:8] == registry.MAGIC))
         conn.recv()
 
 

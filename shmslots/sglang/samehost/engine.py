@@ -1,0 +1,445 @@
+"""`SameHostEngine`: Mooncake's `TransferEngine` calls, answered for peers on one host.
+
+SGLang's Mooncake manager moves every byte through five engine calls (`batch_register`,
+`batch_deregister`, `get_session_id`, `send_probe`, `batch_transfer_sync`); `backend.py`
+puts this class behind them.  A transfer is planned whole (plan.py), then its copies run on
+the caller's thread and the engine's copy threads (peer.py says how bytes reach the peer),
+and the call returns, or raises, only once none of them can still land.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from ...errors import InvalidArgument, ShmSlotsError
+from .. import cuda_kv
+from .errors import PeerGone, TransferError
+from .memfd import share, unshare
+from .peer import DeviceMapping, Peer, allow_peers, close_all
+from .plan import Plan, plan
+from .regions import EMPTY, Region, RegionTable, classify
+from .registry import PREFIX, PeerRegistry, Registry, parse_session, session_id, sweep
+
+log = logging.getLogger(__name__)
+
+
+def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
+    """Whether the peer lives, once a write into it failed: a dying process loses its address
+    space before its descriptors (and so its lock), so wait a moment before saying it lives."""
+    deadline = time.monotonic() + grace_s
+    while reg.alive():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+class SameHostEngine:
+    """Mooncake's `TransferEngine` surface as SGLang's manager calls it, for one host.
+
+    `name` names the registry segment (one per engine; `session_port` is the number SGLang
+    reads after the session id's last ':' to spread sessions over its queues)."""
+
+    def __init__(self, name: str, session_port: int = 0) -> None:
+        if not name.startswith(PREFIX):
+            raise InvalidArgument(f"a same-host engine's registry name starts with {PREFIX!r}")
+        allow_peers()
+        sweep()
+        self.registry = Registry(name)
+        self.session_port = session_port
+        self._own: RegionTable = EMPTY  # swapped whole, as a peer's table
+        self._parts: dict[int, list[Region]] = {}  # a registered base: its published parts
+        self._threads: ThreadPoolExecutor | None = None  # made by the first parallel copy
+        self._peers: dict[str, Peer] = {}
+        # SGLang's manager transfers from several threads at once (its queues, and executor
+        # futures per layer): a peer is closed only by its last user, and close() waits
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._lingering: list[Peer] = []  # peers whose transfers outlived close()
+        self._stop = threading.Event()  # ends the pruner (started with the first peer)
+        self._pruner: threading.Thread | None = None
+        _engines.add(self)
+        self.refused = 0  # transfers refused for bad input (outside registered memory)
+        self.failed = 0  # transfers that found their peer gone
+
+    # -- Mooncake's calls ---------------------------------------------------------------
+    def get_session_id(self) -> str:
+        return session_id(self.registry, self.session_port)
+
+    def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
+        """Publish the ranges (anonymous ones moved onto memfds first: memfd.py says how and
+        why); a range overlapping one registered is refused, and a refused call publishes
+        nothing of itself."""
+        new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
+        with self._lock:
+            regions = sorted([*self._own.regions, *(r for r, _ in new)], key=lambda r: r.base)
+            for a, b in itertools.pairwise(regions):
+                if a.end > b.base:
+                    raise TransferError(f"region at {b.base:#x} overlaps one registered before")
+            parts = dict(self._parts)
+            try:
+                for region, movable in new:
+                    parts[region.base] = self._share(region) if movable else [region]
+                table = RegionTable.of(itertools.chain(*parts.values()))
+                self.registry.publish(table.regions)
+            except BaseException:
+                unshare(p for base, p in parts.items() if base not in self._parts)
+                raise
+            self._parts = parts
+            self._own = table
+        return 0
+
+    @staticmethod
+    def _share(region: Region) -> list[Region]:
+        try:
+            return share(region)
+        except OSError as exc:  # the range stays as it was: written by process_vm_writev
+            log.warning(
+                "shmslots: %d bytes at %#x stay private: %s", region.length, region.base, exc
+            )
+            return [region]
+
+    def register(self, ptr: int, length: int) -> int:
+        return self.batch_register([ptr], [length])
+
+    def batch_deregister(self, ptrs: Sequence[int]) -> int:
+        """Withdraw the ranges registered at `ptrs`; a moved range goes back onto private
+        pages, its bytes kept."""
+        with self._lock:
+            gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
+            table = RegionTable.of(itertools.chain(*self._parts.values()))
+            self.registry.publish(table.regions)
+            self._own = table
+        unshare([gone])
+        return 0
+
+    def send_probe(self, session: str) -> int:
+        """0 while the peer's engine lives, -1 otherwise (and for anything malformed)."""
+        try:
+            peer = self._acquire(session)
+        except TransferError:
+            return -1
+        try:
+            if peer.registry.alive():
+                return 0
+            self._drop(session, peer)
+            return -1
+        finally:
+            self._release(peer)
+
+    def batch_transfer_sync(
+        self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
+    ) -> int:
+        """Mooncake's contract: 0 when every byte landed, -1 otherwise (logged by SGLang)."""
+        try:
+            self.transfer(session, sources, targets, lengths)
+        except PeerGone:
+            self.failed += 1
+            return -1
+        except ShmSlotsError as exc:
+            log.warning("shmslots same-host transfer refused: %s", exc)
+            self.refused += 1
+            return -1
+        except Exception:  # SGLang's transfer worker dies on an exception: fail the room
+            log.exception("shmslots same-host transfer failed")
+            self.refused += 1
+            return -1
+        return 0
+
+    # -- the engine itself --------------------------------------------------------------
+    def transfer(
+        self, session: str, sources: Sequence[int], targets: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        """Write each `lengths[i]` bytes at `sources[i]` (registered here) to `targets[i]`
+        (registered by the peer).  Every block is checked before the first is written."""
+        if not len(sources) == len(targets) == len(lengths):
+            raise InvalidArgument("sources, targets and lengths must be as many")
+        peer = self._acquire(session)
+        try:
+            self._transfer(session, peer, sources, targets, lengths)
+        finally:
+            self._release(peer)
+
+    def _transfer(
+        self,
+        session: str,
+        peer: Peer,
+        sources: Sequence[int],
+        targets: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        reg = peer.registry
+        if not reg.alive():
+            self._drop(session, peer)
+            raise PeerGone(f"the peer of session {session!r} is dead")
+        with peer.lock:
+            reg.refresh()
+        planned = plan(self._own, reg.table, reg.name, sources, targets, lengths)
+        try:
+            self._run(self._jobs(peer, planned))
+        except (OSError, cuda_kv.DeviceError) as exc:
+            alive = _still_alive(reg)
+            self._drop(session, peer)
+            kind = TransferError if alive else PeerGone
+            raise kind(f"write into {reg.name!r} failed: {exc}") from None
+        if not reg.alive():  # it died meanwhile: its shared pages or GPU memory took the bytes
+            self._drop(session, peer)
+            raise PeerGone(f"the peer of session {session!r} died during the transfer")
+
+    @staticmethod
+    def _jobs(peer: Peer, plan: Plan) -> list[Callable[[], None]]:
+        """The plan's copies as jobs: host blocks into the peer's mapped files by memmove
+        and into its anonymous memory by process_vm_writev, split over the copy threads;
+        GPU blocks one job per source GPU, on a stream of it (cuda_kv)."""
+        regions = plan.regions
+        jobs: list[Callable[[], None]] = []
+        for route, gpu in enumerate(plan.routes):
+            mine = plan.route == route
+            src, dst, n, held = plan.src[mine], plan.dst[mine], plan.n[mine], plan.region[mine]
+            used = np.unique(held)
+            delta = np.zeros(len(regions), dtype=np.int64)  # target address - region's base
+            if gpu is not None:
+                for i in used.tolist():
+                    delta[i] = peer.device_mapping(regions[i], gpu) - regions[i].base
+                drv = cuda_kv.driver()
+                assert drv is not None  # device_mapping opened the targets through it
+                jobs.append(functools.partial(drv.copy, gpu, src, dst + delta[held], n))
+                continue
+            files = np.zeros(len(regions), dtype=bool)
+            for i in used.tolist():
+                at = peer.mapping(regions[i]) if regions[i].mapped else None
+                if at:
+                    files[i], delta[i] = True, at - regions[i].base
+            into = files[held]
+            target = dst + delta[held]
+            copies = _triples(src[into], target[into], n[into])
+            writes = _triples(src[~into], dst[~into], n[~into])
+            jobs += [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
+            jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
+        return jobs
+
+    def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
+        the first failure) only once every one has ended: no write may land after."""
+        futures: list[Future[None]] = []
+        failure: BaseException | None = None
+        try:
+            if len(jobs) > 1:
+                with self._lock:
+                    if self._threads is None:
+                        self._threads = ThreadPoolExecutor(
+                            max(1, COPY_THREADS - 1), "shmslots-copy"
+                        )
+                    threads = self._threads
+                for job in jobs[1:]:  # each kept as made: close() may refuse the next
+                    futures.append(threads.submit(job))
+            if jobs:
+                jobs[0]()
+        except BaseException as exc:
+            failure = exc
+        wait(futures)
+        for future in futures:
+            failure = failure or future.exception()
+        if failure is not None:
+            raise failure
+
+    def _acquire(self, session: str) -> Peer:
+        """The session's peer, opened on first use, with one more user.  A new session
+        first lets go of dead peers: a restarted decode's old mappings (its GPU memory
+        above all, which its new process may be allocating again) go before the new ones."""
+        doomed: list[Peer | mmap.mmap | DeviceMapping] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise TransferError("this same-host engine is closed")
+                peer = self._peers.get(session)
+                if peer is None:
+                    doomed = self._prune()
+                    name, inode = parse_session(session)
+                    peer = Peer(PeerRegistry(name, inode))
+                    self._peers[session] = peer
+                    if self._pruner is None:
+                        self._pruner = threading.Thread(
+                            target=_prune_every,
+                            args=(weakref.ref(self), self._stop),
+                            name="shmslots-prune",
+                            daemon=True,
+                        )
+                        self._pruner.start()
+                peer.users += 1
+                return peer
+        finally:
+            close_all(doomed)
+
+    def prune(self) -> None:
+        """Let go of idle peers whose engine died, and of mappings a live peer no longer
+        registers: each holds its file's or GPU allocation's memory.  (A restarted decode is
+        a new session, and SGLang probes only failed ones: nothing else would drop the old
+        one.)  The pruner thread calls it every PRUNE_EVERY_S."""
+        with self._lock:
+            doomed = [] if self._closed else self._prune()
+        close_all(doomed)
+
+    def _prune(self) -> list[Peer | mmap.mmap | DeviceMapping]:
+        """What `prune` lets go of, taken out under the engine's lock (no transfer uses
+        these peers) for the caller to close outside it."""
+        doomed: list[Peer | mmap.mmap | DeviceMapping] = []
+        for session, peer in list(self._peers.items()):
+            if peer.users:
+                continue
+            try:
+                if peer.registry.alive():
+                    with contextlib.suppress(TransferError):  # malformed: the list as last read
+                        peer.registry.refresh()
+                    doomed += peer.unlisted()
+                    continue
+            except Exception:  # one peer's trouble must not stop the others', or new sessions
+                log.exception("shmslots: pruning %r failed", peer.registry.name)
+                continue
+            del self._peers[session]
+            doomed.append(peer)
+        return doomed
+
+    def _release(self, peer: Peer) -> None:
+        with self._lock:
+            peer.users -= 1
+            last = peer.dropped and peer.users == 0
+            if last:
+                self._idle.notify_all()
+            done = last and self._lingering and not any(p.users for p in self._lingering)
+        if last:
+            peer.close()
+        if done:  # the transfers that outlived close() have ended: peers may see it gone
+            self.registry.close()
+
+    def _drop(self, session: str, peer: Peer) -> None:
+        """Take a dead or failed peer out of the table; its last user closes it (a mapping is
+        never unmapped under another thread's copy)."""
+        with self._lock:
+            if self._peers.get(session) is peer:
+                del self._peers[session]
+            peer.dropped = True
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Refuse new transfers, wait (up to `wait_s`) for those running, let go of every
+        peer, then remove the registry, so peers see this engine gone only once none of its
+        writes can still land."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            pruner = self._pruner
+            self.registry.publish([])  # peers start no more writes here
+            peers, self._peers = list(self._peers.values()), {}
+            for peer in peers:
+                peer.dropped = True
+            self._idle.wait_for(lambda: all(p.users == 0 for p in peers), timeout=wait_s)
+            idle = [p for p in peers if p.users == 0]
+            self._lingering = [p for p in peers if p.users]
+        for peer in idle:  # a transfer still running past wait_s closes its own peer
+            peer.close()
+        if not self._lingering:
+            self.registry.close()
+        else:  # peers must not see this engine gone while a write of it may land
+            log.warning("shmslots: a transfer outlived close(); its end unlocks the registry")
+        if self._threads is not None:  # a copy still running ends on its own, joined by its call
+            self._threads.shutdown(wait=False)
+        if pruner is not None and pruner is not threading.current_thread():
+            pruner.join(PRUNE_EVERY_S + 5)  # it may be unmapping: not left running at exit
+        parts, self._parts = self._parts, {}
+        unshare(parts.values())
+
+    def __enter__(self) -> SameHostEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
+
+
+def _close_engines_in_child() -> None:
+    """A child made by fork() gets its parent's engines closed: they are its parent's, and
+    so are their memfds, whose ranges are not mapped here (MADV_DONTFORK)."""
+    for engine in list(_engines):
+        # a lock the pruner held at the fork stays held here: new ones
+        engine._lock = threading.Lock()
+        engine._idle = threading.Condition(engine._lock)
+        engine._closed, engine._peers, engine._lingering = True, {}, []
+        parts, engine._parts = engine._parts, {}
+        engine._own = EMPTY
+        for region in itertools.chain(*parts.values()):
+            if region.memfd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(region.memfd)
+
+
+os.register_at_fork(after_in_child=_close_engines_in_child)
+
+
+PRUNE_EVERY_S = 1.0  # how often the pruner looks for dead peers and unlisted mappings
+
+
+def _prune_every(engine: weakref.ref[SameHostEngine], stop: threading.Event) -> None:
+    """The pruner: an idle prefill lets go of a dead decode's memory too (within a second),
+    not only at its next transfer."""
+    while not stop.wait(PRUNE_EVERY_S):
+        alive = engine()
+        if alive is None:
+            return
+        try:
+            alive.prune()
+        except Exception:  # logged, and pruning goes on
+            log.exception("shmslots: pruning failed")
+        del alive
+
+
+COPY_THREADS = min(4, len(os.sched_getaffinity(0)))  # one copy thread saturates no host
+PARALLEL_BYTES = 4 << 20  # a call moving less goes on its caller's thread alone
+
+
+def _copy(blocks: list[tuple[int, int, int]]) -> None:
+    """(source, target, length) blocks, both addresses of this process."""
+    for src, dst, n in blocks:
+        ctypes.memmove(dst, src, n)
+
+
+def _triples(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
+    """(source, target, length) blocks of the plan's columns, as `_copy` and `Peer.write` take."""
+    return list(zip(src.tolist(), dst.tolist(), n.tolist(), strict=True))
+
+
+def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """`blocks` cut into up to `parts` runs of about equal bytes (cut at 4 KiB multiples),
+    in order; [] for none, and one run for a call too small to be worth threads."""
+    total = sum(n for _, _, n in blocks)
+    if not blocks or parts < 2 or total < PARALLEL_BYTES:
+        return [blocks] if blocks else []
+    share = -(-total // parts // 4096) * 4096  # ceil(total / parts), up to 4 KiB
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for src, dst, n in blocks:
+        while n:
+            k = min(n, room)
+            runs[-1].append((src, dst, k))
+            src, dst, n, room = src + k, dst + k, n - k, room - k
+            if not room:
+                runs.append([])
+                room = share
+    return [run for run in runs if run]

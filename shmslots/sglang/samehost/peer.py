@@ -1,0 +1,283 @@
+"""What an engine keeps of one peer session, and the ways its bytes go into the peer:
+
+- into a file region: by `memmove` into this process's own mapping of that file, mapped
+  once: a `/dev/shm` file by its name, a memfd by `pidfd_getfd` from the peer; either is
+  checked to be the inode the peer registered and owned by this user, and a memfd to be
+  sealed against shrinking;
+- into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
+  system call (IOV_MAX a call).  The pid comes from the registry; a pidfd of it, opened once
+  and confirmed by the registry's lock and the start time after opening, says before each
+  call that the peer has not been reaped, so its pid number is not yet anyone else's (what
+  remains is the microseconds between that check and the call, in which the peer would have
+  to die, be reaped and have its number handed to another process of this user);
+- into a GPU region (CUDA memory, registered by IPC handle, never moved): through the peer's
+  allocation, opened here once by its handle (cuda_kv).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import signal
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ...participants import process_start_ticks
+from ...segment import SHM_DIR
+from .. import cuda_kv
+from .errors import PeerGone, TransferError
+from .memfd import SEALS
+from .regions import Region
+from .registry import PeerRegistry, this_pidns
+
+log = logging.getLogger(__name__)
+
+
+class _iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+IOV_MAX = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_writev.argtypes = [
+    ctypes.c_int, ctypes.POINTER(_iovec), ctypes.c_ulong,
+    ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.c_ulong,
+]  # fmt: skip
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
+
+
+@dataclass
+class DeviceMapping:
+    """A peer's CUDA allocation opened here by its IPC handle."""
+
+    device: str
+    address: int
+    size: int
+
+    def close(self) -> None:
+        drv = cuda_kv.driver()
+        if drv is not None:  # opened through it: it is there
+            drv.close(self.device, self.address)
+
+
+class Peer:
+    """What this engine keeps of one peer session: its registry, and the ways into it."""
+
+    def __init__(self, registry: PeerRegistry) -> None:
+        self.registry = registry
+        self.pidfd = -1
+        self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
+        self.devices: dict[tuple[str, str], DeviceMapping] = {}  # by (IPC handle, our GPU)
+        self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
+        self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
+        self.users = 0  # transfers and probes using it now (the engine's lock guards this)
+        self.dropped = False  # out of the engine's table: closed by its last user
+
+    def write(self, blocks: list[tuple[int, int, int]]) -> None:
+        """(source, target, length) blocks into the peer's anonymous memory, by
+        process_vm_writev, IOV_MAX blocks a call.  The pid is the one the registry lock
+        vouched for when the pidfd was opened, and the pidfd says, just before each call,
+        that this process has not been reaped, so its pid number is not yet anyone else's."""
+        pid = self.registry.pid
+        for at in range(0, len(blocks), IOV_MAX):
+            chunk = blocks[at : at + IOV_MAX]
+            local, remote = (_iovec * len(chunk))(), (_iovec * len(chunk))()
+            for i, (src, dst, n) in enumerate(chunk):
+                local[i].base, local[i].len = src, n
+                remote[i].base, remote[i].len = dst, n
+            try:
+                signal.pidfd_send_signal(self._pidfd(), 0)
+            except ProcessLookupError:
+                raise PeerGone(f"peer {self.registry.name!r} died") from None
+            wrote = _libc.process_vm_writev(pid, local, len(chunk), remote, len(chunk), 0)
+            if wrote < 0:
+                err = ctypes.get_errno()
+                if err in (errno.EPERM, errno.EACCES):
+                    raise TransferError(_access_refusal(pid, err))
+                raise OSError(err, os.strerror(err))
+            if wrote != sum(n for _, _, n in chunk):
+                raise OSError(errno.EFAULT, "a partial write into the peer's memory")
+
+    def _pidfd(self) -> int:
+        """A pidfd of the registry's owner, confirmed by its lock and start time after it
+        is opened (so it is the owner's, not a later holder's of the pid number)."""
+        with self.lock:
+            return self._open_pidfd()
+
+    def _open_pidfd(self) -> int:
+        if self.pidfd < 0:
+            reg = self.registry
+            if reg.pidns != this_pidns():
+                raise TransferError(
+                    f"peer {reg.name!r} runs in another pid namespace: only its /dev/shm "
+                    "regions can be written from here"
+                )
+            try:
+                fd = os.pidfd_open(reg.pid)
+            except ProcessLookupError:
+                raise PeerGone(f"peer {reg.name!r} died") from None
+            if not reg.alive() or process_start_ticks(reg.pid) != reg.start_ticks:
+                os.close(fd)
+                raise PeerGone(f"peer {reg.name!r} died")
+            self.pidfd = fd
+        return self.pidfd
+
+    def mapping(self, region: Region) -> int | None:
+        """This process's address of `region`'s file (a /dev/shm file or a memfd), mapped
+        once; None for a memfd this process cannot take from the peer (then its bytes go by
+        process_vm_writev, as to anonymous memory)."""
+        with self.lock:
+            return self._map(region)
+
+    def _map(self, region: Region) -> int | None:
+        key = (region.shm or region.memfd, region.inode)
+        got = self.maps.get(key)
+        if got is None:
+            fd = self._open_file(region)
+            if fd < 0:
+                return None
+            try:
+                st = os.fstat(fd)
+                if st.st_ino != region.inode or st.st_uid != os.geteuid():
+                    raise PeerGone(
+                        f"{self._file(region)} is no longer the file the peer registered"
+                    )
+                if region.memfd >= 0 and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                    raise TransferError(
+                        f"{self._file(region)} may shrink under this mapping (not sealed)"
+                    )
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            finally:
+                os.close(fd)
+            got = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+            self.maps[key] = got
+        mm, address = got
+        if region.offset + region.length > len(mm):
+            raise TransferError(f"region of {self._file(region)} lies past its end")
+        return address + region.offset
+
+    def _open_file(self, region: Region) -> int:
+        """A descriptor of `region`'s file, or -1 where pidfd_getfd is refused here."""
+        if region.shm is not None:
+            return os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
+        if self.no_getfd:
+            return -1
+        try:
+            return _getfd(self._open_pidfd(), region.memfd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+                # a kernel before 5.6, or a seccomp profile that allows process_vm_writev only
+                log.warning("shmslots: pidfd_getfd refused (%s): writing by process_vm_writev", exc)
+                self.no_getfd = True
+                return -1
+            if exc.errno == errno.EBADF:
+                raise TransferError(f"{self._file(region)} is not open in the peer") from None
+            raise
+
+    def device_mapping(self, region: Region, gpu: str) -> int:
+        """This process's address of the GPU `region`, its allocation opened once in the
+        context of our GPU `gpu`, which copies into it (a peer in this very process: the
+        region's own address, as CUDA opens no handle in the process that made it)."""
+        assert region.handle is not None
+        if self.registry.pid == os.getpid() and self.registry.pidns == this_pidns():
+            return region.base
+        with self.lock:
+            got = self.devices.get((region.handle, gpu))
+            if got is None:
+                drv = cuda_kv.driver()
+                if drv is None:
+                    raise TransferError(
+                        f"peer {self.registry.name!r} registered GPU memory, and this process "
+                        "has no CUDA driver"
+                    )
+                address, size, holder = drv.open(gpu, region.handle, region.device or "")
+                got = DeviceMapping(holder, address, size)
+                self.devices[(region.handle, gpu)] = got
+        if region.offset + region.length > got.size:
+            raise TransferError(f"GPU region at {region.base:#x} lies past its allocation's end")
+        return got.address + region.offset
+
+    def _file(self, region: Region) -> str:
+        if region.shm is not None:
+            return repr(region.shm)
+        return f"memfd {region.memfd} of {self.registry.name!r}"
+
+    def unlisted(self) -> list[mmap.mmap | DeviceMapping]:
+        """The mappings of files and GPU allocations the registry, as last read, no longer
+        lists, taken out (for the caller to close: no transfer may be using this peer)."""
+        regions = self.registry.table.regions
+        listed = {(r.shm or r.memfd, r.inode) for r in regions if r.mapped}
+        handles = {r.handle for r in regions}
+        doomed: list[mmap.mmap | DeviceMapping] = [
+            self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]
+        ]
+        return doomed + [
+            self.devices.pop(k) for k in [k for k in self.devices if k[0] not in handles]
+        ]
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        close_all([mm for mm, _ in self.maps.values()] + list(self.devices.values()))
+        self.maps.clear()
+        self.devices.clear()
+        self.registry.close()
+
+
+def _access_refusal(pid: int, err: int) -> str:
+    scope = _ptrace_scope()
+    return (
+        f"cannot write the memory of pid {pid} ({os.strerror(err)}): that needs the same user "
+        f"and ptrace access (Yama ptrace_scope is {'absent' if scope is None else scope}; with 1 "
+        "the receiving engine allows "
+        "its peers by PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
+    )
+
+
+def _getfd(pidfd: int, fd: int) -> int:
+    """A descriptor of this process for the peer's descriptor `fd` (pidfd_getfd)."""
+    got = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(got)
+
+
+def _ptrace_scope() -> int | None:
+    """Yama's ptrace_scope, or None where there is no Yama."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = -1
+
+
+def allow_peers() -> None:
+    """With Yama's ptrace_scope 1, let processes of this user write this one's registered
+    memory (PR_SET_PTRACER_ANY); with 0 (or no Yama) there is nothing to do."""
+    if _ptrace_scope() == 1:
+        _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+def close_all(doomed: Iterable[Peer | mmap.mmap | DeviceMapping]) -> None:
+    """Close peers and mappings, outside the engine's lock (freeing a pool's pages takes a
+    while); a failure is logged, never raised (a device mapping that will not close leaves
+    its peer's memory mapped here)."""
+    for closable in doomed:
+        try:
+            closable.close()
+        except BufferError:  # a view still exported: the mapping goes with it
+            pass
+        except Exception:  # never raised into a transfer that has taken its peer
+            log.exception("shmslots: closing %r failed", closable)

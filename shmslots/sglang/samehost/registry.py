@@ -1,0 +1,326 @@
+"""A same-host engine's registry: the `/dev/shm/<name>` segment that says what peers may
+write into, and whether its owner lives.
+
+- a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
+  pid, start time and pid namespace, and the length of the region list;
+- the region list (JSON): every registered range, and for a range mapped shared from a file
+  (a shmslots table's columns in `/dev/shm`, or a sealed memfd) how to map that file: its
+  name or its descriptor number in the owner, its inode and the range's offset in it.
+
+The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
+learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
+number.  A session id names the registry *and* its inode (`<name>#<inode>:<port>`), so a
+restarted peer, which makes a new registry under the same name, is another session: every
+mapping of the old one is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import json
+import os
+import struct
+import time
+import weakref
+from collections.abc import Sequence
+
+from ...errors import InvalidArgument, ShmSlotsError, TableExists
+from ...participants import _lock_request, process_start_ticks, stat_fields
+from ...segment import SHM_DIR, Segment, unlink, validate_name
+from .errors import PeerGone, TransferError
+from .regions import EMPTY, Region, RegionTable
+
+MAGIC = b"SHMSLPD1"
+FORMAT = 3
+REGISTRY_BYTES = 256 * 1024
+# magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length
+_HEADER = struct.Struct("<8sIIQQQQII")
+PAYLOAD_AT = 64
+MAX_REGIONS = 4096
+LIVENESS_BYTE = 0
+
+
+def this_pidns() -> int:
+    """The inode of this process's pid namespace: pids are compared only within one."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+PREFIX = "shmslots-pd-"
+SWEEP_AGE_S = 10.0  # a registry with no owner yet, younger than this, is still being made
+
+
+def sweep() -> list[str]:
+    """Remove this user's registries whose owners died (SIGKILL leaves them): those unlocked
+    and either published or older than SWEEP_AGE_S.  Returns the names removed."""
+    removed = []
+    for entry in os.scandir(SHM_DIR):
+        if not entry.name.startswith(PREFIX):
+            continue
+        try:
+            reg = PeerRegistry(entry.name, None)
+        except ShmSlotsError:
+            continue
+        try:
+            if reg.alive():
+                continue
+            made = reg.segment.mm[:8] == MAGIC
+            old = time.time() - os.fstat(reg.segment.fd).st_mtime > SWEEP_AGE_S
+            if (made or old) and reg.named():
+                unlink(entry.name)
+                removed.append(entry.name)
+        except (OSError, ShmSlotsError):
+            continue
+        finally:
+            reg.close()
+    return removed
+
+
+class Registry:
+    """This engine's registry segment: what peers may write into, and its liveness lock."""
+
+    def __init__(self, name: str) -> None:
+        validate_name(name)
+        self.segment = self._create(name)
+        self.name = name
+        self.inode = self.segment.identity[1]
+        self._lock_fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        fcntl.fcntl(self._lock_fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE))
+        pid = os.getpid()
+        self._seq = 0
+        self._identity = (pid, process_start_ticks(pid), this_pidns(), os.geteuid())
+        self.publish([])
+        _owned.add(self)
+
+    @staticmethod
+    def _create(name: str) -> Segment:
+        """A new registry; one left under the name by a dead owner is removed first."""
+        try:
+            return Segment.create(name, REGISTRY_BYTES)
+        except TableExists:
+            old = PeerRegistry(name, None)  # refuses another user's object: never removed here
+            try:
+                if old.alive():
+                    raise TransferError(f"registry {name!r} belongs to a live engine") from None
+                if old.named():
+                    unlink(name)  # a dead engine's, left by SIGKILL
+            finally:
+                old.close()
+            return Segment.create(name, REGISTRY_BYTES)
+
+    def publish(self, regions: Sequence[Region]) -> None:
+        """Rewrite the region list under the sequence number (odd while writing)."""
+        payload = json.dumps(
+            [
+                [r.base, r.length, r.shm, r.inode, r.offset, r.memfd, r.device, r.handle]
+                for r in regions
+            ]
+        ).encode()
+        if len(payload) > REGISTRY_BYTES - PAYLOAD_AT or len(regions) > MAX_REGIONS:
+            raise TransferError(f"{len(regions)} regions do not fit in a registry")
+        mm = self.segment.mm
+        self._seq += 1
+        struct.pack_into("<Q", mm, 16, self._seq)
+        mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
+        pid, start, ns, uid = self._identity
+        self._seq += 1
+        _HEADER.pack_into(mm, 0, MAGIC, FORMAT, 0, self._seq, pid, start, ns, uid, len(payload))
+
+    def close(self) -> None:
+        """Unlink first, then let go of the lock: a peer sees the owner gone either way."""
+        if self._lock_fd < 0:
+            return
+        with contextlib.suppress(ShmSlotsError):
+            self.segment.unlink()
+        self.segment.close()
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
+
+_owned: weakref.WeakSet[Registry] = weakref.WeakSet()
+
+
+def _close_locks_in_child() -> None:
+    """A child made by fork() shares the liveness lock's open file description: its copy is
+    closed, so that the lock goes when the engine's own process dies, not when all children
+    do (the child's engines are its parent's, not its own)."""
+    for reg in list(_owned):
+        if reg._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(reg._lock_fd)
+            reg._lock_fd = -1
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
+class PeerRegistry:
+    """A peer's registry, opened read-only: its regions, and whether its owner lives."""
+
+    def __init__(self, name: str, inode: int | None) -> None:
+        validate_name(name)
+        try:
+            self.segment = Segment.open(name, writable=False)
+        except ShmSlotsError as exc:
+            raise PeerGone(f"no same-host engine registry {name!r}: {exc}") from None
+        try:
+            st = os.fstat(self.segment.fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise TransferError(
+                    f"registry {name!r} is owned by uid {st.st_uid} with mode "
+                    f"{st.st_mode & 0o777:o}; only this user's 0600 registries are trusted"
+                )
+            if inode is not None and st.st_ino != inode:
+                raise PeerGone(f"registry {name!r} was replaced: the peer restarted")
+            if st.st_size != REGISTRY_BYTES:
+                raise TransferError(f"{name!r} is not a same-host engine registry")
+        except BaseException:
+            self.segment.close()
+            raise
+        self.name = name
+        self.inode = st.st_ino
+        self._seq = -1
+        # swapped whole: transfers on other threads read it unlocked
+        self.table: RegionTable = EMPTY
+        self.pid = self.start_ticks = self.pidns = 0
+
+    def named(self) -> bool:
+        """Whether its name still refers to this registry (not removed, nor made anew)."""
+        try:
+            return os.stat(os.path.join(SHM_DIR, self.name)).st_ino == self.inode
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        """Whether the registry's owner still holds its liveness lock."""
+        if self.segment.fd < 0:
+            return False
+        reply = fcntl.fcntl(
+            self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
+        )
+        return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
+
+    def owner_gone(self) -> bool:
+        """Whether the registry's owner (its pid and start time, as last read) no longer runs
+        user code: gone, its pid reused, or every thread of it exiting.  A process killed by
+        SIGKILL tears down its address space before its descriptors close, which takes tens
+        of ms with large shared mappings; its lock goes only after.  False where the owner
+        lives in another pid namespace (the lock then says it)."""
+        if not self.pid or self.pidns != this_pidns():
+            return False
+        tasks = f"/proc/{self.pid}/task"
+        try:
+            seen = set(os.listdir(tasks))
+            if _start_ticks(self.pid) != self.start_ticks:
+                return True
+            for tid in seen:
+                if not _exiting(f"{tasks}/{tid}/stat"):
+                    return False
+            # a thread made after the listing: the listing again (an exiting thread makes none)
+            return set(os.listdir(tasks)) == seen
+        except (FileNotFoundError, ProcessLookupError):
+            return True  # reaped: the pid is no longer anyone's
+        except OSError:
+            return False  # not known (out of descriptors, say): alive until known otherwise
+
+    def refresh(self) -> bool:
+        """Re-read the region list if the owner changed it; True if it did."""
+        mm = self.segment.mm
+        for _ in range(100):
+            (seq,) = struct.unpack_from("<Q", mm, 16)
+            if seq == self._seq:
+                return False
+            if seq % 2:
+                continue
+            magic, fmt, _, _, pid, start, ns, _, size = _HEADER.unpack_from(mm, 0)
+            payload = bytes(mm[PAYLOAD_AT : PAYLOAD_AT + min(size, REGISTRY_BYTES - PAYLOAD_AT)])
+            if struct.unpack_from("<Q", mm, 16)[0] != seq:
+                continue
+            if magic != MAGIC or fmt != FORMAT:
+                raise TransferError(f"{self.name!r} is not a same-host engine registry")
+            regions = parse_regions(self.name, payload)
+            self.pid, self.start_ticks, self.pidns = pid, start, ns
+            self.table = RegionTable.of(regions)
+            self._seq = seq
+            return True
+        raise TransferError(f"registry {self.name!r} is being rewritten without end")
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
+
+
+def _start_ticks(pid: int) -> int:
+    """`pid`'s start time (field 22 of its stat); FileNotFoundError once it is reaped, and
+    any other OSError as it came (not a sign of death)."""
+    return int(stat_fields(f"/proc/{pid}/stat")[19])
+
+
+def _exiting(stat_path: str) -> bool:
+    """Whether the thread of this /proc stat file has begun to exit (its flags, field 9)."""
+    try:
+        return bool(int(stat_fields(stat_path)[6]) & PF_EXITING)
+    except FileNotFoundError:
+        return True  # reaped since the listing
+
+
+def parse_regions(name: str, payload: bytes) -> list[Region]:
+    """The region list as the peer wrote it, every field type- and range-checked."""
+    try:
+        raw = json.loads(payload)
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        raise TransferError(f"registry {name!r} holds no region list") from None
+    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
+        raise TransferError(f"registry {name!r} holds no region list")
+    regions = []
+    for item in raw:
+        ok = isinstance(item, list) and len(item) == 8
+        base, length, shm, inode, offset, memfd, device, handle = (
+            item if ok else (0, 0, None, 0, 0, -1, None, None)
+        )
+        ints = all(type(v) is int and 0 <= v < 1 << 63 for v in (base, length, inode, offset))
+        ok = ok and ints and length > 0 and type(memfd) is int and -1 <= memfd < 1 << 31
+        ok = ok and (shm is None or (isinstance(shm, str) and memfd == -1))
+        gpu = _hex(device, 16) and _hex(handle, 64) and shm is None and memfd == -1
+        if not (ok and (gpu or (device is None and handle is None))):
+            raise TransferError(f"registry {name!r} holds a malformed region: {item!r}")
+        if shm is not None:
+            try:
+                validate_name(shm)
+            except InvalidArgument:
+                raise TransferError(f"registry {name!r} names no /dev/shm file: {shm!r}") from None
+        regions.append(Region(base, length, shm, inode, offset, memfd, device, handle))
+    regions.sort(key=lambda r: r.base)
+    for a, b in itertools.pairwise(regions):
+        if a.end > b.base:
+            raise TransferError(f"registry {name!r} holds overlapping regions")
+    return regions
+
+
+def _hex(value: object, size: int) -> bool:
+    """Whether `value` is `size` bytes written in lowercase hex."""
+    return isinstance(value, str) and len(value) == 2 * size and set(value) <= HEX_DIGITS
+
+
+HEX_DIGITS = set("0123456789abcdef")
+
+
+def session_id(registry: Registry, port: int) -> str:
+    """The session id peers reach `registry` by: its name and inode, and the number SGLang
+    reads after the last ':' to spread sessions over its queues."""
+    return f"{registry.name}#{registry.inode}:{port}"
+
+
+def parse_session(session: str) -> tuple[str, int]:
+    """(registry name, inode) of a session id `<name>#<inode>:<port>`."""
+    head = str(session).rsplit(":", 1)[0]
+    name, sep, inode = head.rpartition("#")
+    try:
+        if sep and inode.isdigit() and name.startswith(PREFIX):
+            return validate_name(name), int(inode)
+    except InvalidArgument:
+        pass
+    raise TransferError(f"{session!r} is not a same-host engine session")
