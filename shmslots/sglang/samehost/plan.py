@@ -173,7 +173,7 @@ def _cover(table: RegionTable, address: int, length: int) -> list[tuple[int, int
     adjacent regions of `table` (a moved range is published as up to three), or [] where any
     byte lies outside them."""
     regions = table.regions
-    i = bisect.bisect_right(table.starts, address) - 1
+    i = bisect.bisect_right(regions, address, key=lambda r: r.base) - 1
     pieces = []
     at, end = address, address + length
     while 0 <= i < len(regions) and regions[i].base <= at < regions[i].end:

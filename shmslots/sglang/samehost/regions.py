@@ -52,7 +52,6 @@ class RegionTable:
     whole, never changed (the arrays are read-only)."""
 
     regions: tuple[Region, ...]
-    starts: tuple[int, ...]  # the bases as Python ints, for one block's lookup (bisect)
     bases: np.ndarray  # int64, for a transfer's blocks at once (searchsorted)
     ends: np.ndarray  # int64, each capped below 2**63
     device: np.ndarray  # int64: one number per GPU (same GPU, same number), -1 for host
@@ -60,16 +59,15 @@ class RegionTable:
     @classmethod
     def of(cls, regions: Iterable[Region]) -> RegionTable:
         ordered = tuple(sorted(regions, key=lambda r: r.base))
-        starts = tuple(r.base for r in ordered)
         gpus = {uuid: i for i, uuid in enumerate(sorted({r.device for r in ordered if r.device}))}
         arrays = (
-            np.array(starts, dtype=np.int64),
+            np.array([r.base for r in ordered], dtype=np.int64),
             np.array([min(r.end, ADDRESS_END - 1) for r in ordered], dtype=np.int64),
             np.array([gpus.get(r.device or "", -1) for r in ordered], dtype=np.int64),
         )
         for array in arrays:
             array.setflags(write=False)
-        return cls(ordered, starts, *arrays)
+        return cls(ordered, *arrays)
 
 
 EMPTY = RegionTable.of([])

@@ -239,9 +239,9 @@ class PeerRegistry:
                 continue
             if magic != MAGIC or fmt != FORMAT:
                 raise TransferError(f"{self.name!r} is not a same-host engine registry")
-            regions = parse_regions(self.name, payload)
+            table = parse_regions(self.name, payload)
             self.pid, self.start_ticks, self.pidns = pid, start, ns
-            self.table = RegionTable.of(regions)
+            self.table = table
             self._seq = seq
             return True
         raise TransferError(f"registry {self.name!r} is being rewritten without end")
@@ -267,7 +267,7 @@ def _exiting(stat_path: str) -> bool:
         return True  # reaped since the listing
 
 
-def parse_regions(name: str, payload: bytes) -> list[Region]:
+def parse_regions(name: str, payload: bytes) -> RegionTable:
     """The region list as the peer wrote it, every field type- and range-checked."""
     try:
         raw = json.loads(payload)
@@ -293,11 +293,11 @@ def parse_regions(name: str, payload: bytes) -> list[Region]:
             except InvalidArgument:
                 raise TransferError(f"registry {name!r} names no /dev/shm file: {shm!r}") from None
         regions.append(Region(base, length, shm, inode, offset, memfd, device, handle))
-    regions.sort(key=lambda r: r.base)
-    for a, b in itertools.pairwise(regions):
+    table = RegionTable.of(regions)  # sorted by base
+    for a, b in itertools.pairwise(table.regions):
         if a.end > b.base:
             raise TransferError(f"registry {name!r} holds overlapping regions")
-    return regions
+    return table
 
 
 def _hex(value: object, size: int) -> bool:
