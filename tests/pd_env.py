@@ -21,6 +21,7 @@ when released and checked again later, so a write that lands after release is ca
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -61,6 +62,7 @@ class Shape:
     nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
     state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows) or "swa"
     device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
+    vmm_prefill: bool = False  # the prefill's CUDA pools VMM memory, as expandable_segments'
 
     @property
     def entries(self) -> int:
@@ -187,6 +189,34 @@ def _kv(shape: Shape) -> list[torch.Tensor]:
     return [_pool(shape.pages * shape.item_len, shape) for _ in range(shape.entries)]
 
 
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` (left as it is for None) while the block runs, then as before."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _shareable(pool: torch.Tensor) -> bool:
+    """Whether CUDA IPC can share `pool` (not VMM memory)."""
+    from shmslots.sglang import cuda_kv
+
+    drv = cuda_kv.driver()
+    assert drv is not None
+    try:
+        drv.describe(pool.data_ptr(), pool.numel())
+    except cuda_kv.DeviceError:
+        return False
+    return True
+
+
 def _pool(n: int, shape: Shape) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=shape.device)
 
@@ -241,7 +271,9 @@ class Outcome:
 
 def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
     """The prefill side: a bootstrap server and a manager; for each room it is told of, a
-    sender that fills its own pages with the room's pattern and sends them."""
+    sender that fills its own pages with the room's pattern and sends them.  It says, when
+    up, whether CUDA IPC could share its pools (None on the CPU) and whether its engine
+    receives (None but for shmslots')."""
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -253,7 +285,9 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     _, cls = _classes(shape)
     server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
     manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), states)
-    conn.send(("up", os.getpid()))
+    shareable = _shareable(kv[0]) if shape.device == "cuda" else None
+    receives = getattr(getattr(manager, "engine", None), "receives", None)
+    conn.send(("up", os.getpid(), shareable, receives))
     addr = f"127.0.0.1:{bootstrap_port}"
     free_pages = list(range(shape.pages))
     free_slots = list(range(shape.slots))
@@ -562,6 +596,8 @@ class Pair:
         self.prefill: Connection | None = None
         self.decode: Connection | None = None
         self.decode_table = ""
+        self.prefill_shareable: bool | None = None  # what the prefill said when up
+        self.prefill_receives: bool | None = None
 
     def _start(self, target: Any, counter: Any) -> tuple[Connection, Any, tuple[Any, ...]]:
         parent, child = self.ctx.Pipe()
@@ -580,7 +616,11 @@ class Pair:
             ) from None
 
     def start_prefill(self) -> None:
-        self.prefill, _, _ = self._start(prefill_main, self.sent)
+        # torch reads its allocator's settings from the environment the prefill starts with
+        vmm = "expandable_segments:True" if self.shape.vmm_prefill else None
+        with _environ("PYTORCH_CUDA_ALLOC_CONF", vmm):
+            self.prefill, _, up = self._start(prefill_main, self.sent)
+        self.prefill_shareable, self.prefill_receives = up[2], up[3]
 
     def start_decode(self, target: Any = decode_main) -> None:
         self.decode, _, up = self._start(target, self.landed)

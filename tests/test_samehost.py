@@ -5,9 +5,11 @@ user owns; anything else is refused before a byte moves."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +105,30 @@ def test_writes_land_only_inside_what_the_peer_registered(victim, writer) -> Non
     assert not any(got_hidden) and not any(got_shown[:8]) and not any(got_shown[24:])
 
 
+def test_an_engine_that_only_sends_lets_no_peer_write_into_it(victim, writer) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's prefill only sends: its engine publishes none of what it registers (a peer's
+    write into it is refused) and moves none of it onto a memfd, yet sends from all of it."""
+    conn, (session, shown, _), _ = victim
+    other, other_src = writer
+    src = torch.arange(64 << 10, dtype=torch.int64).to(torch.uint8)  # 64 KiB: whole pages
+    with SameHostEngine(f"{NAME}-sender-{os.getpid()}", receives=False) as sender:
+        sender.batch_register([src.data_ptr()], [src.numel()])
+        assert [(r.base, r.memfd) for r in sender._own.regions] == [(src.data_ptr(), -1)]
+        end = src.data_ptr() + src.numel()
+        assert not [
+            m
+            for m in mappings()
+            if m[5].startswith("/memfd:") and m[0] < end and m[1] > src.data_ptr()
+        ]
+        sender.transfer(session, [src.data_ptr() + 4000], [shown + 8], [16])
+        with pytest.raises(TransferError, match="not inside memory the peer"):
+            other.transfer(sender.get_session_id(), [other_src.data_ptr()], [src.data_ptr()], [16])
+    assert src.tolist() == [i % 256 for i in range(64 << 10)]  # nothing written into it
+    conn.send("report")
+    got_shown, _ = conn.recv()
+    assert got_shown[8:24] == [(4000 + i) % 256 for i in range(16)]
+
+
 def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) -> None:  # type: ignore[no-untyped-def]
     _, (session, shown, _), proc = victim
     engine, src = writer
@@ -120,17 +146,49 @@ def test_a_dead_or_restarted_peer_is_gone_by_its_lock_and_inode(victim, writer) 
             engine.transfer(session, [src.data_ptr()], [shown], [8])
 
 
+_KEPT: list[SameHostEngine] = []  # referenced until exit, as SGLang's scheduler keeps its own
+
+
+def _engine_never_closed(conn: Connection) -> None:
+    """An engine this process never closes; a child forked from it exits normally first."""
+    engine = SameHostEngine(f"{NAME}-exit-{os.getpid()}")
+    _KEPT.append(engine)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # runs the exit handlers it inherited: the registry is not the child's
+    os.waitpid(pid, 0)
+    conn.send((engine.registry.name, os.path.exists(os.path.join(SHM_DIR, engine.registry.name))))
+    conn.recv()
+
+
+def test_a_registry_goes_with_its_owners_exit_not_a_forked_childs() -> None:
+    """SGLang's scheduler exits in userspace on a graceful shutdown without closing its
+    manager, which it still holds: its registry goes then, not only if its server's own exit
+    lives to sweep it."""
+    with peer_process(_engine_never_closed) as (conn, (name, kept), proc):
+        assert kept
+        conn.send("exit")
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["in-use", "dropped-by-a-failure"])
 def test_a_transfer_that_outlives_close_keeps_the_engine_alive_to_peers_until_it_ends(
-    victim: Any, monkeypatch: pytest.MonkeyPatch
+    victim: Any, monkeypatch: pytest.MonkeyPatch, dropped: bool
 ) -> None:
     """close() waits `wait_s` for running transfers; one still writing then keeps the
     registry locked (peers see the engine alive, so they do not release what it may still
-    write) until it ends, and only then is the registry gone."""
+    write) until it ends, and only then is the registry gone.  So too where another
+    transfer's failure dropped the peer the held one writes through."""
     conn, (session, shown, _), _ = victim
     held, go = threading.Event(), threading.Event()
     real = Peer.write
+    calls = itertools.count()
 
     def write(peer: Peer, blocks: list[tuple[int, int, int]]) -> None:
+        if next(calls):
+            raise OSError("a write that failed with its peer alive")
         held.set()
         assert go.wait(10)
         real(peer, blocks)
@@ -152,6 +210,10 @@ def test_a_transfer_that_outlives_close_keeps_the_engine_alive_to_peers_until_it
     thread.start()
     try:
         assert held.wait(10)
+        if dropped:
+            with pytest.raises(TransferError, match="failed with its peer alive"):
+                engine.transfer(session, [src.data_ptr()], [shown], [64])
+            assert session not in engine._peers
         engine.close(wait_s=0.05)  # returns with the transfer still held
         seen = samehost.PeerRegistry(name, None)
         try:
@@ -422,10 +484,9 @@ def _lock_sharer(conn: Connection) -> None:
     """An engine whose lock's open file is shared with a process that outlives it (a child
     that kept the descriptor): its lock says alive after its death; its threads do not."""
     import subprocess
-    import sys
 
     with SameHostEngine(f"{NAME}-sharer-{os.getpid()}") as engine:
-        fd = engine.registry._lock_fd
+        fd = engine.registry.ownership.lock_fd
         keeper = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=[fd]
         )
@@ -436,8 +497,8 @@ def _lock_sharer(conn: Connection) -> None:
 
 def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
     with peer_process(_lock_sharer) as (_, (name, keeper), proc):
+        reg = samehost.PeerRegistry(name, None)
         try:
-            reg = samehost.PeerRegistry(name, None)
             reg.refresh()
             assert reg.alive() and not reg.owner_gone()  # alive, two threads running
             assert proc.pid is not None
@@ -449,9 +510,13 @@ def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
             assert reg.alive()  # the keeper holds the lock's open file: only the threads tell
             proc.join(10)
             assert reg.owner_gone()  # reaped
-            reg.close()
         finally:
             os.kill(keeper, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while reg.alive():  # until the keeper's files are closed: then it is swept
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        reg.close()
 
 
 def test_memory_the_engine_lets_go_is_private_again() -> None:

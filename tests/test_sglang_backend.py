@@ -62,16 +62,22 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
         # pages of the window, sent page by page as the KV is)
         (Shape(state="mamba"), 60, 3, 4),
         (Shape(state="swa"), 60, 3, 4),
-        # KV and Mamba state on the GPU, written by CUDA IPC (tools/gpu_check.sh)
+        # KV and Mamba state on the GPU, written by CUDA IPC (tools/gpu_check.sh); the
+        # prefill's pools VMM memory too (--enable-memory-saver), which it only sends from
         pytest.param(Shape(state="mamba", device="cuda"), 60, 3, 4, marks=CUDA_ONLY),
+        pytest.param(
+            Shape(state="mamba", device="cuda", vmm_prefill=True), 60, 3, 4, marks=CUDA_ONLY
+        ),
     ],
-    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state", "cuda-kv"],
+    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state", "cuda-kv", "cuda-kv-vmm"],
 )
 def test_every_byte_of_every_request_lands(
     shape: Shape, rooms: int, pages: int, window: int
 ) -> None:
     with Pair(shape) as pair:
         pair.start_prefill()
+        assert pair.prefill_receives is False  # the backend's prefill engine only sends
+        assert pair.prefill_shareable == (None if shape.device == "cpu" else not shape.vmm_prefill)
         pair.start_decode()
         numbers = list(range(1000, 1000 + rooms))
         pair.submit(numbers, pages=pages, window=window)

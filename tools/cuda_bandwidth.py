@@ -107,7 +107,7 @@ def prefill(run: int, result: Connection) -> None:
     try:
         session, target = parent.recv()
         kv = torch.ones(POOL, dtype=torch.uint8, device="cuda")
-        with SameHostEngine(f"shmslots-pd-gpubwp-{os.getpid()}") as engine:
+        with SameHostEngine(f"shmslots-pd-gpubwp-{os.getpid()}", receives=False) as engine:
             engine.batch_register([kv.data_ptr()], [POOL])
             torch.cuda.synchronize()  # the engine's stream waits for no other
             src, dst, n = _blocks(kv.data_ptr(), target, run)

@@ -4,8 +4,10 @@
 #      by another, keep-alive until release, device matched by UUID, and the memory of every
 #      ref given back (each IPC share released once); KV pages written GPU to GPU by the
 #      same-host PD engine between two processes (one batch call, and a call per block),
-#      every byte checked, VMM memory refused at registration, and SGLang's own managers
-#      moving CUDA KV and Mamba state through it;
+#      every byte checked; VMM memory refused where a peer would write it, and sent from
+#      where it is only a source (a prefill's); a decode SIGKILLed under the writes; and
+#      SGLang's own managers moving CUDA KV and Mamba state through it (the prefill's on
+#      cudaMalloc memory, then on VMM memory);
 #   2. bandwidth: 64 MiB CUDA tensors handed over through a ref field and read on the GPU, and
 #      KV pages written GPU to GPU by the same-host PD engine against cudaMemcpy in one process.
 # Usage, from the repository root: bash tools/gpu_check.sh

@@ -6,7 +6,8 @@ and head-slice mapping, state buffers, deferred-release ACKs, heartbeats.  The m
 subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
 
 - `init_engine` (overridden): the engine is this host's, named after the manager's ZMQ port,
-  so a decode can find the registry of each prefill rank it talks to;
+  so a decode can find the registry of each prefill rank it talks to; a prefill's only sends
+  (no peer may write into it, and its KV may be VMM memory, which CUDA IPC cannot share);
 - `_poison_unsettled_send` (overridden): Mooncake poisons a failed room because its timed-out
   batch may still be writing; `SameHostEngine` returns only when no write can still land, so
   a failed or aborted room is acknowledged at once and decode frees its pages at once;
@@ -121,7 +122,9 @@ def _classes() -> dict[str, type]:
 
         def init_engine(self) -> None:
             self.engine = SameHostEngine(
-                registry_name(self.local_ip, self.rank_port), self.rank_port
+                registry_name(self.local_ip, self.rank_port),
+                self.rank_port,
+                receives=self.disaggregation_mode == DisaggregationMode.DECODE,
             )
             self._dead_rooms: set[int] = set()
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone

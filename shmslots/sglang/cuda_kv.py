@@ -6,7 +6,9 @@ the pointer alone.  Registering a device range asks the driver for the allocatio
 it (`cuMemGetAddressRange`) and an IPC handle of that allocation; the peer opens the handle
 once per allocation and writes at the range's offset in it.  Memory the legacy IPC cannot
 share — VMM memory, as torch's `expandable_segments` and SGLang's `--enable-memory-saver`
-make — is refused at registration, with the reason, rather than failing at a transfer.
+make — is refused at registration where a peer would write it, with the reason, rather
+than failing at a transfer; an engine that only sends (a prefill's) copies from any device
+memory, VMM's too, in its own process.
 
 The peer's allocation is opened in the context of the GPU that copies into it (the
 source's), so between two GPUs that can reach each other the copy goes peer to peer.  A
@@ -76,10 +78,11 @@ class _CopyAttributes(ctypes.Structure):
 @dataclass(frozen=True)
 class DeviceRange:
     """A registered device range: its GPU's UUID, the IPC handle of the allocation holding
-    it, and its offset in that allocation (all hex or ints, for the registry's JSON)."""
+    it, and its offset in that allocation (all hex or ints, for the registry's JSON); a range
+    only copied from, never shared, has neither handle nor offset."""
 
     uuid: str
-    handle: str
+    handle: str | None
     offset: int
 
 
@@ -154,35 +157,30 @@ class Driver:
             self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     # -- the owner's side ---------------------------------------------------------------
-    def describe(self, ptr: int, length: int) -> DeviceRange | None:
+    def describe(self, ptr: int, length: int, shared: bool = True) -> DeviceRange | None:
         """The device range at `ptr`, or None where `ptr` is not CUDA device memory;
-        DeviceError where it is but cannot be shared by IPC, or runs past its allocation.
+        DeviceError where it is to be `shared` but cannot be shared by IPC, or runs past its
+        allocation.  A range not shared is only copied from, in this process, where any
+        device memory will do (VMM memory too: its mappings may span allocations).
         On a thread with no current context, under the first GPU's primary context."""
         ctx = ctypes.c_void_p()
         self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if ctx.value:
-            return self._describe(ptr, length)
+            return self._describe(ptr, length, shared)
         with self.current(self._ordinal_device(0)):
-            return self._describe(ptr, length)
+            return self._describe(ptr, length, shared)
 
-    def _describe(self, ptr: int, length: int) -> DeviceRange | None:
-        kind = ctypes.c_uint()
-        got = self._lib.cuPointerGetAttribute(
-            ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)
-        )
-        if got in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED):
-            return None  # not memory CUDA knows
-        self._check(got, "cuPointerGetAttribute(MEMORY_TYPE)")
-        if kind.value != CU_MEMORYTYPE_DEVICE:
+    def _describe(self, ptr: int, length: int, shared: bool) -> DeviceRange | None:
+        ordinal = self._ordinal_at(ptr)
+        if ordinal is None:
             return None
-        ordinal = ctypes.c_int()
-        self._check(
-            self._lib.cuPointerGetAttribute(
-                ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)
-            ),
-            "cuPointerGetAttribute(DEVICE_ORDINAL)",
-        )
-        dev = self._ordinal_device(ordinal.value)
+        if not shared:  # its last byte on the same GPU (a VMM range is not one allocation)
+            if self._ordinal_at(ptr + length - 1) != ordinal:
+                raise DeviceError(
+                    f"{length} bytes at {ptr:#x} are not all device memory of one GPU"
+                )
+            return DeviceRange(self._uuid_of(ordinal), None, 0)
+        dev = self._ordinal_device(ordinal)
         with self.current(dev):
             capable = ctypes.c_int()
             self._check(
@@ -216,7 +214,28 @@ class Driver:
             self._check(
                 self._lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle"
             )
-        return DeviceRange(self._uuid_of(ordinal.value), bytes(handle).hex(), ptr - base.value)
+        return DeviceRange(self._uuid_of(ordinal), bytes(handle).hex(), ptr - base.value)
+
+    def _ordinal_at(self, ptr: int) -> int | None:
+        """The ordinal of the GPU whose device memory holds `ptr`, or None where it is not
+        device memory CUDA knows."""
+        kind = ctypes.c_uint()
+        got = self._lib.cuPointerGetAttribute(
+            ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)
+        )
+        if got in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED):
+            return None
+        self._check(got, "cuPointerGetAttribute(MEMORY_TYPE)")
+        if kind.value != CU_MEMORYTYPE_DEVICE:
+            return None
+        ordinal = ctypes.c_int()
+        self._check(
+            self._lib.cuPointerGetAttribute(
+                ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)
+            ),
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+        )
+        return ordinal.value
 
     # -- the writer's side --------------------------------------------------------------
     def open(self, uuid: str, handle: str, owner: str) -> tuple[int, int, str]:

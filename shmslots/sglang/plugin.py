@@ -25,8 +25,9 @@ registers hooks with SGLang's `HookRegistry`:
   `_handle_kv_checksum_mismatch` (a request dropped from its prebuilt batch), the slot is
   aborted; a request garbage-collected holding a slot hands it back; at exit, or when a role
   switch tears the decode side down, every slot is handed back and the table unlinked;
-- SGLang stops its schedulers with SIGKILL, so their exit handlers never run: the server's
-  own process, at its exit, removes the tables and same-host registries of dead schedulers;
+- a scheduler that exits when SGLang asks it to (`ShutdownReq`, on `kill PID`) removes its
+  table and same-host registry itself; one SIGKILLed runs no exit handler: the server's own
+  process, at its exit, removes the tables and same-host registries of dead schedulers;
 - a request retracted after its slot went back is resumed with a zero draft state, which the
   target model's verify rejects (SGLang reuses the first token's stale one there).
 """
@@ -116,10 +117,11 @@ def register() -> None:
 
 
 def _remove_what_dead_schedulers_left() -> None:
-    """At a process's exit (the server's own, after SGLang's shutdown has SIGKILLed its
-    schedulers, which therefore run no exit handler): remove the plugin tables and same-host
-    registries whose makers are all dead.  SGLang's `kill_process_tree` has reaped them by
-    then (`srt/utils/common.py:2507`, `wait_timeout=60`), so their locks are gone."""
+    """At a process's exit (the server's own, after SGLang's shutdown has SIGKILLed the
+    schedulers that did not exit when asked, which run no exit handler): remove the plugin
+    tables and same-host registries whose makers are all dead.  SGLang's `kill_process_tree`
+    has reaped them by then (`srt/utils/common.py:2507`, `wait_timeout=60`), so their locks
+    are gone."""
     _remove_orphaned_tables()
     with contextlib.suppress(ShmSlotsError, OSError):
         samehost.sweep()

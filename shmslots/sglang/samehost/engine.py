@@ -9,6 +9,7 @@ and the call returns, or raises, only once none of them can still land.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -51,25 +52,32 @@ class SameHostEngine:
     """Mooncake's `TransferEngine` surface as SGLang's manager calls it, for one host.
 
     `name` names the registry segment (one per engine; `session_port` is the number SGLang
-    reads after the session id's last ':' to spread sessions over its queues)."""
+    reads after the session id's last ':' to spread sessions over its queues).  An engine
+    that only sends (`receives=False`: SGLang's prefill) publishes none of its memory, so no
+    peer may write into it, and any GPU memory is a source (VMM memory too, which CUDA IPC
+    cannot share: torch's expandable_segments, SGLang's --enable-memory-saver)."""
 
-    def __init__(self, name: str, session_port: int = 0) -> None:
+    def __init__(self, name: str, session_port: int = 0, *, receives: bool = True) -> None:
         if not name.startswith(PREFIX):
             raise InvalidArgument(f"a same-host engine's registry name starts with {PREFIX!r}")
-        allow_peers()
+        if receives:  # a sender is written by no peer: it lets none attach
+            allow_peers()
         sweep()
         self.registry = Registry(name)
         self.session_port = session_port
+        self.receives = receives
         self._own: RegionTable = EMPTY  # swapped whole, as a peer's table
         self._parts: dict[int, list[Region]] = {}  # a registered base: its published parts
         self._threads: ThreadPoolExecutor | None = None  # made by the first parallel copy
         self._peers: dict[str, Peer] = {}
         # SGLang's manager transfers from several threads at once (its queues, and executor
-        # futures per layer): a peer is closed only by its last user, and close() waits
+        # futures per layer): a peer is closed only by its last user, and retiring waits for
+        # every peer in use, a dropped one's included
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._lingering: list[Peer] = []  # peers whose transfers outlived close()
+        self._busy: set[Peer] = set()  # peers with a user
+        self._lingering = False  # a transfer outlived retiring: its end removes the registry
         self._stop = threading.Event()  # ends the pruner (started with the first peer)
         self._pruner: threading.Thread | None = None
         _engines.add(self)
@@ -82,9 +90,13 @@ class SameHostEngine:
 
     def batch_register(self, ptrs: Sequence[int], lens: Sequence[int]) -> int:
         """Publish the ranges (anonymous ones moved onto memfds first: memfd.py says how and
-        why); a range overlapping one registered is refused, and a refused call publishes
-        nothing of itself."""
-        new = [classify(int(p), int(n)) for p, n in zip(ptrs, lens, strict=True) if n]
+        why), or where this engine only sends, keep them as sources; a range overlapping one
+        registered is refused, and a refused call publishes nothing of itself."""
+        new = [
+            classify(int(p), int(n), shared=self.receives)
+            for p, n in zip(ptrs, lens, strict=True)
+            if n
+        ]
         with self._lock:
             regions = sorted([*self._own.regions, *(r for r, _ in new)], key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
@@ -95,7 +107,7 @@ class SameHostEngine:
                 for region, movable in new:
                     parts[region.base] = self._share(region) if movable else [region]
                 table = RegionTable.of(itertools.chain(*parts.values()))
-                self.registry.publish(table.regions)
+                self._publish(table)
             except BaseException:
                 unshare(p for base, p in parts.items() if base not in self._parts)
                 raise
@@ -122,10 +134,14 @@ class SameHostEngine:
         with self._lock:
             gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
             table = RegionTable.of(itertools.chain(*self._parts.values()))
-            self.registry.publish(table.regions)
+            self._publish(table)
             self._own = table
         unshare([gone])
         return 0
+
+    def _publish(self, table: RegionTable) -> None:
+        """What peers may write into: all this engine registered, or nothing if it only sends."""
+        self.registry.publish(table.regions if self.receives else ())
 
     def send_probe(self, session: str) -> int:
         """0 while the peer's engine lives, -1 otherwise (and for anything malformed)."""
@@ -281,6 +297,7 @@ class SameHostEngine:
                         )
                         self._pruner.start()
                 peer.users += 1
+                self._busy.add(peer)
                 return peer
         finally:
             close_all(doomed)
@@ -317,13 +334,16 @@ class SameHostEngine:
     def _release(self, peer: Peer) -> None:
         with self._lock:
             peer.users -= 1
-            last = peer.dropped and peer.users == 0
-            if last:
+            if peer.users == 0:
+                self._busy.discard(peer)
                 self._idle.notify_all()
-            done = last and self._lingering and not any(p.users for p in self._lingering)
+            last = peer.dropped and peer.users == 0
+            done = self._lingering and not self._busy
+            if done:
+                self._lingering = False
         if last:
             peer.close()
-        if done:  # the transfers that outlived close() have ended: peers may see it gone
+        if done:  # the transfers that outlived retiring have ended: peers may see it gone
             self.registry.close()
 
     def _drop(self, session: str, peer: Peer) -> None:
@@ -335,34 +355,41 @@ class SameHostEngine:
             peer.dropped = True
 
     def close(self, wait_s: float = 10.0) -> None:
+        """Retire (`_retire`), then give back what the engine holds: its pruner, and the
+        registered ranges, moved back onto private pages."""
+        if not self._retire(wait_s):
+            return
+        pruner = self._pruner
+        if pruner is not None and pruner is not threading.current_thread():
+            pruner.join(PRUNE_EVERY_S + 5)  # it may be unmapping: not left running at exit
+        parts, self._parts = self._parts, {}
+        unshare(parts.values())
+
+    def _retire(self, wait_s: float) -> bool:
         """Refuse new transfers, wait (up to `wait_s`) for those running, let go of every
         peer, then remove the registry, so peers see this engine gone only once none of its
-        writes can still land."""
+        writes can still land.  False if it was retired before."""
         with self._lock:
             if self._closed:
-                return
+                return False
             self._closed = True
             self._stop.set()
-            pruner = self._pruner
             self.registry.publish([])  # peers start no more writes here
             peers, self._peers = list(self._peers.values()), {}
             for peer in peers:
                 peer.dropped = True
-            self._idle.wait_for(lambda: all(p.users == 0 for p in peers), timeout=wait_s)
+            self._idle.wait_for(lambda: not self._busy, timeout=wait_s)
             idle = [p for p in peers if p.users == 0]
-            self._lingering = [p for p in peers if p.users]
+            self._lingering = bool(self._busy)
         for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
         if not self._lingering:
             self.registry.close()
         else:  # peers must not see this engine gone while a write of it may land
-            log.warning("shmslots: a transfer outlived close(); its end unlocks the registry")
+            log.warning("shmslots: a transfer outlived retiring; its end removes the registry")
         if self._threads is not None:  # a copy still running ends on its own, joined by its call
             self._threads.shutdown(wait=False)
-        if pruner is not None and pruner is not threading.current_thread():
-            pruner.join(PRUNE_EVERY_S + 5)  # it may be unmapping: not left running at exit
-        parts, self._parts = self._parts, {}
-        unshare(parts.values())
+        return True
 
     def __enter__(self) -> SameHostEngine:
         return self
@@ -381,7 +408,7 @@ def _close_engines_in_child() -> None:
         # a lock the pruner held at the fork stays held here: new ones
         engine._lock = threading.Lock()
         engine._idle = threading.Condition(engine._lock)
-        engine._closed, engine._peers, engine._lingering = True, {}, []
+        engine._closed, engine._peers, engine._busy, engine._lingering = True, {}, set(), False
         parts, engine._parts = engine._parts, {}
         engine._own = EMPTY
         for region in itertools.chain(*parts.values()):
@@ -391,6 +418,21 @@ def _close_engines_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_engines_in_child)
+
+
+def _retire_at_exit() -> None:
+    """A process that exits in userspace retires its engines, so peers see them gone now,
+    not only when a sweep comes: SGLang's scheduler exits so on a graceful shutdown without
+    tearing its manager down, and its transfer threads, daemons, may still be writing.  The
+    ranges stay where they are (the process is ending); a forked child's engines are closed
+    already (`_close_engines_in_child`)."""
+    for engine in list(_engines):
+        with contextlib.suppress(Exception):
+            engine._retire(EXIT_WAIT_S)
+
+
+EXIT_WAIT_S = 5.0  # how long an exiting process waits for its running transfers
+atexit.register(_retire_at_exit)
 
 
 PRUNE_EVERY_S = 1.0  # how often the pruner looks for dead peers and unlisted mappings

@@ -1,7 +1,7 @@
 """Anonymous memory moved, in place, onto a sealed memfd, so that a peer can map it (and
 back onto private pages once it is no longer published).
 
-Registering anonymous memory (SGLang's CPU KV and state pools) moves its whole pages onto a
+Registering anonymous memory (the decode's CPU KV and state pools) moves its whole pages onto a
 memfd: their content is copied into the file and the file is mapped over them (MAP_FIXED,
 64 MiB at a time), so the owner's tensors keep their addresses and bytes.  The memfd is
 sealed against shrinking, so a peer's mapping of it can never fault.  The partial pages at

@@ -85,10 +85,11 @@ def mappings() -> list[tuple[int, int, str, int, int, str]]:
     return out
 
 
-def classify_host(base: int, length: int) -> tuple[Region, bool]:
+def classify_host(base: int, length: int, shared: bool = True) -> tuple[Region, bool]:
     """The region at [base, base+length) of this process, and whether it may be moved onto
-    a memfd (all private anonymous memory, none of it pinned); TransferError when it is not
-    writable host memory (a CUDA allocation, a read-only or unmapped range)."""
+    a memfd (to be `shared`, and all private anonymous memory, none of it pinned);
+    TransferError when it is not writable host memory (a CUDA allocation, a read-only or
+    unmapped range)."""
     if base <= 0 or length <= 0:
         raise TransferError(f"cannot register {length} bytes at {base:#x}")
     maps = mappings()
@@ -111,28 +112,30 @@ def classify_host(base: int, length: int) -> tuple[Region, bool]:
         )
     first = covering[0]
     path = first[5]
-    shared = first[2][3] == "s"  # a private mapping of the file keeps its own copies of pages
+    mapped_shared = first[2][3] == "s"  # a private mapping keeps its own copies of pages
     if (
         len(covering) == 1
-        and shared
+        and mapped_shared
         and path.startswith(SHM_DIR + "/")
         and not path.endswith("(deleted)")
     ):
         name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
-    return Region(base, length), anonymous and not _cuda_runs() and not _pinned(base, end)
+    movable = shared and anonymous and not _cuda_runs() and not _pinned(base, end)
+    return Region(base, length), movable
 
 
-def classify(base: int, length: int) -> tuple[Region, bool]:
+def classify(base: int, length: int, shared: bool = True) -> tuple[Region, bool]:
     """`classify_host`, or where the range is not host memory, a GPU range by CUDA IPC (never
     moved); TransferError for anything else, and DeviceError for device memory CUDA IPC
-    cannot share."""
+    cannot share.  A range not `shared` (only copied from) is never moved, and any device
+    memory will do for it."""
     try:
-        return classify_host(base, length)
+        return classify_host(base, length, shared)
     except TransferError as refusal:
         drv = cuda_kv.driver() if base > 0 and length > 0 else None
-        found = drv.describe(base, length) if drv is not None else None
+        found = drv.describe(base, length, shared) if drv is not None else None
         if found is None:
             raise refusal from None
     region = Region(base, length, offset=found.offset, device=found.uuid, handle=found.handle)

@@ -3,7 +3,8 @@ write into, and whether its owner lives.
 
 - a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
   pid, start time and pid namespace, and the length of the region list;
-- the region list (JSON): every registered range, and for a range mapped shared from a file
+- the region list (JSON): every range registered to be written (none, for an engine that
+  only sends), and for a range mapped shared from a file
   (a shmslots table's columns in `/dev/shm`, or a sealed memfd) how to map that file: its
   name or its descriptor number in the owner, its inode and the range's offset in it.
 
@@ -85,13 +86,24 @@ class Registry:
         self.segment = self._create(name)
         self.name = name
         self.inode = self.segment.identity[1]
-        self._lock_fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        fcntl.fcntl(self._lock_fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE))
+        # the lock is taken on the file made here, by its descriptor, never looked up by name
+        lock_fd = os.open(f"/proc/self/fd/{self.segment.fd}", os.O_RDWR)
+        self.ownership = Ownership(self.segment, lock_fd)
+        _owned.add(self.ownership)
+        # ended by close() or the registry's collection; at exit its engine ends it, once
+        # none of its writes can still land (engine.py: `_retire_at_exit`)
+        self._end = weakref.finalize(self, self.ownership.end)
+        self._end.atexit = False
+        try:
+            request = _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
+            fcntl.fcntl(self.ownership.lock_fd, fcntl.F_OFD_SETLK, request)
+        except BaseException:
+            self.close()
+            raise
         pid = os.getpid()
         self._seq = 0
         self._identity = (pid, process_start_ticks(pid), this_pidns(), os.geteuid())
         self.publish([])
-        _owned.add(self)
 
     @staticmethod
     def _create(name: str) -> Segment:
@@ -128,28 +140,53 @@ class Registry:
         _HEADER.pack_into(mm, 0, MAGIC, FORMAT, 0, self._seq, pid, start, ns, uid, len(payload))
 
     def close(self) -> None:
+        if self._end.detach():  # a finalizer does nothing once the one at exit has run
+            self.ownership.end()
+
+
+class Ownership:
+    """What ends with a registry: its name and its owner's liveness lock."""
+
+    def __init__(self, segment: Segment, lock_fd: int) -> None:
+        self.segment = segment
+        self.lock_fd = lock_fd
+
+    def end(self) -> None:
         """Unlink first, then let go of the lock: a peer sees the owner gone either way."""
-        if self._lock_fd < 0:
+        if self.lock_fd < 0:
             return
-        with contextlib.suppress(ShmSlotsError):
-            self.segment.unlink()
-        self.segment.close()
-        os.close(self._lock_fd)
-        self._lock_fd = -1
+        try:
+            if self.named():
+                with contextlib.suppress(ShmSlotsError):
+                    self.segment.unlink()
+            self.segment.close()
+        finally:  # run once: the lock goes whatever the unlink met
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+    def named(self) -> bool:
+        """Whether the registry's name still refers to its file, not to another's."""
+        try:
+            return (
+                os.stat(os.path.join(SHM_DIR, self.segment.name)).st_ino
+                == os.fstat(self.lock_fd).st_ino
+            )
+        except OSError:
+            return False
 
 
-_owned: weakref.WeakSet[Registry] = weakref.WeakSet()
+_owned: weakref.WeakSet[Ownership] = weakref.WeakSet()
 
 
 def _close_locks_in_child() -> None:
     """A child made by fork() shares the liveness lock's open file description: its copy is
     closed, so that the lock goes when the engine's own process dies, not when all children
-    do (the child's engines are its parent's, not its own)."""
-    for reg in list(_owned):
-        if reg._lock_fd >= 0:
+    do (the child's engines are its parent's, not its own, and its exit removes none)."""
+    for owned in list(_owned):
+        if owned.lock_fd >= 0:
             with contextlib.suppress(OSError):
-                os.close(reg._lock_fd)
-            reg._lock_fd = -1
+                os.close(owned.lock_fd)
+            owned.lock_fd = -1
 
 
 os.register_at_fork(after_in_child=_close_locks_in_child)
