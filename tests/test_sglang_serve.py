@@ -103,15 +103,23 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def pair(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Pair]:
+    failed = request.session.testsfailed
     with Deployment(model, tmp_path_factory.mktemp("pair-logs")) as deployment:
         served = Pair(deployment)
         table = served.table
         yield served
+        if request.session.testsfailed > failed:  # what each server is doing, stacks and all
+            terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+            if terminal is not None:  # None under -p no:terminal
+                terminal.write_line(deployment.report())
     # stopped as `kill PID` stops a server: its own exit removes the tables and same-host
     # registries its schedulers left (the harness counts and removes what its servers left)
     assert table not in deployment.left_in_shm
-    assert not [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
+    left = [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
+    assert not left, f"left {left}; SIGKILLed after the grace: {deployment.outlived_grace}"
 
 
 def _outputs(url: str, max_new_tokens: int = 12) -> list[list[int]]:

@@ -34,6 +34,7 @@ from shmslots.sglang import samehost
 SITE = Path(__file__).resolve().parent / "site"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 START_TIMEOUT_S = 300.0  # a server is up in 40-90 s on a loaded 2-core machine
+REPORT_LINES = 200  # of each log, in a failed test's report: its stacks and what came before
 # What makes SGLang 0.5.23 serve on a CPU (the source line behind each):
 FLAGS = [
     "--device", "cpu",
@@ -46,6 +47,7 @@ FLAGS = [
     "--max-running-requests", "8",
     "--chunked-prefill-size", "1024",
     "--host", "127.0.0.1",
+    "--sleep-on-idle",  # an idle scheduler polls without end: a core lost to the others
 ]  # fmt: skip
 # A prefill/decode pair on CPU: overlap scheduling makes a torch.cuda.Event()
 # (disaggregation/prefill.py:1496), and the decode's default retraction backup registers CUDA
@@ -81,6 +83,8 @@ class Process:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    started: float  # time.monotonic() at its start
+    up_s: float | None = None  # how long it took to answer /health
 
     def tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -99,6 +103,7 @@ class Deployment:
         self.logs = logs
         self.started: list[Process] = []
         self.left_in_shm: list[str] = []
+        self.outlived_grace: list[str] = []  # servers SIGKILLed by stop: their exit never ran
         self.swept = sweep_dead_load_files()
         self._shm_before = set(os.listdir("/dev/shm"))
         self._pids: set[int] = set()  # every process of its servers seen, for what they left
@@ -106,8 +111,29 @@ class Deployment:
     def __enter__(self) -> Deployment:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:  # pytest shows what a failed test printed: each server's state
+            print(self.report())
         self.stop()
+
+    def report(self) -> str:
+        """Each process started: how long it took to come up (or how long it has waited),
+        whether it still runs, and its log's tail, which ends with the stacks of every thread
+        of each of its processes (sitecustomize.py dumps them on SIGUSR2)."""
+        for p in self.started:
+            for pid in _session_members(p.proc.pid):  # one at a time: they share the log
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+                time.sleep(0.3)  # each process's own faulthandler writes its dump
+        now = time.monotonic()
+        parts = []
+        for p in self.started:
+            up = f"up in {p.up_s:.0f} s" if p.up_s is not None else "not up"
+            state = "running" if p.proc.poll() is None else f"exited {p.proc.returncode}"
+            waited = now - p.started
+            parts.append(f"== {p.name} (pid {p.proc.pid}, {up}, {state}, {waited:.0f} s ago)")
+            parts.append(p.tail(REPORT_LINES))
+        return "\n".join(parts)
 
     def server(
         self, name: str, *flags: str, env: dict[str, str] | None = None, port: int | None = None
@@ -138,15 +164,16 @@ class Deployment:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-        started = Process(name, url, proc, log)
+        started = Process(name, url, proc, log, time.monotonic())
         self.started.append(started)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = started.started + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ServerFailed(f"{name} exited with {proc.returncode}:\n{started.tail()}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:
+                        started.up_s = time.monotonic() - started.started
                         return started
             except (urllib.error.URLError, OSError):
                 pass
@@ -171,8 +198,10 @@ class Deployment:
             p.proc.terminate()
         deadline = time.monotonic() + grace_s
         for p in self.started:
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.outlived_grace.append(p.name)
             _signal_session(p.proc, signal.SIGKILL)  # the children of a server that exited too
             p.proc.wait()
         _wait_for_session_gone([p.proc.pid for p in self.started], deadline + 10)
