@@ -33,8 +33,11 @@ NAME = "shmslots-pd-test"
 
 
 def _victim(conn: Connection) -> None:
-    """A peer that registers `shown` and not `hidden`, then reports both when asked."""
-    shown = torch.zeros(4096, dtype=torch.uint8)
+    """A peer that registers `shown` and not `hidden`, then reports both when asked.
+    `shown` starts inside a page, so it holds no whole page and stays on the heap (written by
+    process_vm_writev); a page-aligned one, as the allocator gives at times, would move onto
+    a memfd."""
+    shown = torch.zeros(4096 + 64, dtype=torch.uint8)[8 : 8 + 4096]
     hidden = torch.zeros(4096, dtype=torch.uint8)
     with SameHostEngine(f"{NAME}-victim-{os.getpid()}") as engine:
         engine.batch_register([shown.data_ptr()], [shown.numel()])
