@@ -88,7 +88,7 @@ class Registry:
         self.inode = self.segment.identity[1]
         # the lock is taken on the file made here, by its descriptor, never looked up by name
         lock_fd = os.open(f"/proc/self/fd/{self.segment.fd}", os.O_RDWR)
-        self.ownership = Ownership(self.segment, lock_fd)
+        self.ownership = Ownership(self.segment, lock_fd, self.inode)
         _owned.add(self.ownership)
         # ended by close() or the registry's collection; at exit its engine ends it, once
         # none of its writes can still land (engine.py: `_retire_at_exit`)
@@ -147,9 +147,10 @@ class Registry:
 class Ownership:
     """What ends with a registry: its name and its owner's liveness lock."""
 
-    def __init__(self, segment: Segment, lock_fd: int) -> None:
+    def __init__(self, segment: Segment, lock_fd: int, inode: int) -> None:
         self.segment = segment
         self.lock_fd = lock_fd
+        self.inode = inode
 
     def end(self) -> None:
         """Unlink first, then let go of the lock: a peer sees the owner gone either way."""
@@ -166,13 +167,15 @@ class Ownership:
 
     def named(self) -> bool:
         """Whether the registry's name still refers to its file, not to another's."""
-        try:
-            return (
-                os.stat(os.path.join(SHM_DIR, self.segment.name)).st_ino
-                == os.fstat(self.lock_fd).st_ino
-            )
-        except OSError:
-            return False
+        return _names(self.segment.name, self.inode)
+
+
+def _names(name: str, inode: int) -> bool:
+    """Whether `name` in /dev/shm is the file of that inode."""
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_ino == inode
+    except OSError:
+        return False
 
 
 _owned: weakref.WeakSet[Ownership] = weakref.WeakSet()
@@ -224,10 +227,7 @@ class PeerRegistry:
 
     def named(self) -> bool:
         """Whether its name still refers to this registry (not removed, nor made anew)."""
-        try:
-            return os.stat(os.path.join(SHM_DIR, self.name)).st_ino == self.inode
-        except OSError:
-            return False
+        return _names(self.name, self.inode)
 
     def alive(self) -> bool:
         """Whether the registry's owner still holds its liveness lock."""
