@@ -76,8 +76,8 @@ class SameHostEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._busy: set[Peer] = set()  # peers with a user
-        self._lingering = False  # a transfer outlived retiring: its end removes the registry
+        self._busy: set[Peer] = set()  # peers with a user: retired, the last one's end
+        # removes the registry (Registry.close acts once, whoever calls it first)
         self._stop = threading.Event()  # ends the pruner (started with the first peer)
         self._pruner: threading.Thread | None = None
         _engines.add(self)
@@ -334,13 +334,12 @@ class SameHostEngine:
     def _release(self, peer: Peer) -> None:
         with self._lock:
             peer.users -= 1
-            if peer.users == 0:
+            idle = peer.users == 0
+            if idle:
                 self._busy.discard(peer)
                 self._idle.notify_all()
-            last = peer.dropped and peer.users == 0
-            done = self._lingering and not self._busy
-            if done:
-                self._lingering = False
+            last = peer.dropped and idle
+            done = idle and self._closed and not self._busy
         if last:
             peer.close()
         if done:  # the transfers that outlived retiring have ended: peers may see it gone
@@ -380,10 +379,10 @@ class SameHostEngine:
                 peer.dropped = True
             self._idle.wait_for(lambda: not self._busy, timeout=wait_s)
             idle = [p for p in peers if p.users == 0]
-            self._lingering = bool(self._busy)
+            lingering = bool(self._busy)
         for peer in idle:  # a transfer still running past wait_s closes its own peer
             peer.close()
-        if not self._lingering:
+        if not lingering:
             self.registry.close()
         else:  # peers must not see this engine gone while a write of it may land
             log.warning("shmslots: a transfer outlived retiring; its end removes the registry")
@@ -408,7 +407,7 @@ def _close_engines_in_child() -> None:
         # a lock the pruner held at the fork stays held here: new ones
         engine._lock = threading.Lock()
         engine._idle = threading.Condition(engine._lock)
-        engine._closed, engine._peers, engine._busy, engine._lingering = True, {}, set(), False
+        engine._closed, engine._peers, engine._busy = True, {}, set()
         parts, engine._parts = engine._parts, {}
         engine._own = EMPTY
         for region in itertools.chain(*parts.values()):
