@@ -118,8 +118,8 @@ def pair(
     # stopped as `kill PID` stops a server: its own exit removes the tables and same-host
     # registries its schedulers left (the harness counts and removes what its servers left)
     assert table not in deployment.left_in_shm
-    left = [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
-    assert not left, f"left {left}; SIGKILLed after the grace: {deployment.outlived_grace}"
+    left = deployment.tables_left()
+    assert not left, left
 
 
 def _outputs(url: str, max_new_tokens: int = 12) -> list[list[int]]:

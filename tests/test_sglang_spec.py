@@ -114,5 +114,5 @@ def test_a_pair_on_the_shmslots_backend_hands_the_draft_state_to_decode(
     seen = [(r["output_ids"], r["meta_info"].get("spec_verify_ct", 0)) for r in pair]
     want = [(r["output_ids"], r["meta_info"].get("spec_verify_ct", 0)) for r in alone["spec"]]
     assert seen == want
-    left = [e for e in deployment.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
-    assert not left, f"left {left}; SIGKILLed after the grace: {deployment.outlived_grace}"
+    left = deployment.tables_left()
+    assert not left, left

@@ -116,6 +116,12 @@ class Deployment:
             print(self.report())
         self.stop()
 
+    def tables_left(self) -> str:
+        """The plugin tables and same-host registries its servers left in /dev/shm (a stop
+        as `kill PID` leaves none), and the servers SIGKILLed after the grace; "" if none."""
+        left = [e for e in self.left_in_shm if e.startswith(("sglang-", "shmslots-"))]
+        return f"left {left}; SIGKILLed after the grace: {self.outlived_grace}" if left else ""
+
     def report(self) -> str:
         """Each process started: how long it took to come up (or how long it has waited),
         whether it still runs, and its log's tail, which ends with the stacks of every thread
