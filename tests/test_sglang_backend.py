@@ -153,6 +153,24 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert not facts["fresh_entries_gone"]
 
 
+def test_dead_room_marks_are_bounded_keeping_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With deferred release off SGLang never clears a dead room's mark (no
+    `clear_deferred_abort_state`), and room ids are random: the marks of a decode whose
+    prefills keep dying must not grow without end, and the newest (those in flight) stay."""
+    from shmslots.sglang import backend
+
+    monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
+    marks = backend._DeadRooms()
+    marks.add(range(10))
+    assert len(marks) == 4 and [r for r in range(10) if r in marks] == [6, 7, 8, 9]
+    marks.add([6])  # marked again: now the newest
+    marks.add([10])
+    assert [r for r in range(11) if r in marks] == [6, 8, 9, 10]
+    marks.discard(8)
+    marks.discard(8)  # a room released twice
+    assert [r for r in range(11) if r in marks] == [6, 9, 10]
+
+
 def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:
     with Pair(BIG) as pair:
         pair.start_prefill()

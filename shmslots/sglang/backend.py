@@ -32,10 +32,12 @@ slot through its own mapping of that segment, and the slot keeps the plugin's ru
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from .samehost import PREFIX, PeerRegistry, SameHostEngine
@@ -43,6 +45,7 @@ from .samehost import PREFIX, PeerRegistry, SameHostEngine
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
+DEAD_ROOMS = 1 << 16  # rooms marked safe to release, the newest kept: far more than in flight
 UTILS = "sglang.srt.disaggregation.utils"
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,36 @@ class _DeadSessions(set[str]):
             super().add(session)
 
 
+class _DeadRooms:
+    """Rooms no live writer can reach, safe to release at once.  A mark goes when SGLang
+    releases its room (`clear_deferred_abort_state`) or the room is bootstrapped afresh; with
+    deferred release off SGLang calls neither, so only the newest DEAD_ROOMS marks are kept,
+    and a decode whose prefills keep dying does not grow without end.  The watcher thread
+    marks, the scheduler thread marks, reads and clears."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, None] = {}  # in marking order, oldest first
+        self._lock = threading.Lock()
+
+    def add(self, rooms: Iterable[int]) -> None:
+        with self._lock:
+            for room in rooms:
+                self._rooms.pop(room, None)
+                self._rooms[room] = None
+            for room in list(itertools.islice(self._rooms, max(0, len(self._rooms) - DEAD_ROOMS))):
+                del self._rooms[room]
+
+    def discard(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType
 
@@ -126,7 +159,7 @@ def _classes() -> dict[str, type]:
                 self.rank_port,
                 receives=self.disaggregation_mode == DisaggregationMode.DECODE,
             )
-            self._dead_rooms: set[int] = set()
+            self._dead_rooms = _DeadRooms()
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
             self._peers: dict[str, PeerRegistry] = {}
             self._watch_stop = threading.Event()
@@ -181,9 +214,9 @@ def _classes() -> dict[str, type]:
                 if not dead:
                     continue
                 if dead == names:
-                    self._dead_rooms |= {
+                    self._dead_rooms.add(
                         r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success
-                    }
+                    )
                     # rebound, never mutated: the scheduler thread reads it without a lock
                     dead_ranks = {**self._dead_ranks, **{id(e): e for e in entries_of[addr]}}
                     self._dead_ranks = dict(list(dead_ranks.items())[-DEAD_RANK_ENTRIES:])
@@ -274,7 +307,7 @@ def _classes() -> dict[str, type]:
             mgr, room = self.kv_mgr, self.bootstrap_room
             if mgr.writers_gone(room, self):
                 if mgr.request_status.get(room) != KVPoll.Success:
-                    mgr._dead_rooms.add(room)
+                    mgr._dead_rooms.add([room])
                 return
             super()._send_abort_notification(force_arm=force_arm)
 
