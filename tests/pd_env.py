@@ -60,7 +60,7 @@ class Shape:
     late_write_window_s: float = 0.3
     verify: bool = True  # fill and check every byte (the benchmark moves them unread)
     nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
-    state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows) or "swa"
+    state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows), "swa", "dsa"
     device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
     vmm_prefill: bool = False  # the prefill's CUDA pools VMM memory, as expandable_segments'
 
@@ -76,6 +76,7 @@ class Shape:
 
 MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
 SWA_LAYERS, SWA_PAGES = 2, 2  # sliding-window layers (K and V each), pages of the window
+DSA_TOKEN_BYTES = 132  # DSA's indexer key of one token: 128 fp8 values and a float32 scale
 STATE_ENTRY = 1000  # the state parts' entry numbers in `pattern`, after any KV entry's
 
 
@@ -155,14 +156,10 @@ def _kv_args(
         args.state_data_ptrs = [[t.data_ptr() for t in state]]
         args.state_data_lens = [[t.numel() for t in state]]
         args.state_dim_per_tensor = []
-        if shape.state == "mamba":  # one row per request in each tensor, sent by index
-            args.state_types = [StateType.MAMBA]
-            args.state_item_lens = [list(MAMBA_ITEM_LENS)]
-            args.state_layer_ids = [list(range(len(state)))]
-        else:  # SWA: K then V pages of its layers, sent page by page as the KV is
-            args.state_types = [StateType.SWA]
-            args.state_item_lens = [[shape.item_len] * len(state)]
-            args.state_layer_ids = [[]]
+        args.state_types = [StateType(shape.state)]
+        args.state_item_lens = [list(_state_item_lens(shape))]
+        # Mamba's tensors and DSA's layers are paired by id; SWA's K and V by position
+        args.state_layer_ids = [[] if shape.state == "swa" else list(range(len(state)))]
     args.prefill_start_layer, args.prefill_end_layer = 0, shape.layers
     return args
 
@@ -221,23 +218,34 @@ def _pool(n: int, shape: Shape) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=shape.device)
 
 
-def _state(shape: Shape) -> list[torch.Tensor]:
-    """The state group's tensors, a row or page per KV page, so a room's state parts are
-    found from its KV pages and, like them, reused only after the canary check."""
+def _state_item_lens(shape: Shape) -> tuple[int, ...]:
+    """Bytes of one index's item in each tensor of the state group: Mamba's conv and
+    temporal rows, SWA's K and V pages of its layers, DSA's indexer-key page of each layer
+    (fp8 keys and a float32 scale per token, DeepSeek-V3.2's 128 + 4 bytes)."""
     if shape.state == "mamba":
-        return [_pool(shape.pages * n, shape) for n in MAMBA_ITEM_LENS]
+        return MAMBA_ITEM_LENS
     if shape.state == "swa":
-        return [_pool(shape.pages * shape.item_len, shape) for _ in range(2 * SWA_LAYERS)]
-    return []
+        return (shape.item_len,) * (2 * SWA_LAYERS)
+    if shape.state == "dsa":
+        return (shape.page_size * DSA_TOKEN_BYTES,) * shape.layers
+    return ()
+
+
+def _state(shape: Shape) -> list[torch.Tensor]:
+    """The state group's tensors, an item per KV page, so a room's state parts are found
+    from its KV pages and, like them, reused only after the canary check."""
+    return [_pool(shape.pages * n, shape) for n in _state_item_lens(shape)]
 
 
 def _state_indices(shape: Shape, pages: list[int]) -> list[list[int]] | None:
     """What a room's sender and receiver name of the state group: the Mamba row (its first
-    page's), or the SWA window (its last pages)."""
+    page's), the SWA window (its last pages), or DSA's pages (the KV's own)."""
     if shape.state == "mamba":
         return [[pages[0]]]
     if shape.state == "swa":
         return [pages[-SWA_PAGES:]]
+    if shape.state == "dsa":
+        return [list(pages)]
     return None
 
 
@@ -247,10 +255,9 @@ def _state_parts(
     """(entry, part, bytes) of a room's state: what `pattern` fills at prefill and checks at
     decode."""
     (indices,) = _state_indices(shape, pages) or [[]]
-    lens = MAMBA_ITEM_LENS if shape.state == "mamba" else (shape.item_len,) * len(state)
     return [
         (k, j, t[i * n : (i + 1) * n])
-        for k, (t, n) in enumerate(zip(state, lens, strict=True))
+        for k, (t, n) in enumerate(zip(state, _state_item_lens(shape), strict=True))
         for j, i in enumerate(indices)
     ]
 

@@ -62,6 +62,7 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
         # pages of the window, sent page by page as the KV is)
         (Shape(state="mamba"), 60, 3, 4),
         (Shape(state="swa"), 60, 3, 4),
+        (Shape(mla=True, state="dsa"), 60, 3, 4),  # DeepSeek-V3.2: MLA KV, DSA indexer keys
         # KV and Mamba state on the GPU, written by CUDA IPC (tools/gpu_check.sh); the
         # prefill's pools VMM memory too (--enable-memory-saver), which it only sends from
         pytest.param(Shape(state="mamba", device="cuda"), 60, 3, 4, marks=CUDA_ONLY),
@@ -69,7 +70,15 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
             Shape(state="mamba", device="cuda", vmm_prefill=True), 60, 3, 4, marks=CUDA_ONLY
         ),
     ],
-    ids=["200-through-8-slots", "mla", "mamba-state", "swa-state", "cuda-kv", "cuda-kv-vmm"],
+    ids=[
+        "200-through-8-slots",
+        "mla",
+        "mamba-state",
+        "swa-state",
+        "dsa-state",
+        "cuda-kv",
+        "cuda-kv-vmm",
+    ],
 )
 def test_every_byte_of_every_request_lands(
     shape: Shape, rooms: int, pages: int, window: int
