@@ -12,7 +12,8 @@ as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
   (`ensure_abort_notified(force_arm=True)`, then `is_abort_release_safe`, as
   `DecodeTransferQueue._defer_release`/`resolve_deferred_releases` call them);
 - the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
-  a one-rank server (`get_parallel().override_permanently`).
+  each process (`get_parallel().override_permanently`): a one-rank decode, and a prefill of
+  `Shape.prefill_tp` ranks, a process each, its bootstrap server in rank 0's.
 
 Every KV byte is a function of (room, entry, page, offset), every aux row of the room, so the
 decode side checks all it receives; a failed room's pages and slot are filled with a canary
@@ -22,6 +23,7 @@ when released and checked again later, so a write that lands after release is ca
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import multiprocessing as mp
 import os
@@ -63,6 +65,8 @@ class Shape:
     state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows), "swa", "dsa"
     device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
     vmm_prefill: bool = False  # the prefill's CUDA pools VMM memory, as expandable_segments'
+    prefill_tp: int = 1  # prefill ranks (attention TP), each a process with its share of heads
+    rank: int = 0  # this prefill process's rank (Pair sets it)
 
     @property
     def entries(self) -> int:
@@ -72,6 +76,11 @@ class Shape:
     def item_len(self) -> int:  # bytes of one page of one entry (bf16)
         heads = 1 if self.mla else self.heads
         return self.page_size * heads * self.head_dim * 2
+
+    def rank_item_len(self, mode: str) -> int:
+        """Bytes of one page of one entry in `mode`'s pools: a prefill rank's share of the
+        heads (SGLang slices heads between attention TP sizes, `send_kvcache_slice`)."""
+        return self.item_len // (self.prefill_tp if mode == "prefill" else 1)
 
 
 MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
@@ -97,6 +106,7 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         disaggregation_bootstrap_port=bootstrap_port,
         host="127.0.0.1",
         page_size=shape.page_size,
+        tp_size=shape.prefill_tp if mode == "prefill" else 1,
     ).install()
     if shape.backend == "nixl":
         _nixl_under_its_import_name()
@@ -108,8 +118,9 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
 
         MooncakeKVSender.supports_host_tensor_indices = False
         te.maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # as parallel_state does
+    rank = shape.rank if mode == "prefill" else 0
     get_parallel().override_permanently(
-        tp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
+        tp_rank=rank, attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
     )  # fmt: skip
 
@@ -129,22 +140,28 @@ def _nixl_under_its_import_name() -> None:
 
 
 def _kv_args(
-    shape: Shape, kv: list[torch.Tensor], aux: tuple[list[int], ...], state: list[torch.Tensor]
+    shape: Shape,
+    mode: str,
+    kv: list[torch.Tensor],
+    aux: tuple[list[int], ...],
+    state: list[torch.Tensor],
 ) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     args = get_kv_class(TransferBackend(shape.backend), KVClassType.KVARGS)()
-    args.engine_rank = args.pp_rank = args.system_dp_rank = 0
+    args.pp_rank = args.system_dp_rank = 0
+    args.engine_rank = shape.rank if mode == "prefill" else 0
     args.kv_cache_dtype_str, args.kv_layout = "bfloat16", None
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
-    args.kv_item_lens = [shape.item_len] * shape.entries
+    args.kv_item_lens = [shape.rank_item_len(mode)] * shape.entries
     # NIXL registers by kind; SGLang says "VRAM" unless the pool is a host one (hisparse:
     # decode.py:629-633), and these pools are host memory
     args.kv_data_mem_kinds = ["DRAM"] * shape.entries
     args.kv_layer_ids = list(range(shape.layers)) * (1 if shape.mla else 2)
     args.num_draft_entries = 0
-    args.kv_head_num = args.total_kv_head_num = 1 if shape.mla else shape.heads
+    args.total_kv_head_num = 1 if shape.mla else shape.heads
+    args.kv_head_num = args.total_kv_head_num * shape.rank_item_len(mode) // shape.item_len
     args.page_size = shape.page_size
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = aux
     args.ib_device, args.gpu_id = None, 0
@@ -179,11 +196,13 @@ def _manager(
 
     _, cls = _classes(shape)
     role = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
-    return cls("MANAGER")(_kv_args(shape, kv, aux, state), role, get_server_args(), shape.mla)
+    args = _kv_args(shape, mode, kv, aux, state)
+    return cls("MANAGER")(args, role, get_server_args(), shape.mla)
 
 
-def _kv(shape: Shape) -> list[torch.Tensor]:
-    return [_pool(shape.pages * shape.item_len, shape) for _ in range(shape.entries)]
+def _kv(shape: Shape, mode: str) -> list[torch.Tensor]:
+    n = shape.pages * shape.rank_item_len(mode)
+    return [_pool(n, shape) for _ in range(shape.entries)]
 
 
 @contextlib.contextmanager
@@ -284,13 +303,15 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv, states = _kv(shape), _state(shape)
+    kv, states = _kv(shape, "prefill"), _state(shape)
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
     )  # fmt: skip
     _, cls = _classes(shape)
-    server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
+    server = None  # a server's one bootstrap server, its first rank's here
+    if shape.rank == 0:
+        server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
     manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), states)
     shareable = _shareable(kv[0]) if shape.device == "cuda" else None
     receives = getattr(getattr(manager, "engine", None), "receives", None)
@@ -327,7 +348,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                 if state == KVPoll.WaitingForInput and not started:
                     for e, t in enumerate(kv if shape.verify else ()):
                         for i, p in enumerate(pages):
-                            _page(t, p, shape).copy_(pattern(room, e, i, shape.item_len))
+                            _page(t, p, shape, "prefill").copy_(_share(room, e, i, shape))
                     for k, j, part in _state_parts(states, pages, shape):
                         part.copy_(pattern(room, STATE_ENTRY + k, j, part.numel()))
                     req = env.sglang_req(room, HIDDEN, TOPK)
@@ -352,7 +373,8 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
             time.sleep(0.0005)
         conn.send(("done", done, _refused(manager), sent_at))
     getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
-    server.close()
+    if server is not None:
+        server.close()
 
 
 def _refused(manager: Any) -> int:
@@ -367,7 +389,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers import scheduler
 
-    kv, states = _kv(shape), _state(shape)
+    kv, states = _kv(shape, "decode"), _state(shape)
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -479,7 +501,9 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
         max_sampling_mask_tokens=16, custom_mem_pool=None, kv_checksum_enabled=False,
         output_dsa_topk_indices_dim=0,
     )  # fmt: skip
-    manager = _manager(shape, "decode", _kv(shape), buffers.get_buf_infos(), _state(shape))
+    manager = _manager(
+        shape, "decode", _kv(shape, "decode"), buffers.get_buf_infos(), _state(shape)
+    )
     _, cls = _classes(shape)
     conn.send(("up", os.getpid(), buffers.table.name))
     addr = f"127.0.0.1:{bootstrap_port}"
@@ -524,8 +548,19 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
     buffers.close()
 
 
-def _page(t: torch.Tensor, page: int, shape: Shape) -> torch.Tensor:
-    return t[page * shape.item_len : (page + 1) * shape.item_len]
+def _page(t: torch.Tensor, page: int, shape: Shape, mode: str = "decode") -> torch.Tensor:
+    n = shape.rank_item_len(mode)
+    return t[page * n : (page + 1) * n]
+
+
+def _share(room: int, entry: int, page: int, shape: Shape) -> torch.Tensor:
+    """This prefill rank's heads of a page's `pattern` (a page is tokens x heads x dim)."""
+    whole = pattern(room, entry, page, shape.item_len)
+    if shape.prefill_tp == 1:
+        return whole
+    heads = shape.heads // shape.prefill_tp
+    by_head = whole.view(shape.page_size, shape.heads, -1)
+    return by_head[:, shape.rank * heads : (shape.rank + 1) * heads].reshape(-1)
 
 
 def _verify(
@@ -600,15 +635,19 @@ class Pair:
         self.sent = self.ctx.Value("i", 0)
         self.landed = self.ctx.Value("i", 0)
         self.procs: list[mp.process.BaseProcess] = []
-        self.prefill: Connection | None = None
+        self.prefill: Connection | None = None  # rank 0's, of `prefills`
+        self.prefills: list[Connection] = []
         self.decode: Connection | None = None
         self.decode_table = ""
         self.prefill_shareable: bool | None = None  # what the prefill said when up
         self.prefill_receives: bool | None = None
 
-    def _start(self, target: Any, counter: Any) -> tuple[Connection, Any, tuple[Any, ...]]:
+    def _start(
+        self, target: Any, counter: Any, shape: Shape | None = None
+    ) -> tuple[Connection, Any, tuple[Any, ...]]:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=target, args=(child, self.shape, self.port, counter))
+        shape = shape or self.shape
+        proc = self.ctx.Process(target=target, args=(child, shape, self.port, counter))
         proc.start()
         self.procs.append(proc)
         child.close()  # so that its death on the way up is an EOF here, not a wait
@@ -625,8 +664,13 @@ class Pair:
     def start_prefill(self) -> None:
         # torch reads its allocator's settings from the environment the prefill starts with
         vmm = "expandable_segments:True" if self.shape.vmm_prefill else None
+        self.prefills = []  # a prefill server started again replaces the last one
         with _environ("PYTORCH_CUDA_ALLOC_CONF", vmm):
-            self.prefill, _, up = self._start(prefill_main, self.sent)
+            for rank in range(self.shape.prefill_tp):  # rank 0 first: its bootstrap server
+                shape = dataclasses.replace(self.shape, rank=rank)
+                conn, _, up = self._start(prefill_main, self.sent, shape)
+                self.prefills.append(conn)
+        self.prefill = self.prefills[0]
         self.prefill_shareable, self.prefill_receives = up[2], up[3]
 
     def start_decode(self, target: Any = decode_main) -> None:
@@ -643,8 +687,9 @@ class Pair:
     ) -> None:
         """Both sides get the rooms (as SGLang's router would tell them); decode aborts the
         `abort` rooms mid-transfer and asks for a page past its pool's end for the `bad`."""
-        assert self.prefill is not None and self.decode is not None
-        self.prefill.send(("run", rooms, pages, window))
+        assert self.prefills and self.decode is not None
+        for conn in self.prefills:
+            conn.send(("run", rooms, pages, window))
         self.decode.send(("run", f"127.0.0.1:{self.port}", rooms, pages, window, set(abort), bad))
 
     def reply(self, conn: Connection | None, timeout: float = 90) -> Any:
@@ -673,7 +718,7 @@ class Pair:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for conn in (self.prefill, self.decode):
+        for conn in [*self.prefills, self.decode]:
             try:
                 if conn is not None:
                     conn.send(("stop",))

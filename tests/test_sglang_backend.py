@@ -98,6 +98,25 @@ def test_every_byte_of_every_request_lands(
         assert pair.settle() == (True, shape.pages, shape.slots)
 
 
+def test_two_prefill_ranks_write_their_heads_into_one_decode_rank() -> None:
+    """Prefill at attention TP 2, decode at 1: each prefill rank holds half the KV heads,
+    and SGLang's own `send_kvcache_slice` writes them into the decode's whole pages, a
+    head-slice of every token (blocks of 4 heads x 16 dim here), every byte checked."""
+    shape = Shape(heads=8, page_size=8, prefill_tp=2)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        numbers = list(range(1000, 1040))
+        pair.submit(numbers, pages=3, window=4)
+        for conn in pair.prefills:
+            _, sent, refused, _ = pair.reply(conn)
+            assert set(sent.values()) == {"Success"} and refused == 0
+        _, outcomes = pair.reply(pair.decode)
+        assert sorted(outcomes) == numbers
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert pair.settle() == (True, shape.pages, shape.slots)
+
+
 def _kill_mid_transfer(pair: Pair, side: str) -> float:
     """SIGKILL `side` once transfers are flowing; returns the kill's monotonic time."""
     pair.wait_until(pair.sent, 20)
@@ -162,7 +181,9 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert not facts["fresh_entries_gone"]
 
 
-def test_dead_room_marks_are_bounded_keeping_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dead_room_marks_are_bounded_keeping_the_newest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With deferred release off SGLang never clears a dead room's mark (no
     `clear_deferred_abort_state`), and room ids are random: the marks of a decode whose
     prefills keep dying must not grow without end, and the newest (those in flight) stay."""
