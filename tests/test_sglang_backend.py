@@ -3,6 +3,7 @@ receiver and bootstrap server in two spawned processes (tests/pd_env.py), every 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -181,7 +182,32 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert not facts["fresh_entries_gone"]
 
 
-def test_dead_room_marks_are_bounded_keeping_the_newest(
+def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies() -> None:
+    """SGLang's launcher takes a whole server down when one of its schedulers dies, one rank
+    after another.  At the first death SGLang fails the server's rooms and forgets its
+    ranks; a live rank may still be writing, so the rooms wait.  They must be released when
+    the last rank dies, not after the 30 s deferred-release timeout ("Failed-timeout")."""
+    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit(list(range(1, 2001)), pages=4, window=6)
+        pair.wait_until(pair.sent, 20)
+        first, last = pair.procs[1], pair.procs[0]
+        assert first.pid is not None and last.pid is not None
+        os.kill(first.pid, signal.SIGKILL)
+        time.sleep(0.5)  # SGLang fails the server's rooms; its rank 0 still lives
+        os.kill(last.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, outcomes = pair.reply(pair.decode)
+        failed = [o for o in outcomes.values() if o.status == "Failed"]
+        statuses = Counter(o.status for o in outcomes.values())
+        assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        assert max(o.released_at for o in failed) - killed < 2.0, statuses
+        assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
+
+
+def test_room_marks_are_bounded_and_narrowed_to_live_writers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With deferred release off SGLang never clears a dead room's mark (no
@@ -190,7 +216,7 @@ def test_dead_room_marks_are_bounded_keeping_the_newest(
     from shmslots.sglang import backend
 
     monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
-    marks = backend._DeadRooms()
+    marks = backend._RoomMarks()
     marks.add(range(10))
     assert len(marks) == 4 and [r for r in range(10) if r in marks] == [6, 7, 8, 9]
     marks.add([6])  # marked again: now the newest
@@ -199,6 +225,13 @@ def test_dead_room_marks_are_bounded_keeping_the_newest(
     marks.discard(8)
     marks.discard(8)  # a room released twice
     assert [r for r in range(11) if r in marks] == [6, 9, 10]
+    # rooms of a server dying rank by rank: done when none of their registries lives
+    writers = backend._RoomMarks()
+    writers.add([1, 2], frozenset({"rank0", "rank1"}))
+    writers.add([3], frozenset({"rank1"}))
+    assert writers.names() == {"rank0", "rank1"}
+    assert writers.narrow(frozenset({"rank0"})) == [3] and writers.names() == {"rank0"}
+    assert writers.narrow(frozenset()) == [1, 2] and len(writers) == 0
 
 
 def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:

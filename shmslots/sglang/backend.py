@@ -15,8 +15,10 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   watcher thread reads every known prefill rank's registry lock, and whether its owner has
   begun to exit, every `SHMSLOTS_PD_WATCH_S` (0.02 s); a dead rank fails its server's rooms
   as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
-  those rooms are safe to release at once, since a dead process writes nothing (a
-  heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path);
+  those rooms are safe to release at once, since a dead process writes nothing; the rooms
+  of a server with a rank still alive are watched until its last rank dies (SGLang forgets
+  a failed server's ranks); a heartbeat's failure, which cannot tell dead from slow, keeps
+  SGLang's own path;
 - `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a room
   of a dead server sends no ABORT, and one bootstrapped after the watcher's look is told
   as the dead server's by its rank entries, SGLang's cached ones.  This relies on
@@ -92,34 +94,53 @@ class _DeadSessions(set[str]):
             super().add(session)
 
 
-class _DeadRooms:
-    """Rooms no live writer can reach, safe to release at once.  A mark goes when SGLang
-    releases its room (`clear_deferred_abort_state`) or the room is bootstrapped afresh; with
-    deferred release off SGLang calls neither, so only the newest DEAD_ROOMS marks are kept,
-    and a decode whose prefills keep dying does not grow without end.  The watcher thread
-    marks, the scheduler thread marks, reads and clears."""
+class _RoomMarks:
+    """What the watcher learnt of rooms, by room id: each room's same-host registries (its
+    prefill ranks) still alive.  A mark goes when SGLang releases its room
+    (`clear_deferred_abort_state`) or the room is bootstrapped afresh; with deferred release
+    off SGLang calls neither, so only the newest DEAD_ROOMS marks are kept, and a decode
+    whose prefills keep dying does not grow without end.  The watcher thread marks and
+    narrows, the scheduler thread marks, reads and clears."""
 
     def __init__(self) -> None:
-        self._rooms: dict[int, None] = {}  # in marking order, oldest first
+        self._marks: dict[int, frozenset[str]] = {}  # in marking order, oldest first
         self._lock = threading.Lock()
 
-    def add(self, rooms: Iterable[int]) -> None:
+    def add(self, rooms: Iterable[int], alive: frozenset[str] = frozenset()) -> None:
         with self._lock:
             for room in rooms:
-                self._rooms.pop(room, None)
-                self._rooms[room] = None
-            for room in list(itertools.islice(self._rooms, max(0, len(self._rooms) - DEAD_ROOMS))):
-                del self._rooms[room]
+                self._marks.pop(room, None)
+                self._marks[room] = alive
+            for room in list(itertools.islice(self._marks, max(0, len(self._marks) - DEAD_ROOMS))):
+                del self._marks[room]
+
+    def names(self) -> frozenset[str]:
+        """Every registry some marked room waits on."""
+        with self._lock:
+            return frozenset().union(*self._marks.values())
+
+    def narrow(self, alive: frozenset[str]) -> list[int]:
+        """Each room's registries narrowed to those in `alive`; the rooms left with none are
+        dropped, and returned."""
+        with self._lock:
+            done = []
+            for room, names in list(self._marks.items()):
+                if names & alive:
+                    self._marks[room] = names & alive
+                else:
+                    del self._marks[room]
+                    done.append(room)
+            return done
 
     def discard(self, room: int) -> None:
         with self._lock:
-            self._rooms.pop(room, None)
+            self._marks.pop(room, None)
 
     def __contains__(self, room: object) -> bool:
-        return room in self._rooms
+        return room in self._marks
 
     def __len__(self) -> int:
-        return len(self._rooms)
+        return len(self._marks)
 
 
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
@@ -159,7 +180,8 @@ def _classes() -> dict[str, type]:
                 self.rank_port,
                 receives=self.disaggregation_mode == DisaggregationMode.DECODE,
             )
-            self._dead_rooms = _DeadRooms()
+            self._dead_rooms = _RoomMarks()  # every writer dead: safe at once
+            self._writers = _RoomMarks()  # of a server part dead: its ranks still alive
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
             self._peers: dict[str, PeerRegistry] = {}
             self._watch_stop = threading.Event()
@@ -213,14 +235,22 @@ def _classes() -> dict[str, type]:
                 dead = {name for name in names if not self._peer_alive(name)}
                 if not dead:
                     continue
-                if dead == names:
-                    self._dead_rooms.add(
-                        r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success
-                    )
+                pending = [r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success]
+                if dead != names:  # a live rank may still write: its rooms wait for it (below)
+                    self._writers.add(pending, frozenset(names - dead))
+                else:
+                    self._dead_rooms.add(pending)
                     # rebound, never mutated: the scheduler thread reads it without a lock
                     dead_ranks = {**self._dead_ranks, **{id(e): e for e in entries_of[addr]}}
                     self._dead_ranks = dict(list(dead_ranks.items())[-DEAD_RANK_ENTRIES:])
                 self._handle_node_failure(addr)
+            # SGLang forgets a failed server's ranks, so the rooms of one that dies rank by
+            # rank (its launcher takes it down when one scheduler dies) are watched here
+            # until their last writer is dead
+            watched = self._writers.names()
+            if watched:
+                alive = frozenset(name for name in watched if self._peer_alive(name))
+                self._dead_rooms.add(self._writers.narrow(alive))
 
         def _peer_alive(self, name: str) -> bool:
             """False once a registry seen alive is unlocked, removed or replaced, or its
@@ -266,6 +296,7 @@ def _classes() -> dict[str, type]:
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
             self._dead_rooms.discard(bootstrap_room)
+            self._writers.discard(bootstrap_room)
             super().clear_deferred_abort_state(bootstrap_room)
 
         def teardown(self) -> None:
@@ -296,7 +327,8 @@ def _classes() -> dict[str, type]:
             before, its writers are the ones bootstrapping now.  A duplicate of a room still
             pending changes nothing (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
             if bootstrap_room not in mgr.request_status:  # before SGLang lists the room: a
-                mgr._dead_rooms.discard(bootstrap_room)  # watcher's mark from then on stays
+                mgr._dead_rooms.discard(bootstrap_room)  # watcher's marks from then on stay
+                mgr._writers.discard(bootstrap_room)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
