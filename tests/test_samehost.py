@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -24,7 +25,13 @@ import shmslots.sglang.samehost.engine as engine_code
 from shmslots.errors import ShmSlotsError
 from shmslots.segment import SHM_DIR
 from shmslots.sglang import samehost
-from shmslots.sglang.samehost import PeerGone, Region, SameHostEngine, TransferError
+from shmslots.sglang.samehost import (
+    EngineClosed,
+    PeerGone,
+    Region,
+    SameHostEngine,
+    TransferError,
+)
 from shmslots.sglang.samehost.memfd import share
 from shmslots.sglang.samehost.peer import Peer
 from shmslots.sglang.samehost.regions import mappings
@@ -348,6 +355,21 @@ def test_a_malformed_session_is_a_failed_transfer_not_an_exception(writer) -> No
     for session in ("a/b#1:7", "../x#1:2", "shmslots-pd-x#notanumber:1", "plain"):
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [4096], [8]) == -1
         assert engine.send_probe(session) == -1
+
+
+def test_a_closed_engine_fails_transfers_quietly(victim, caplog) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's transfer threads, daemons, still start transfers after an exiting process
+    retired its engines: each fails as a dead peer's would, with no warning logged."""
+    _, (session, _, _), _ = victim
+    src = torch.zeros(64, dtype=torch.uint8)
+    engine = SameHostEngine(f"{NAME}-closed-{os.getpid()}")
+    engine.batch_register([src.data_ptr()], [src.numel()])
+    engine.close()
+    with pytest.raises(EngineClosed):
+        engine.transfer(session, [src.data_ptr()], [4096], [8])
+    with caplog.at_level(logging.WARNING):
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [4096], [8]) == -1
+    assert not caplog.records and engine.failed == 1 and engine.refused == 0
 
 
 MOVED = (9 << 20) + 5000  # bytes registered: whole pages between two partial ones

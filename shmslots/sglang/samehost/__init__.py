@@ -15,12 +15,13 @@ one registered here; otherwise nothing of the call is written.
 """
 
 from .engine import SameHostEngine
-from .errors import PeerGone, TransferError
+from .errors import EngineClosed, PeerGone, TransferError
 from .regions import Region
 from .registry import PREFIX, PeerRegistry, parse_session, sweep
 
 __all__ = [
     "PREFIX",
+    "EngineClosed",
     "PeerGone",
     "PeerRegistry",
     "Region",

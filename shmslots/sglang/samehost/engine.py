@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import InvalidArgument, ShmSlotsError
 from .. import cuda_kv
-from .errors import PeerGone, TransferError
+from .errors import EngineClosed, PeerGone, TransferError
 from .memfd import share, unshare
 from .peer import DeviceMapping, Peer, allow_peers, close_all
 from .plan import Plan, plan
@@ -163,8 +163,8 @@ class SameHostEngine:
         """Mooncake's contract: 0 when every byte landed, -1 otherwise (logged by SGLang)."""
         try:
             self.transfer(session, sources, targets, lengths)
-        except PeerGone:
-            self.failed += 1
+        except (PeerGone, EngineClosed):  # no fault of the caller's: no warning (an exiting
+            self.failed += 1  # process's transfer threads still start some after retire)
             return -1
         except ShmSlotsError as exc:
             log.warning("shmslots same-host transfer refused: %s", exc)
@@ -281,7 +281,7 @@ class SameHostEngine:
         try:
             with self._lock:
                 if self._closed:
-                    raise TransferError("this same-host engine is closed")
+                    raise EngineClosed("this same-host engine is closed")
                 peer = self._peers.get(session)
                 if peer is None:
                     doomed = self._prune()

@@ -11,3 +11,7 @@ class TransferError(ShmSlotsError):
 
 class PeerGone(TransferError):
     """The peer's registry is gone, replaced (a restart), or its owner is dead."""
+
+
+class EngineClosed(TransferError):
+    """This engine was closed or retired (its process is ending): it starts no transfer."""
