@@ -103,7 +103,7 @@ class Deployment:
         self.logs = logs
         self.started: list[Process] = []
         self.left_in_shm: list[str] = []
-        self.outlived_grace: list[str] = []  # servers SIGKILLed by stop: their exit never ran
+        self.outlived_grace: list[str] = []  # servers whose processes stop SIGKILLed, named
         self.swept = sweep_dead_load_files()
         self._shm_before = set(os.listdir("/dev/shm"))
         self._pids: set[int] = set()  # every process of its servers seen, for what they left
@@ -204,11 +204,16 @@ class Deployment:
             p.proc.terminate()
         deadline = time.monotonic() + grace_s
         for p in self.started:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.outlived_grace.append(p.name)
-            _signal_session(p.proc, signal.SIGKILL)  # the children of a server that exited too
+        sessions = [p.proc.pid for p in self.started]
+        while any(map(_session_members, sessions)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a server's children get the grace too
+        for p in self.started:
+            left = _session_members(p.proc.pid)
+            if left:  # their exit never ran
+                self.outlived_grace.append(f"{p.name} ({', '.join(map(_named, left))})")
+            _signal_session(p.proc, signal.SIGKILL)
             p.proc.wait()
         _wait_for_session_gone([p.proc.pid for p in self.started], deadline + 10)
         self.started.clear()
@@ -302,6 +307,14 @@ def _wait_for_session_gone(sessions: Sequence[int], deadline: float) -> None:
                     os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
     raise RuntimeError(f"processes left in sessions {list(sessions)}")
+
+
+def _named(pid: int) -> str:
+    """A process as a report names it: its pid and command name."""
+    try:
+        return f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}"
+    except OSError:
+        return str(pid)
 
 
 def _session_members(session: int) -> list[int]:
