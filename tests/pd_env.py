@@ -290,6 +290,7 @@ class Outcome:
     verified: bool = False
     failed_at: float = 0.0  # monotonic, when poll() first said Failed
     released_at: float = 0.0  # monotonic, when its pages and slot went back
+    required_acks: int = 0  # prefill ranks it waited on (0: none held its pages yet)
     landed_at: float = 0.0  # monotonic, when poll() first said Success
     pages: list[int] = field(default_factory=list)
     slot: int = -1
@@ -464,6 +465,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                         receiver.ensure_abort_notified(force_arm=True)
                         out.status = "Failed"
                     required = len(receiver.bootstrap_infos or ()) if receiver.abort_notified else 0
+                    out.required_acks = required
                     if not manager.is_abort_release_safe(room, required):
                         if time.monotonic() - out.failed_at < 30:
                             continue

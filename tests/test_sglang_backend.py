@@ -203,6 +203,9 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         failed = [o for o in outcomes.values() if o.status == "Failed"]
         statuses = Counter(o.status for o in outcomes.values())
         assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        held = [o for o in failed if o.required_acks]  # rooms whose pages a rank held
+        assert held, "no room was mid-transfer at the first kill"
+        assert min(o.released_at for o in held) >= killed  # none while rank 0 could write
         assert max(o.released_at for o in failed) - killed < 2.0, statuses
         assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
 
@@ -232,6 +235,33 @@ def test_room_marks_are_bounded_and_narrowed_to_live_writers(
     assert writers.names() == {"rank0", "rank1"}
     assert writers.narrow(frozenset({"rank0"})) == [3] and writers.names() == {"rank0"}
     assert writers.narrow(frozenset()) == [1, 2] and len(writers) == 0
+
+
+def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> None:
+    """The watcher tells ranks apart by registry, not by name: a prefill restarted at the
+    same address (same name, new registry) is alive, or the rooms bootstrapped to it would
+    be released while it writes them; a rank seen alive whose registry is then removed (it
+    exited, or a sweep came) is dead, not "never seen"."""
+    from shmslots.sglang import backend, samehost
+    from shmslots.sglang.samehost.registry import Registry
+
+    name = f"{samehost.PREFIX}ranks-test-{os.getpid()}"
+    ranks = backend._Ranks()
+    try:
+        assert ranks.alive(name)  # never seen: not this host's, or not up yet
+        first = Registry(name)
+        assert ranks.alive(name)
+        first.close()  # exits: its registry goes with it
+        assert not ranks.alive(name) and not ranks.alive(name)
+        again = Registry(name)  # restarted at the same address
+        assert ranks.alive(name)
+        again.close()
+        restarted = Registry(name)  # died and restarted between two looks
+        assert ranks.alive(name)
+        ranks.keep_only(())
+        restarted.close()
+    finally:
+        ranks.keep_only(())
 
 
 def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:

@@ -39,7 +39,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 from .samehost import PREFIX, PeerRegistry, SameHostEngine
@@ -47,7 +47,7 @@ from .samehost import PREFIX, PeerRegistry, SameHostEngine
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
-DEAD_ROOMS = 1 << 16  # rooms marked safe to release, the newest kept: far more than in flight
+DEAD_ROOMS = 1 << 16  # marks of rooms (`_RoomMarks`), the newest kept: far more than in flight
 UTILS = "sglang.srt.disaggregation.utils"
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class _DeadSessions(set[str]):
 class _RoomMarks:
     """What the watcher learnt of rooms, by room id: each room's same-host registries (its
     prefill ranks) still alive.  A mark goes when SGLang releases its room
-    (`clear_deferred_abort_state`) or the room is bootstrapped afresh; with deferred release
+    (`clear_deferred_abort_state`), the room is bootstrapped afresh, or (`narrow`) none of
+    its registries lives any more; with deferred release
     off SGLang calls neither, so only the newest DEAD_ROOMS marks are kept, and a decode
     whose prefills keep dying does not grow without end.  The watcher thread marks and
     narrows, the scheduler thread marks, reads and clears."""
@@ -143,6 +144,49 @@ class _RoomMarks:
         return len(self._marks)
 
 
+class _Ranks:
+    """The decode watcher's view of prefill ranks, by registry name: whether each lives.
+    Only the watcher thread uses it."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, PeerRegistry] = {}  # registries seen alive, held open
+        self._gone: dict[str, None] = {}  # names whose registry was seen alive, then dead
+
+    def alive(self, name: str) -> bool:
+        """False once the registry seen alive under `name` is unlocked, removed or replaced,
+        or its owner has begun to exit (before its lock goes: `PeerRegistry.owner_gone`),
+        and no live registry has taken the name since.  A rank restarted under the name is
+        alive: rooms bootstrapped to it must not be released as the dead one's (those keep
+        SGLang's path).  A name never seen is alive: not this host's engine, or not up yet."""
+        reg = self._seen.pop(name, None)
+        if reg is not None:
+            if reg.alive() and reg.named() and not reg.owner_gone():
+                self._seen[name] = reg
+                return True
+            reg.close()
+            self._gone[name] = None
+            self._gone = dict(list(self._gone.items())[-DEAD_RANK_ENTRIES:])
+        try:
+            reg = PeerRegistry(name, None)
+        except Exception:
+            return name not in self._gone  # no file: gone, if it was seen
+        try:
+            reg.refresh()  # its owner's pid and start time
+        except Exception:
+            reg.close()
+            return True  # not published yet, or another format: looked at again
+        if reg.alive() and not reg.owner_gone():
+            self._seen[name] = reg
+            return True
+        reg.close()
+        return False
+
+    def keep_only(self, names: Container[str]) -> None:
+        """Close the registries of every name not in `names`."""
+        for name in [n for n in self._seen if n not in names]:
+            self._seen.pop(name).close()
+
+
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType
 
@@ -183,7 +227,7 @@ def _classes() -> dict[str, type]:
             self._dead_rooms = _RoomMarks()  # every writer dead: safe at once
             self._writers = _RoomMarks()  # of a server part dead: its ranks still alive
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
-            self._peers: dict[str, PeerRegistry] = {}
+            self._ranks = _Ranks()
             self._watch_stop = threading.Event()
             if self.disaggregation_mode == DisaggregationMode.DECODE:
                 self._watcher = threading.Thread(
@@ -231,13 +275,21 @@ def _classes() -> dict[str, type]:
                             )
                             entries_of.setdefault(addr, []).extend(entries)
                 rooms = {addr: set(self.addr_to_rooms_tracker.get(addr, ())) for addr in ranks}
+            alive: dict[str, bool] = {}  # each name looked at once a pass
+
+            def lives(name: str) -> bool:
+                if name not in alive:
+                    alive[name] = self._ranks.alive(name)
+                return alive[name]
+
             for addr, names in ranks.items():
-                dead = {name for name in names if not self._peer_alive(name)}
+                dead = {name for name in names if not lives(name)}
                 if not dead:
                     continue
                 pending = [r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success]
                 if dead != names:  # a live rank may still write: its rooms wait for it (below)
-                    self._writers.add(pending, frozenset(names - dead))
+                    if self.enable_deferred_decode_kv_release:  # else nothing waits on them
+                        self._writers.add(pending, frozenset(names - dead))
                 else:
                     self._dead_rooms.add(pending)
                     # rebound, never mutated: the scheduler thread reads it without a lock
@@ -249,29 +301,8 @@ def _classes() -> dict[str, type]:
             # until their last writer is dead
             watched = self._writers.names()
             if watched:
-                alive = frozenset(name for name in watched if self._peer_alive(name))
-                self._dead_rooms.add(self._writers.narrow(alive))
-
-        def _peer_alive(self, name: str) -> bool:
-            """False once a registry seen alive is unlocked, removed or replaced, or its
-            owner has begun to exit (before its lock goes: `PeerRegistry.owner_gone`)."""
-            reg = self._peers.get(name)
-            if reg is None:
-                try:
-                    reg = PeerRegistry(name, None)
-                except Exception:
-                    return True  # never seen: not this host's engine, or not up yet
-                try:
-                    reg.refresh()  # its owner's pid and start time
-                except Exception:
-                    reg.close()
-                    return True  # not published yet, or another format: looked at again
-                self._peers[name] = reg
-            if reg.alive() and reg.named() and not reg.owner_gone():
-                return True
-            self._peers.pop(name, None)
-            reg.close()
-            return False
+                self._dead_rooms.add(self._writers.narrow(frozenset(filter(lives, watched))))
+            self._ranks.keep_only(alive)  # let go of forgotten servers' registries
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
             """A room whose prefill died is safe at once: a dead process writes nothing."""
@@ -310,9 +341,7 @@ def _classes() -> dict[str, type]:
             watcher = getattr(self, "_watcher", None)
             if watcher is not None and watcher is not threading.current_thread():
                 watcher.join(5)
-            for reg in list(self._peers.values()):
-                reg.close()
-            self._peers.clear()
+            self._ranks.keep_only(())
             self.engine.close()
 
     class ShmslotsKVSender(MooncakeKVSender):  # type: ignore[misc]
