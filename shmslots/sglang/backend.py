@@ -98,9 +98,9 @@ class _RoomMarks:
     """What the watcher learnt of rooms, by room id: each room's same-host registries (its
     prefill ranks) still alive.  A mark goes when SGLang releases its room
     (`clear_deferred_abort_state`), the room is bootstrapped afresh, or (`narrow`) none of
-    its registries lives any more; with deferred release
-    off SGLang calls neither, so only the newest DEAD_ROOMS marks are kept, and a decode
-    whose prefills keep dying does not grow without end.  The watcher thread marks and
+    its registries lives any more.  With deferred release off SGLang never clears a room,
+    so only the newest DEAD_ROOMS marks are kept: a decode whose prefills keep dying does
+    not grow without end.  The watcher thread marks and
     narrows, the scheduler thread marks, reads and clears."""
 
     def __init__(self) -> None:
@@ -164,8 +164,7 @@ class _Ranks:
                 self._seen[name] = reg
                 return True
             reg.close()
-            self._gone[name] = None
-            self._gone = dict(list(self._gone.items())[-DEAD_RANK_ENTRIES:])
+            self._gone = _newest({**self._gone, name: None}, DEAD_RANK_ENTRIES)
         try:
             reg = PeerRegistry(name, None)
         except Exception:
@@ -185,6 +184,11 @@ class _Ranks:
         """Close the registries of every name not in `names`."""
         for name in [n for n in self._seen if n not in names]:
             self._seen.pop(name).close()
+
+
+def _newest(items: dict[Any, Any], keep: int) -> dict[Any, Any]:
+    """The last `keep` items of `items`, in order: a bounded memory of what died."""
+    return dict(list(items.items())[-keep:])
 
 
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
@@ -294,7 +298,7 @@ def _classes() -> dict[str, type]:
                     self._dead_rooms.add(pending)
                     # rebound, never mutated: the scheduler thread reads it without a lock
                     dead_ranks = {**self._dead_ranks, **{id(e): e for e in entries_of[addr]}}
-                    self._dead_ranks = dict(list(dead_ranks.items())[-DEAD_RANK_ENTRIES:])
+                    self._dead_ranks = _newest(dead_ranks, DEAD_RANK_ENTRIES)
                 self._handle_node_failure(addr)
             # SGLang forgets a failed server's ranks, so the rooms of one that dies rank by
             # rank (its launcher takes it down when one scheduler dies) are watched here

@@ -163,8 +163,10 @@ class SameHostEngine:
         """Mooncake's contract: 0 when every byte landed, -1 otherwise (logged by SGLang)."""
         try:
             self.transfer(session, sources, targets, lengths)
-        except (PeerGone, EngineClosed):  # no fault of the caller's: no warning (an exiting
-            self.failed += 1  # process's transfer threads still start some after retire)
+        except (PeerGone, EngineClosed):
+            # no fault of the caller's, so no warning: an exiting process's transfer threads
+            # still start transfers after it retired its engines
+            self.failed += 1
             return -1
         except ShmSlotsError as exc:
             log.warning("shmslots same-host transfer refused: %s", exc)
