@@ -291,6 +291,7 @@ class Outcome:
     failed_at: float = 0.0  # monotonic, when poll() first said Failed
     released_at: float = 0.0  # monotonic, when its pages and slot went back
     required_acks: int = 0  # prefill ranks it waited on (0: none held its pages yet)
+    acked: tuple[int, ...] = ()  # the ranks whose ABORT_ACK it had when released
     landed_at: float = 0.0  # monotonic, when poll() first said Success
     pages: list[int] = field(default_factory=list)
     slot: int = -1
@@ -472,6 +473,8 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                         out.status = "Failed-timeout"
                     # _do_release: pages, metadata slot, deferred state, receiver
                     out.released_at = time.monotonic()
+                    acks = manager._deferred_abort_ack_tracker.get(room)  # SGLang's count
+                    out.acked = tuple(sorted(acks.prefill_ranks)) if acks else ()
                     _fill_canary(kv, states, out, shape)
                     buffers.clear_slot(out.slot)
                     allocator.free(out.slot)

@@ -185,8 +185,9 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
 def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies() -> None:
     """SGLang's launcher takes a whole server down when one of its schedulers dies, one rank
     after another.  At the first death SGLang fails the server's rooms and forgets its
-    ranks; a live rank may still be writing, so the rooms wait.  They must be released when
-    the last rank dies, not after the 30 s deferred-release timeout ("Failed-timeout")."""
+    ranks; a live rank may still be writing, so the rooms wait.  Here rank 0 is stopped
+    first, so it can neither write nor acknowledge: the rooms must be released when it dies,
+    not after the 30 s deferred-release timeout ("Failed-timeout"), and not before."""
     shape = dataclasses.replace(BIG, state="", prefill_tp=2)
     with Pair(shape) as pair:
         pair.start_prefill()
@@ -195,6 +196,7 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         pair.wait_until(pair.sent, 20)
         first, last = pair.procs[1], pair.procs[0]
         assert first.pid is not None and last.pid is not None
+        os.kill(last.pid, signal.SIGSTOP)  # alive, mid-write perhaps, and silent
         os.kill(first.pid, signal.SIGKILL)
         time.sleep(0.5)  # SGLang fails the server's rooms; its rank 0 still lives
         os.kill(last.pid, signal.SIGKILL)
@@ -208,6 +210,42 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         assert min(o.released_at for o in held) >= killed  # none while rank 0 could write
         assert max(o.released_at for o in failed) - killed < 2.0, statuses
         assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
+
+
+def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() -> None:
+    """One rank of a two-rank prefill dies and the other lives on (SGLang's launcher did not
+    take the server down).  SGLang counts a room's ABORT_ACKs, so the dead rank's missing
+    one held every room for the 30 s timeout; each room is released once its live rank has
+    acked, and the dead one's write is known to have stopped.  Then the decode serves a new
+    prefill."""
+    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit(list(range(1, 201)), pages=4, window=6)
+        pair.wait_until(pair.sent, 20)
+        dead, live = pair.procs[1], pair.procs[0]
+        assert dead.pid is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, outcomes = pair.reply(pair.decode)
+        failed = [o for o in outcomes.values() if o.status == "Failed"]
+        statuses = Counter(o.status for o in outcomes.values())
+        assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        held = [o for o in failed if o.required_acks == 2]  # both ranks were sent its ABORT
+        assert held, "no room was mid-transfer at the kill"
+        assert all(o.acked == (0,) for o in held), [o.acked for o in held]  # the live rank's
+        assert max(o.released_at for o in failed) - killed < 2.0, statuses
+        assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
+        pair.reply(pair.prefill)  # the live rank gives up the rooms no decode asks for
+        pair.prefill.send(("stop",))  # type: ignore[union-attr]
+        live.join(30)
+        pair.start_prefill()
+        pair.submit(list(range(5001, 5021)), pages=4, window=4)
+        for conn in pair.prefills:
+            pair.reply(conn)
+        _, outcomes = pair.reply(pair.decode)
+        assert all(o.status == "Success" and o.verified for o in outcomes.values())
 
 
 def test_room_marks_are_bounded_and_narrowed_to_live_writers(

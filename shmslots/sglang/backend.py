@@ -19,11 +19,16 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   of a server with a rank still alive are watched until its last rank dies (SGLang forgets
   a failed server's ranks); a heartbeat's failure, which cannot tell dead from slow, keeps
   SGLang's own path;
+- `_deferred_abort_ack_tracker` (read): SGLang counts a room's ABORT_ACKs against the
+  number of ranks it aborted, so a dead rank's missing ACK held the room for the timeout;
+  here a room is safe once each of its ranks has acked or is dead, told by rank number;
 - `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a room
-  of a dead server sends no ABORT, and one bootstrapped after the watcher's look is told
-  as the dead server's by its rank entries, SGLang's cached ones.  This relies on
+  whose ranks are all dead sends no ABORT, and one bootstrapped after the watcher's look is
+  told as the dead ranks' by its rank entries, SGLang's cached ones.  This relies on
   `_handle_node_failure` deleting every cached entry of the server under its lock, and on
   a receiver listing its room (`__init__`) before it reads that cache (`init`);
+- `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
+  number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
 
 The decode side's aux buffers are the plugin's shmslots table (`DecodeMetadataBuffers`),
@@ -48,6 +53,7 @@ NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
 DEAD_ROOMS = 1 << 16  # marks of rooms (`_RoomMarks`), the newest kept: far more than in flight
+ACK_RANK = "shmslots_ack_rank"  # a bootstrap entry's rank, as its ABORT_ACKs number it
 UTILS = "sglang.srt.disaggregation.utils"
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,11 @@ log = logging.getLogger(__name__)
 def registry_name(ip: str, port: int) -> str:
     """The registry of the manager listening at ip:port on this host."""
     return PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{ip}-{port}")
+
+
+def _rank_registry(entry: dict[str, Any]) -> str:
+    """The registry of the prefill rank a bootstrap entry names."""
+    return registry_name(str(entry["rank_ip"]), int(entry["rank_port"]))
 
 
 def register_hooks() -> None:
@@ -231,6 +242,7 @@ def _classes() -> dict[str, type]:
             self._dead_rooms = _RoomMarks()  # every writer dead: safe at once
             self._writers = _RoomMarks()  # of a server part dead: its ranks still alive
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
+            self._aborted: dict[int, list[dict[str, Any]]] = {}  # room: its ABORT's ranks
             self._ranks = _Ranks()
             self._watch_stop = threading.Event()
             if self.disaggregation_mode == DisaggregationMode.DECODE:
@@ -273,10 +285,7 @@ def _classes() -> dict[str, type]:
                 for key, entries in self.connection_pool.items():
                     for addr in self.prefill_info_table:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
-                            ranks.setdefault(addr, set()).update(
-                                registry_name(str(info["rank_ip"]), int(info["rank_port"]))
-                                for info in entries
-                            )
+                            ranks.setdefault(addr, set()).update(map(_rank_registry, entries))
                             entries_of.setdefault(addr, []).extend(entries)
                 rooms = {addr: set(self.addr_to_rooms_tracker.get(addr, ())) for addr in ranks}
             alive: dict[str, bool] = {}  # each name looked at once a pass
@@ -296,9 +305,9 @@ def _classes() -> dict[str, type]:
                         self._writers.add(pending, frozenset(names - dead))
                 else:
                     self._dead_rooms.add(pending)
-                    # rebound, never mutated: the scheduler thread reads it without a lock
-                    dead_ranks = {**self._dead_ranks, **{id(e): e for e in entries_of[addr]}}
-                    self._dead_ranks = _newest(dead_ranks, DEAD_RANK_ENTRIES)
+                gone = {id(e): e for e in entries_of[addr] if _rank_registry(e) in dead}
+                # rebound, never mutated: the scheduler thread reads it without a lock
+                self._dead_ranks = _newest({**self._dead_ranks, **gone}, DEAD_RANK_ENTRIES)
                 self._handle_node_failure(addr)
             # SGLang forgets a failed server's ranks, so the rooms of one that dies rank by
             # rank (its launcher takes it down when one scheduler dies) are watched here
@@ -309,10 +318,19 @@ def _classes() -> dict[str, type]:
             self._ranks.keep_only(alive)  # let go of forgotten servers' registries
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-            """A room whose prefill died is safe at once: a dead process writes nothing."""
+            """A room whose prefill died is safe at once: a dead process writes nothing.  So
+            is one each of whose ranks has acked its ABORT or is dead: SGLang counts the
+            ACKs, and a dead rank's never comes."""
             if bootstrap_room in self._dead_rooms:
                 return True
-            return bool(super().is_abort_release_safe(bootstrap_room, required_acks))
+            if super().is_abort_release_safe(bootstrap_room, required_acks):
+                return True
+            entries = self._aborted.get(bootstrap_room)
+            state = self._deferred_abort_ack_tracker.get(bootstrap_room)
+            if not entries or state is None:
+                return False
+            dead, acked = self._dead_ranks, state.prefill_ranks
+            return all(dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries)
 
         def writers_gone(self, bootstrap_room: int, receiver: object = None) -> bool:
             """Every prefill rank that could write this room is dead (the plugin frees its
@@ -330,6 +348,7 @@ def _classes() -> dict[str, type]:
             return bool(dead and infos) and all(dead.get(id(i)) is i for i in infos)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+            self._aborted.pop(bootstrap_room, None)
             self._dead_rooms.discard(bootstrap_room)
             self._writers.discard(bootstrap_room)
             super().clear_deferred_abort_state(bootstrap_room)
@@ -375,6 +394,25 @@ def _classes() -> dict[str, type]:
                     mgr._dead_rooms.add([room])
                 return
             super()._send_abort_notification(force_arm=force_arm)
+            if room in mgr._deferred_abort_ack_tracker:  # armed: its ACKs are awaited
+                mgr._aborted[room] = list(self.bootstrap_infos)
+
+        def _get_bootstrap_info_from_server(
+            self, prefill_dp_rank: int, prefill_cp_rank: int, tp_rank: int, pp_rank: int
+        ) -> dict[str, Any] | None:
+            """The entry, with the rank number its ACKs will carry (`_prefill_unique_rank`,
+            `common/conn.py:1024`), so that `is_abort_release_safe` knows who has acked."""
+            entry = super()._get_bootstrap_info_from_server(
+                prefill_dp_rank, prefill_cp_rank, tp_rank, pp_rank
+            )
+            if entry is not None:
+                p = self.prefill_info
+                entry[ACK_RANK] = (
+                    tp_rank * p.pp_size * p.attn_cp_size
+                    + pp_rank * p.attn_cp_size
+                    + prefill_cp_rank
+                )
+            return entry  # type: ignore[no-any-return]
 
     class ShmslotsKVBootstrapServer(MooncakeKVBootstrapServer):  # type: ignore[misc]
         pass
