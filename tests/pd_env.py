@@ -9,8 +9,9 @@ as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
 - the scheduler loops (`PrefillBootstrapQueue` / `DecodePreallocQueue` need a model): `Side`
   makes the calls they make, in their order: `try_ensure_parallel_info`, receiver `init`,
   `send_metadata`, sender `init`/`send`, `poll`, and on failure the deferred release
-  (`ensure_abort_notified(force_arm=True)`, then `is_abort_release_safe`, as
-  `DecodeTransferQueue._defer_release`/`resolve_deferred_releases` call them);
+  (`failure_exception`, which clears the receiver, `ensure_abort_notified(force_arm=True)`,
+  then `is_abort_release_safe`, as `DecodeTransferQueue.pop_transferred`, `_defer_release`
+  and `resolve_deferred_releases` call them);
 - the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
   each process (`get_parallel().override_permanently`): a one-rank decode, and a prefill of
   `Shape.prefill_tp` ranks, a process each, its bootstrap server in rank 0's.
@@ -389,6 +390,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     manager and, for each room it is told of, a receiver over free pages and a free slot."""
     _runtime("decode", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.managers import scheduler
 
     kv, states = _kv(shape, "decode"), _state(shape)
@@ -462,7 +464,11 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                 elif state == KVPoll.Failed:
                     if not out.failed_at:
                         out.failed_at = time.monotonic()
-                        # DecodeTransferQueue.pop_transferred's failed path, then _defer_release
+                        # DecodeTransferQueue.pop_transferred's failed path, in its order: the
+                        # receiver cleared (SGLang forgets the room), then the ABORT; then
+                        # _defer_release
+                        with contextlib.suppress(KVTransferError):
+                            receiver.failure_exception()
                         receiver.ensure_abort_notified(force_arm=True)
                         out.status = "Failed"
                     required = len(receiver.bootstrap_infos or ()) if receiver.abort_notified else 0

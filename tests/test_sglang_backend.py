@@ -199,8 +199,8 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         os.kill(last.pid, signal.SIGSTOP)  # alive, mid-write perhaps, and silent
         os.kill(first.pid, signal.SIGKILL)
         time.sleep(0.5)  # SGLang fails the server's rooms; its rank 0 still lives
+        killed = time.monotonic()  # before the kill: a release may come before we run again
         os.kill(last.pid, signal.SIGKILL)
-        killed = time.monotonic()
         _, outcomes = pair.reply(pair.decode)
         failed = [o for o in outcomes.values() if o.status == "Failed"]
         statuses = Counter(o.status for o in outcomes.values())
@@ -216,15 +216,15 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
     """One rank of a two-rank prefill dies and the other lives on (SGLang's launcher did not
     take the server down).  SGLang counts a room's ABORT_ACKs, so the dead rank's missing
     one held every room for the 30 s timeout; each room is released once its live rank has
-    acked, and the dead one's write is known to have stopped.  Then the decode serves a new
-    prefill."""
+    acked, by the rank number its ACKs carry (1 here), and the dead one's write is known to
+    have stopped.  Then the decode serves a new prefill."""
     shape = dataclasses.replace(BIG, state="", prefill_tp=2)
     with Pair(shape) as pair:
         pair.start_prefill()
         pair.start_decode()
         pair.submit(list(range(1, 201)), pages=4, window=6)
         pair.wait_until(pair.sent, 20)
-        dead, live = pair.procs[1], pair.procs[0]
+        dead, live = pair.procs[0], pair.procs[1]  # rank 0, its bootstrap server with it
         assert dead.pid is not None
         os.kill(dead.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -234,11 +234,11 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
         assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
         held = [o for o in failed if o.required_acks == 2]  # both ranks were sent its ABORT
         assert held, "no room was mid-transfer at the kill"
-        assert all(o.acked == (0,) for o in held), [o.acked for o in held]  # the live rank's
+        assert all(o.acked == (1,) for o in held), [o.acked for o in held]  # the live rank's
         assert max(o.released_at for o in failed) - killed < 2.0, statuses
         assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
-        pair.reply(pair.prefill)  # the live rank gives up the rooms no decode asks for
-        pair.prefill.send(("stop",))  # type: ignore[union-attr]
+        pair.reply(pair.prefills[1])  # the live rank gives up the rooms no decode asks for
+        pair.prefills[1].send(("stop",))
         live.join(30)
         pair.start_prefill()
         pair.submit(list(range(5001, 5021)), pages=4, window=4)
@@ -248,12 +248,43 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
         assert all(o.status == "Success" and o.verified for o in outcomes.values())
 
 
-def test_room_marks_are_bounded_and_narrowed_to_live_writers(
+def test_an_aborted_room_waits_for_its_silent_rank_and_is_released_when_that_rank_dies() -> None:
+    """Rooms the decode aborts while rank 1 of their two-rank prefill is stopped: rank 0
+    acknowledges each ABORT at once, rank 1 cannot, and may yet write, so the rooms wait;
+    an ACK must not count for a rank other than its sender's.  Then rank 0 dies, and SGLang
+    forgets the server's ranks; it had forgotten the rooms already (a failed receiver is
+    cleared before its ABORT goes).  So only the watch of rooms awaiting ACKs sees rank 1
+    die next: then they are released at once, not after 30 s."""
+    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        first, silent = pair.procs[0], pair.procs[1]
+        assert first.pid is not None and silent.pid is not None
+        os.kill(silent.pid, signal.SIGSTOP)
+        rooms = list(range(1, 5))
+        pair.submit(rooms, pages=4, window=4, abort=frozenset(rooms))
+        time.sleep(2.0)  # the rooms are bootstrapped, aborted and acknowledged by rank 0
+        os.kill(first.pid, signal.SIGKILL)
+        time.sleep(0.5)  # the watcher fails the server, and forgets it
+        killed = time.monotonic()  # before the kill: a release may come before we run again
+        os.kill(silent.pid, signal.SIGKILL)
+        _, outcomes = pair.reply(pair.decode)
+        assert [o.status for o in outcomes.values()] == ["Failed"] * len(rooms), outcomes
+        assert all(o.required_acks == 2 and o.acked == (0,) for o in outcomes.values())
+        released = [o.released_at - killed for o in outcomes.values()]
+        assert min(released) >= 0 and max(released) < 2.0, released
+        assert pair.settle() == (True, shape.pages, shape.slots)
+
+
+def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_left_to_sglang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With deferred release off SGLang never clears a dead room's mark (no
     `clear_deferred_abort_state`), and room ids are random: the marks of a decode whose
-    prefills keep dying must not grow without end, and the newest (those in flight) stay."""
+    prefills keep dying must not grow without end, and the newest (those in flight) stay.
+    A room id armed by a second receiver while the first's ABORT awaits its ACKs must not
+    have the first's ACKs checked against the second's ranks: SGLang's count decides it."""
     from shmslots.sglang import backend
 
     monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
@@ -266,13 +297,18 @@ def test_room_marks_are_bounded_and_narrowed_to_live_writers(
     marks.discard(8)
     marks.discard(8)  # a room released twice
     assert [r for r in range(11) if r in marks] == [6, 9, 10]
-    # rooms of a server dying rank by rank: done when none of their registries lives
-    writers = backend._RoomMarks()
-    writers.add([1, 2], frozenset({"rank0", "rank1"}))
-    writers.add([3], frozenset({"rank1"}))
-    assert writers.names() == {"rank0", "rank1"}
-    assert writers.narrow(frozenset({"rank0"})) == [3] and writers.names() == {"rank0"}
-    assert writers.narrow(frozenset()) == [1, 2] and len(writers) == 0
+    aborts = backend._Aborts()
+    one, two = {"rank_port": 1}, {"rank_port": 2}
+    aborts.note(1, 7, [one, two])
+    assert aborts.get(1) == (7, [one, two]) and aborts.entries() == [one, two]
+    aborts.note(1, 8, [one])  # the same room id, another receiver
+    assert aborts.get(1) is None and aborts.entries() == []
+    aborts.discard(1)  # released: the next receiver of the id is noted again
+    aborts.note(1, 9, [two])
+    assert aborts.get(1) == (9, [two])
+    for room in range(2, 10):
+        aborts.note(room, room, [one])
+    assert aborts.get(1) is None and aborts.get(9) == (9, [one]) and len(aborts.entries()) == 4
 
 
 def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> None:

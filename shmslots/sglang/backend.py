@@ -8,6 +8,9 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
 - `init_engine` (overridden): the engine is this host's, named after the manager's ZMQ port,
   so a decode can find the registry of each prefill rank it talks to; a prefill's only sends
   (no peer may write into it, and its KV may be VMM memory, which CUDA IPC cannot share);
+- `register_to_bootstrap` (extended): a prefill makes its engine first, so that any rank a
+  decode can fetch from the bootstrap server has its registry: a name whose registry is dead
+  at a look made after the fetch names a dead rank, even where a rank restarts at its port;
 - `_poison_unsettled_send` (overridden): Mooncake poisons a failed room because its timed-out
   batch may still be writing; `SameHostEngine` returns only when no write can still land, so
   a failed or aborted room is acknowledged at once and decode frees its pages at once;
@@ -15,13 +18,13 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   watcher thread reads every known prefill rank's registry lock, and whether its owner has
   begun to exit, every `SHMSLOTS_PD_WATCH_S` (0.02 s); a dead rank fails its server's rooms
   as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
-  those rooms are safe to release at once, since a dead process writes nothing; the rooms
-  of a server with a rank still alive are watched until its last rank dies (SGLang forgets
-  a failed server's ranks); a heartbeat's failure, which cannot tell dead from slow, keeps
-  SGLang's own path;
+  those rooms are safe to release at once, since a dead process writes nothing; a
+  heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path;
 - `_deferred_abort_ack_tracker` (read): SGLang counts a room's ABORT_ACKs against the
   number of ranks it aborted, so a dead rank's missing ACK held the room for the timeout;
-  here a room is safe once each of its ranks has acked or is dead, told by rank number;
+  here a room is safe once each rank its ABORT went to has acked this generation or is
+  dead.  The watcher looks at the ranks of every room awaiting ACKs, since SGLang forgets
+  a failed server's ranks, and a failed room's (`clear`) before it sends the ABORT;
 - `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a room
   whose ranks are all dead sends no ABORT, and one bootstrapped after the watcher's look is
   told as the dead ranks' by its rank entries, SGLang's cached ones.  This relies on
@@ -39,12 +42,11 @@ slot through its own mapping of that segment, and the slot keeps the plugin's ru
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import os
 import re
 import threading
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from .samehost import PREFIX, PeerRegistry, SameHostEngine
@@ -106,43 +108,23 @@ class _DeadSessions(set[str]):
 
 
 class _RoomMarks:
-    """What the watcher learnt of rooms, by room id: each room's same-host registries (its
-    prefill ranks) still alive.  A mark goes when SGLang releases its room
-    (`clear_deferred_abort_state`), the room is bootstrapped afresh, or (`narrow`) none of
-    its registries lives any more.  With deferred release off SGLang never clears a room,
-    so only the newest DEAD_ROOMS marks are kept: a decode whose prefills keep dying does
-    not grow without end.  The watcher thread marks and
-    narrows, the scheduler thread marks, reads and clears."""
+    """Rooms the watcher found every writer of dead.  A mark goes when SGLang releases its
+    room (`clear_deferred_abort_state`) or the room is bootstrapped afresh.  With deferred
+    release off SGLang never clears a room, so only the newest DEAD_ROOMS marks are kept: a
+    decode whose prefills keep dying does not grow without end.  The watcher thread marks,
+    the scheduler thread marks, reads and clears."""
 
     def __init__(self) -> None:
-        self._marks: dict[int, frozenset[str]] = {}  # in marking order, oldest first
+        self._marks: dict[int, None] = {}  # in marking order, oldest first
         self._lock = threading.Lock()
 
-    def add(self, rooms: Iterable[int], alive: frozenset[str] = frozenset()) -> None:
+    def add(self, rooms: Iterable[int]) -> None:
         with self._lock:
             for room in rooms:
                 self._marks.pop(room, None)
-                self._marks[room] = alive
-            for room in list(itertools.islice(self._marks, max(0, len(self._marks) - DEAD_ROOMS))):
-                del self._marks[room]
-
-    def names(self) -> frozenset[str]:
-        """Every registry some marked room waits on."""
-        with self._lock:
-            return frozenset().union(*self._marks.values())
-
-    def narrow(self, alive: frozenset[str]) -> list[int]:
-        """Each room's registries narrowed to those in `alive`; the rooms left with none are
-        dropped, and returned."""
-        with self._lock:
-            done = []
-            for room, names in list(self._marks.items()):
-                if names & alive:
-                    self._marks[room] = names & alive
-                else:
-                    del self._marks[room]
-                    done.append(room)
-            return done
+                self._marks[room] = None
+            while len(self._marks) > DEAD_ROOMS:
+                del self._marks[next(iter(self._marks))]
 
     def discard(self, room: int) -> None:
         with self._lock:
@@ -153,6 +135,37 @@ class _RoomMarks:
 
     def __len__(self) -> int:
         return len(self._marks)
+
+
+class _Aborts:
+    """The rooms whose ABORT_ACKs SGLang awaits: each with its generation and the rank
+    entries its ABORT went to, which `is_abort_release_safe` checks the ACKs against and
+    the watcher watches.  A room armed again while noted is another receiver's of the same
+    room id: it is noted as None, and SGLang's own count decides it.  Cleared with SGLang's
+    tracker (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, tuple[int, list[dict[str, Any]]] | None] = {}
+        self._lock = threading.Lock()
+
+    def note(self, room: int, generation: int, entries: Sequence[dict[str, Any]]) -> None:
+        with self._lock:
+            self._rooms[room] = None if room in self._rooms else (generation, list(entries))
+            while len(self._rooms) > DEAD_ROOMS:
+                del self._rooms[next(iter(self._rooms))]
+
+    def get(self, room: int) -> tuple[int, list[dict[str, Any]]] | None:
+        with self._lock:
+            return self._rooms.get(room)
+
+    def discard(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every noted room's rank entries."""
+        with self._lock:
+            return [e for noted in self._rooms.values() if noted for e in noted[1]]
 
 
 class _Ranks:
@@ -233,16 +246,22 @@ def _classes() -> dict[str, type]:
             if self.disaggregation_mode == DisaggregationMode.PREFILL:
                 self.failed_sessions = _DeadSessions(self.engine)
 
+        def register_to_bootstrap(self) -> None:
+            """The engine (its registry) first: see the module's docstring."""
+            self.init_engine()
+            super().register_to_bootstrap()
+
         def init_engine(self) -> None:
+            if getattr(self, "engine", None) is not None:  # made before registering
+                return
             self.engine = SameHostEngine(
                 registry_name(self.local_ip, self.rank_port),
                 self.rank_port,
                 receives=self.disaggregation_mode == DisaggregationMode.DECODE,
             )
             self._dead_rooms = _RoomMarks()  # every writer dead: safe at once
-            self._writers = _RoomMarks()  # of a server part dead: its ranks still alive
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
-            self._aborted: dict[int, list[dict[str, Any]]] = {}  # room: its ABORT's ranks
+            self._aborts = _Aborts()
             self._ranks = _Ranks()
             self._watch_stop = threading.Event()
             if self.disaggregation_mode == DisaggregationMode.DECODE:
@@ -278,7 +297,9 @@ def _classes() -> dict[str, type]:
         def _check_prefills(self) -> None:
             """Each prefill server (bootstrap address) with a dead rank has its rooms failed,
             as SGLang's heartbeat would after 2 x 5 s.  Only if every rank it holds is dead
-            are its rooms safe to release at once: a live rank may still be writing."""
+            are its rooms safe to release at once: a live rank may still be writing.  The
+            dead ranks' entries, and those of rooms awaiting ACKs, are noted by identity."""
+            awaiting = self._aborts.entries()  # before any look: each look is after its fetch
             with self.connection_lock:  # ranks and rooms in one look: a room bootstrapped
                 ranks: dict[str, set[str]] = {}  # after it may be a restarted prefill's
                 entries_of: dict[str, list[dict[str, Any]]] = {}
@@ -299,38 +320,37 @@ def _classes() -> dict[str, type]:
                 dead = {name for name in names if not lives(name)}
                 if not dead:
                     continue
-                pending = [r for r in rooms[addr] if self.request_status.get(r) != KVPoll.Success]
-                if dead != names:  # a live rank may still write: its rooms wait for it (below)
-                    if self.enable_deferred_decode_kv_release:  # else nothing waits on them
-                        self._writers.add(pending, frozenset(names - dead))
-                else:
-                    self._dead_rooms.add(pending)
-                gone = {id(e): e for e in entries_of[addr] if _rank_registry(e) in dead}
-                # rebound, never mutated: the scheduler thread reads it without a lock
-                self._dead_ranks = _newest({**self._dead_ranks, **gone}, DEAD_RANK_ENTRIES)
+                if dead == names:
+                    status = self.request_status
+                    self._dead_rooms.add(r for r in rooms[addr] if status.get(r) != KVPoll.Success)
+                self._note_dead(e for e in entries_of[addr] if _rank_registry(e) in dead)
                 self._handle_node_failure(addr)
-            # SGLang forgets a failed server's ranks, so the rooms of one that dies rank by
-            # rank (its launcher takes it down when one scheduler dies) are watched here
-            # until their last writer is dead
-            watched = self._writers.names()
-            if watched:
-                self._dead_rooms.add(self._writers.narrow(frozenset(filter(lives, watched))))
+            # SGLang forgets a failed server's ranks, and a failed room's before it aborts the
+            # room: a room awaiting ACKs has its ranks watched here until it is released
+            self._note_dead(e for e in awaiting if not lives(_rank_registry(e)))
             self._ranks.keep_only(alive)  # let go of forgotten servers' registries
+
+        def _note_dead(self, entries: Iterable[dict[str, Any]]) -> None:
+            gone = {id(e): e for e in entries}
+            if gone:  # rebound, never mutated: the scheduler thread reads it without a lock
+                self._dead_ranks = _newest({**self._dead_ranks, **gone}, DEAD_RANK_ENTRIES)
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
             """A room whose prefill died is safe at once: a dead process writes nothing.  So
-            is one each of whose ranks has acked its ABORT or is dead: SGLang counts the
-            ACKs, and a dead rank's never comes."""
+            is one each rank of whose ABORT has acked this generation or is dead: SGLang
+            counts the ACKs, and a dead rank's never comes."""
             if bootstrap_room in self._dead_rooms:
                 return True
             if super().is_abort_release_safe(bootstrap_room, required_acks):
                 return True
-            entries = self._aborted.get(bootstrap_room)
+            noted = self._aborts.get(bootstrap_room)
             state = self._deferred_abort_ack_tracker.get(bootstrap_room)
-            if not entries or state is None:
+            if noted is None or state is None or state.generation != noted[0]:
                 return False
-            dead, acked = self._dead_ranks, state.prefill_ranks
-            return all(dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries)
+            entries, dead, acked = noted[1], self._dead_ranks, state.prefill_ranks
+            return len(entries) >= required_acks and all(
+                dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries
+            )
 
         def writers_gone(self, bootstrap_room: int, receiver: object = None) -> bool:
             """Every prefill rank that could write this room is dead (the plugin frees its
@@ -348,9 +368,8 @@ def _classes() -> dict[str, type]:
             return bool(dead and infos) and all(dead.get(id(i)) is i for i in infos)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-            self._aborted.pop(bootstrap_room, None)
+            self._aborts.discard(bootstrap_room)
             self._dead_rooms.discard(bootstrap_room)
-            self._writers.discard(bootstrap_room)
             super().clear_deferred_abort_state(bootstrap_room)
 
         def teardown(self) -> None:
@@ -380,7 +399,6 @@ def _classes() -> dict[str, type]:
             pending changes nothing (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
             if bootstrap_room not in mgr.request_status:  # before SGLang lists the room: a
                 mgr._dead_rooms.discard(bootstrap_room)  # watcher's marks from then on stay
-                mgr._writers.discard(bootstrap_room)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
@@ -393,9 +411,10 @@ def _classes() -> dict[str, type]:
                 if mgr.request_status.get(room) != KVPoll.Success:
                     mgr._dead_rooms.add([room])
                 return
+            armed = self._abort_generation
             super()._send_abort_notification(force_arm=force_arm)
-            if room in mgr._deferred_abort_ack_tracker:  # armed: its ACKs are awaited
-                mgr._aborted[room] = list(self.bootstrap_infos)
+            if self._abort_generation not in (None, armed):  # armed now: its ACKs are awaited
+                mgr._aborts.note(room, self._abort_generation, self.bootstrap_infos)
 
         def _get_bootstrap_info_from_server(
             self, prefill_dp_rank: int, prefill_cp_rank: int, tp_rank: int, pp_rank: int
