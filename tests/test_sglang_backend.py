@@ -182,6 +182,16 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert not facts["fresh_entries_gone"]
 
 
+def _failed_rooms(pair: Pair) -> tuple[list[Any], Counter[str]]:
+    """The decode's failed rooms once its run ends, and every room's status: each room
+    ended, none by SGLang's 30 s timeout ("Failed-timeout"), and some failed."""
+    _, outcomes = pair.reply(pair.decode)
+    failed = [o for o in outcomes.values() if o.status == "Failed"]
+    statuses = Counter(o.status for o in outcomes.values())
+    assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+    return failed, statuses
+
+
 def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies() -> None:
     """SGLang's launcher takes a whole server down when one of its schedulers dies, one rank
     after another.  At the first death SGLang fails the server's rooms and forgets its
@@ -201,10 +211,7 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         time.sleep(0.5)  # SGLang fails the server's rooms; its rank 0 still lives
         killed = time.monotonic()  # before the kill: a release may come before we run again
         os.kill(last.pid, signal.SIGKILL)
-        _, outcomes = pair.reply(pair.decode)
-        failed = [o for o in outcomes.values() if o.status == "Failed"]
-        statuses = Counter(o.status for o in outcomes.values())
-        assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        failed, statuses = _failed_rooms(pair)
         held = [o for o in failed if o.required_acks]  # rooms whose pages a rank held
         assert held, "no room was mid-transfer at the first kill"
         assert min(o.released_at for o in held) >= killed  # none while rank 0 could write
@@ -228,10 +235,7 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
         assert dead.pid is not None
         os.kill(dead.pid, signal.SIGKILL)
         killed = time.monotonic()
-        _, outcomes = pair.reply(pair.decode)
-        failed = [o for o in outcomes.values() if o.status == "Failed"]
-        statuses = Counter(o.status for o in outcomes.values())
-        assert failed and set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        failed, statuses = _failed_rooms(pair)
         held = [o for o in failed if o.required_acks == 2]  # both ranks were sent its ABORT
         assert held, "no room was mid-transfer at the kill"
         assert all(o.acked == (1,) for o in held), [o.acked for o in held]  # the live rank's
