@@ -308,8 +308,14 @@ def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_lef
     aborts.note(1, 8, [one])  # the same room id, another receiver
     assert aborts.get(1) is None and aborts.entries() == []
     aborts.discard(1)  # released: the next receiver of the id is noted again
+    aborts.note(1, None, [one])  # an ABORT that armed nothing, to a room not noted
+    assert aborts.get(1) is None and aborts.entries() == []
     aborts.note(1, 9, [two])
     assert aborts.get(1) == (9, [two])
+    aborts.note(1, None, [one])  # another receiver's, unarmed (SGLang's `_clear`)
+    assert aborts.get(1) is None
+    aborts.discard(1)
+    aborts.note(1, 9, [two])
     for room in range(2, 10):
         aborts.note(room, room, [one])
     assert aborts.get(1) is None and aborts.get(9) == (9, [one]) and len(aborts.entries()) == 4

@@ -10,7 +10,7 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   (no peer may write into it, and its KV may be VMM memory, which CUDA IPC cannot share);
 - `register_to_bootstrap` (extended): a prefill makes its engine first, so that any rank a
   decode can fetch from the bootstrap server has its registry: a name whose registry is dead
-  at a look made after the fetch names a dead rank, even where a rank restarts at its port;
+  at a look made after the fetch names a dead rank, the one the entry was fetched from;
 - `_poison_unsettled_send` (overridden): Mooncake poisons a failed room because its timed-out
   batch may still be writing; `SameHostEngine` returns only when no write can still land, so
   a failed or aborted room is acknowledged at once and decode frees its pages at once;
@@ -54,7 +54,7 @@ from .samehost import PREFIX, PeerRegistry, SameHostEngine
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
-DEAD_ROOMS = 1 << 16  # marks of rooms (`_RoomMarks`), the newest kept: far more than in flight
+DEAD_ROOMS = 1 << 16  # rooms `_RoomMarks` and `_Aborts` keep, the newest: far more than in flight
 ACK_RANK = "shmslots_ack_rank"  # a bootstrap entry's rank, as its ABORT_ACKs number it
 UTILS = "sglang.srt.disaggregation.utils"
 
@@ -140,19 +140,24 @@ class _RoomMarks:
 class _Aborts:
     """The rooms whose ABORT_ACKs SGLang awaits: each with its generation and the rank
     entries its ABORT went to, which `is_abort_release_safe` checks the ACKs against and
-    the watcher watches.  A room armed again while noted is another receiver's of the same
-    room id: it is noted as None, and SGLang's own count decides it.  Cleared with SGLang's
-    tracker (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
+    the watcher watches.  A second ABORT to a room noted, armed or not, is another
+    receiver's of the same room id (or a race of two threads on one): the room is noted as
+    None, and SGLang's own count decides it.  Cleared with SGLang's tracker
+    (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
 
     def __init__(self) -> None:
         self._rooms: dict[int, tuple[int, list[dict[str, Any]]] | None] = {}
         self._lock = threading.Lock()
 
-    def note(self, room: int, generation: int, entries: Sequence[dict[str, Any]]) -> None:
+    def note(self, room: int, generation: int | None, entries: Sequence[dict[str, Any]]) -> None:
+        """An ABORT sent to `entries`, arming `generation` (None: it armed nothing)."""
         with self._lock:
-            self._rooms[room] = None if room in self._rooms else (generation, list(entries))
-            while len(self._rooms) > DEAD_ROOMS:
-                del self._rooms[next(iter(self._rooms))]
+            if room in self._rooms:
+                self._rooms[room] = None
+            elif generation is not None:
+                self._rooms[room] = (generation, list(entries))
+                while len(self._rooms) > DEAD_ROOMS:
+                    del self._rooms[next(iter(self._rooms))]
 
     def get(self, room: int) -> tuple[int, list[dict[str, Any]]] | None:
         with self._lock:
@@ -411,10 +416,10 @@ def _classes() -> dict[str, type]:
                 if mgr.request_status.get(room) != KVPoll.Success:
                     mgr._dead_rooms.add([room])
                 return
-            armed = self._abort_generation
+            before = self._abort_generation
             super()._send_abort_notification(force_arm=force_arm)
-            if self._abort_generation not in (None, armed):  # armed now: its ACKs are awaited
-                mgr._aborts.note(room, self._abort_generation, self.bootstrap_infos)
+            armed = self._abort_generation  # a new one if this call armed the room
+            mgr._aborts.note(room, None if armed == before else armed, self.bootstrap_infos)
 
         def _get_bootstrap_info_from_server(
             self, prefill_dp_rank: int, prefill_cp_rank: int, tp_rank: int, pp_rank: int
