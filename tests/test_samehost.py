@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -181,6 +182,28 @@ def test_a_registry_goes_with_its_owners_exit_not_a_forked_childs() -> None:
         proc.join(30)
         assert proc.exitcode == 0
         assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_a_sweep_waits_while_another_process_removes_or_makes_a_registry() -> None:
+    """A sweep that found a dead engine's registry must not unlink, by name, the live one a
+    restarted engine made there after its look: a sweep and the making of a registry hold
+    one host-wide lock.  Here this process holds it; another's sweep waits for it."""
+    from shmslots.sglang.samehost import registry
+
+    code = "import sys; from shmslots.sglang import samehost; print('go', flush=True); "
+    code += "samehost.sweep(); print('swept', flush=True)"
+    with registry._removals():
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "go\n"
+            time.sleep(0.5)
+            assert child.poll() is None  # waiting on the lock this process holds
+        except BaseException:
+            child.kill()
+            child.wait(30)
+            raise
+    out, _ = child.communicate(timeout=60)
+    assert out == "swept\n" and child.returncode == 0
 
 
 @pytest.mark.parametrize("dropped", [False, True], ids=["in-use", "dropped-by-a-failure"])

@@ -25,7 +25,7 @@ import os
 import struct
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ...errors import InvalidArgument, ShmSlotsError, TableExists
 from ...participants import _lock_request, process_start_ticks, stat_fields
@@ -52,9 +52,28 @@ PREFIX = "shmslots-pd-"
 SWEEP_AGE_S = 10.0  # a registry with no owner yet, younger than this, is still being made
 
 
+@contextlib.contextmanager
+def _removals() -> Iterator[None]:
+    """Held while a registry found dead is removed, or one is made: one process at a time
+    on this host, so that a registry made under a dead one's name between the look and the
+    unlink is never the one removed.  An flock on /dev/shm itself: nothing left behind, and
+    released by the kernel if its holder dies."""
+    fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def sweep() -> list[str]:
     """Remove this user's registries whose owners died (SIGKILL leaves them): those unlocked
     and either published or older than SWEEP_AGE_S.  Returns the names removed."""
+    with _removals():
+        return _sweep()
+
+
+def _sweep() -> list[str]:
     removed = []
     for entry in os.scandir(SHM_DIR):
         if not entry.name.startswith(PREFIX):
@@ -108,6 +127,11 @@ class Registry:
     @staticmethod
     def _create(name: str) -> Segment:
         """A new registry; one left under the name by a dead owner is removed first."""
+        with _removals():
+            return Registry._replace(name)
+
+    @staticmethod
+    def _replace(name: str) -> Segment:
         try:
             return Segment.create(name, REGISTRY_BYTES)
         except TableExists:
