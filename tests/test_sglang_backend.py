@@ -3,6 +3,7 @@ receiver and bootstrap server in two spawned processes (tests/pd_env.py), every 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -192,16 +194,22 @@ def _failed_rooms(pair: Pair) -> tuple[list[Any], Counter[str]]:
     return failed, statuses
 
 
+@contextlib.contextmanager
+def _two_rank_prefill() -> Iterator[Pair]:
+    """A decode and a prefill server of two ranks (attention TP 2), both up."""
+    with Pair(dataclasses.replace(BIG, state="", prefill_tp=2)) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        yield pair
+
+
 def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies() -> None:
     """SGLang's launcher takes a whole server down when one of its schedulers dies, one rank
     after another.  At the first death SGLang fails the server's rooms and forgets its
     ranks; a live rank may still be writing, so the rooms wait.  Here rank 0 is stopped
     first, so it can neither write nor acknowledge: the rooms must be released when it dies,
     not after the 30 s deferred-release timeout ("Failed-timeout"), and not before."""
-    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
-    with Pair(shape) as pair:
-        pair.start_prefill()
-        pair.start_decode()
+    with _two_rank_prefill() as pair:
         pair.submit(list(range(1, 2001)), pages=4, window=6)
         pair.wait_until(pair.sent, 20)
         first, last = pair.procs[1], pair.procs[0]
@@ -216,7 +224,7 @@ def test_a_prefill_server_dying_rank_by_rank_is_released_when_its_last_rank_dies
         assert held, "no room was mid-transfer at the first kill"
         assert min(o.released_at for o in held) >= killed  # none while rank 0 could write
         assert max(o.released_at for o in failed) - killed < 2.0, statuses
-        assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
+        assert pair.settle() == (True, BIG.pages, BIG.slots)  # nothing landed after release
 
 
 def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() -> None:
@@ -225,10 +233,7 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
     one held every room for the 30 s timeout; each room is released once its live rank has
     acked, by the rank number its ACKs carry (1 here), and the dead one's write is known to
     have stopped.  Then the decode serves a new prefill."""
-    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
-    with Pair(shape) as pair:
-        pair.start_prefill()
-        pair.start_decode()
+    with _two_rank_prefill() as pair:
         pair.submit(list(range(1, 201)), pages=4, window=6)
         pair.wait_until(pair.sent, 20)
         dead, live = pair.procs[0], pair.procs[1]  # rank 0, its bootstrap server with it
@@ -240,7 +245,7 @@ def test_a_dead_ranks_missing_ack_does_not_hold_a_room_its_live_ranks_acked() ->
         assert held, "no room was mid-transfer at the kill"
         assert all(o.acked == (1,) for o in held), [o.acked for o in held]  # the live rank's
         assert max(o.released_at for o in failed) - killed < 2.0, statuses
-        assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after release
+        assert pair.settle() == (True, BIG.pages, BIG.slots)  # nothing landed after release
         pair.reply(pair.prefills[1])  # the live rank gives up the rooms no decode asks for
         pair.prefills[1].send(("stop",))
         live.join(30)
@@ -259,10 +264,7 @@ def test_an_aborted_room_waits_for_its_silent_rank_and_is_released_when_that_ran
     forgets the server's ranks; it had forgotten the rooms already (a failed receiver is
     cleared before its ABORT goes).  So only the watch of rooms awaiting ACKs sees rank 1
     die next: then they are released at once, not after 30 s."""
-    shape = dataclasses.replace(BIG, state="", prefill_tp=2)
-    with Pair(shape) as pair:
-        pair.start_prefill()
-        pair.start_decode()
+    with _two_rank_prefill() as pair:
         first, silent = pair.procs[0], pair.procs[1]
         assert first.pid is not None and silent.pid is not None
         os.kill(silent.pid, signal.SIGSTOP)
@@ -278,7 +280,7 @@ def test_an_aborted_room_waits_for_its_silent_rank_and_is_released_when_that_ran
         assert all(o.required_acks == 2 and o.acked == (0,) for o in outcomes.values())
         released = [o.released_at - killed for o in outcomes.values()]
         assert min(released) >= 0 and max(released) < 2.0, released
-        assert pair.settle() == (True, shape.pages, shape.slots)
+        assert pair.settle() == (True, BIG.pages, BIG.slots)
 
 
 def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_left_to_sglang(
