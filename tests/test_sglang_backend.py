@@ -295,10 +295,10 @@ def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_lef
 
     monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
     marks = backend._RoomMarks()
-    marks.add(range(10))
+    assert marks.add(range(10), "a")
     assert len(marks) == 4 and [r for r in range(10) if r in marks] == [6, 7, 8, 9]
-    marks.add([6])  # marked again: now the newest
-    marks.add([10])
+    marks.add([6], "a")  # marked again: now the newest
+    marks.add([10], "a")
     assert [r for r in range(11) if r in marks] == [6, 8, 9, 10]
     marks.discard(8)
     marks.discard(8)  # a room released twice
@@ -323,11 +323,44 @@ def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_lef
     assert aborts.get(1) is None and aborts.get(9) == (9, [one]) and len(aborts.entries()) == 4
 
 
+def test_a_room_id_another_servers_live_receiver_holds_is_never_marked_dead() -> None:
+    """Clients may choose room ids, and SGLang keys rooms by id alone: when server "a" dies
+    whole, a room id that a live receiver of server "b" also holds must not be marked, or
+    that receiver's pages would be released while "b" writes them.  A receiver of "b" made
+    after the mark takes it away; a dropped receiver no longer counts."""
+    import gc
+
+    from shmslots.sglang import backend
+
+    class Receiver:  # what the marks keep of SGLang's receiver: a weak reference to it
+        pass
+
+    marks = backend._RoomMarks()
+    on_a, on_b = Receiver(), Receiver()
+    marks.hold(on_a, 1, "a", afresh=True)
+    marks.hold(on_a, 2, "a", afresh=True)
+    marks.hold(on_b, 2, "b", afresh=False)  # the same id, pending, from another server
+    assert not marks.add([1, 2], "a")  # its receiver on "b" lives: 2 is refused
+    assert 1 in marks and 2 not in marks
+    later = Receiver()
+    marks.hold(later, 1, "b", afresh=False)  # another server's receiver takes id 1
+    assert 1 not in marks
+    assert marks.add([3], "a") and 3 in marks
+    marks.hold(Receiver(), 3, "a", afresh=False)  # a duplicate from the dead server: kept
+    assert 3 in marks
+    marks.hold(Receiver(), 3, "a", afresh=True)  # bootstrapped afresh: whoever writes now
+    assert 3 not in marks
+    del on_b, later
+    gc.collect()
+    assert marks.add([1, 2], "a") and 1 in marks and 2 in marks
+
+
 def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> None:
     """The watcher tells ranks apart by registry, not by name: a prefill restarted at the
     same address (same name, new registry) is alive, or the rooms bootstrapped to it would
     be released while it writes them; a rank seen alive whose registry is then removed (it
-    exited, or a sweep came) is dead, not "never seen"."""
+    exited, or a sweep came) is dead, not "never seen", even if the watcher let go of it in
+    between."""
     from shmslots.sglang import backend, samehost
     from shmslots.sglang.samehost.registry import Registry
 
@@ -344,8 +377,9 @@ def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> N
         again.close()
         restarted = Registry(name)  # died and restarted between two looks
         assert ranks.alive(name)
-        ranks.keep_only(())
-        restarted.close()
+        ranks.keep_only(())  # no longer watched (its server failed), but known
+        restarted.close()  # then killed and swept before its next look
+        assert not ranks.alive(name)
     finally:
         ranks.keep_only(())
 

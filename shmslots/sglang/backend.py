@@ -18,7 +18,8 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   watcher thread reads every known prefill rank's registry lock, and whether its owner has
   begun to exit, every `SHMSLOTS_PD_WATCH_S` (0.02 s); a dead rank fails its server's rooms
   as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
-  those rooms are safe to release at once, since a dead process writes nothing; a
+  those rooms are safe to release at once, since a dead process writes nothing (save a
+  room id that a live receiver of another server holds: clients choose ids); a
   heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path;
 - `_deferred_abort_ack_tracker` (read): SGLang counts a room's ABORT_ACKs against the
   number of ranks it aborted, so a dead rank's missing ACK held the room for the timeout;
@@ -46,6 +47,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
@@ -108,23 +110,46 @@ class _DeadSessions(set[str]):
 
 
 class _RoomMarks:
-    """Rooms the watcher found every writer of dead.  A mark goes when SGLang releases its
-    room (`clear_deferred_abort_state`) or the room is bootstrapped afresh.  With deferred
+    """Rooms the watcher found every writer of dead, each with the prefill server (bootstrap
+    address) that died.  SGLang keys rooms by id alone and clients may choose ids, so a room
+    id that a live receiver of another server holds is never marked: the mark would release
+    that receiver's pages while its server writes them.  A receiver registers (`hold`) before
+    SGLang lists its room, so a watcher's look that sees the room sees the receiver.
+
+    A mark goes when SGLang releases its room (`clear_deferred_abort_state`), when the room is
+    bootstrapped afresh, or when another server's receiver takes its id.  With deferred
     release off SGLang never clears a room, so only the newest DEAD_ROOMS marks are kept: a
     decode whose prefills keep dying does not grow without end.  The watcher thread marks,
-    the scheduler thread marks, reads and clears."""
+    the scheduler thread holds, marks, reads and clears."""
 
     def __init__(self) -> None:
-        self._marks: dict[int, None] = {}  # in marking order, oldest first
+        self._marks: dict[int, str] = {}  # room: its dead server, oldest mark first
+        self._held: weakref.WeakKeyDictionary[Any, tuple[Any, str]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def add(self, rooms: Iterable[int]) -> None:
+    def hold(self, receiver: object, room: Any, server: str, afresh: bool) -> None:
+        """`receiver` bootstraps `room` from `server` (`afresh`: no other receiver holds the
+        id): a mark of another server's, or one made before a fresh bootstrap, is not about
+        its writers.  It counts until it is garbage: a dropped receiver writes nothing."""
         with self._lock:
-            for room in rooms:
+            self._held[receiver] = (room, server)
+            if afresh or self._marks.get(room, server) != server:
                 self._marks.pop(room, None)
-                self._marks[room] = None
-            while len(self._marks) > DEAD_ROOMS:
-                del self._marks[next(iter(self._marks))]
+
+    def add(self, rooms: Iterable[int], server: str) -> bool:
+        """Mark `rooms`, whose writers on `server` are all dead; False if any was refused
+        because a live receiver of another server holds its id."""
+        with self._lock:
+            others = {room for room, at in list(self._held.values()) if at != server}
+            marked = True
+            for room in rooms:
+                if room in others:
+                    marked = False
+                    continue
+                self._marks.pop(room, None)
+                self._marks[room] = server
+            _trim(self._marks, DEAD_ROOMS)
+            return marked
 
     def discard(self, room: int) -> None:
         with self._lock:
@@ -156,8 +181,7 @@ class _Aborts:
                 self._rooms[room] = None
             elif generation is not None:
                 self._rooms[room] = (generation, list(entries))
-                while len(self._rooms) > DEAD_ROOMS:
-                    del self._rooms[next(iter(self._rooms))]
+                _trim(self._rooms, DEAD_ROOMS)
 
     def get(self, room: int) -> tuple[int, list[dict[str, Any]]] | None:
         with self._lock:
@@ -179,7 +203,9 @@ class _Ranks:
 
     def __init__(self) -> None:
         self._seen: dict[str, PeerRegistry] = {}  # registries seen alive, held open
-        self._gone: dict[str, None] = {}  # names whose registry was seen alive, then dead
+        # names whose registry was seen alive, then lost or let go of: no file there now
+        # means that engine is gone (a restart makes its registry before it registers)
+        self._known: dict[str, None] = {}
 
     def alive(self, name: str) -> bool:
         """False once the registry seen alive under `name` is unlocked, removed or replaced,
@@ -192,12 +218,11 @@ class _Ranks:
             if reg.alive() and reg.named() and not reg.owner_gone():
                 self._seen[name] = reg
                 return True
-            reg.close()
-            self._gone = _newest({**self._gone, name: None}, DEAD_RANK_ENTRIES)
+            self._let_go(name, reg)
         try:
             reg = PeerRegistry(name, None)
         except Exception:
-            return name not in self._gone  # no file: gone, if it was seen
+            return name not in self._known  # no file: gone, if it was seen
         try:
             reg.refresh()  # its owner's pid and start time
         except Exception:
@@ -210,14 +235,26 @@ class _Ranks:
         return False
 
     def keep_only(self, names: Container[str]) -> None:
-        """Close the registries of every name not in `names`."""
+        """Close the registries of every name not in `names`.  Each stays known: a live rank
+        let go of here and then killed and swept before its next look is dead, not "never
+        seen" (a room awaiting its ACK would wait out SGLang's timeout)."""
         for name in [n for n in self._seen if n not in names]:
-            self._seen.pop(name).close()
+            self._let_go(name, self._seen.pop(name))
+
+    def _let_go(self, name: str, reg: PeerRegistry) -> None:
+        reg.close()
+        self._known = _newest({**self._known, name: None}, DEAD_RANK_ENTRIES)
 
 
 def _newest(items: dict[Any, Any], keep: int) -> dict[Any, Any]:
     """The last `keep` items of `items`, in order: a bounded memory of what died."""
     return dict(list(items.items())[-keep:])
+
+
+def _trim(items: dict[Any, Any], keep: int) -> None:
+    """`_newest` in place, for a memory kept under a lock rather than rebound."""
+    while len(items) > keep:
+        del items[next(iter(items))]
 
 
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
@@ -327,7 +364,9 @@ def _classes() -> dict[str, type]:
                     continue
                 if dead == names:
                     status = self.request_status
-                    self._dead_rooms.add(r for r in rooms[addr] if status.get(r) != KVPoll.Success)
+                    self._dead_rooms.add(
+                        (r for r in rooms[addr] if status.get(r) != KVPoll.Success), addr
+                    )
                 self._note_dead(e for e in entries_of[addr] if _rank_registry(e) in dead)
                 self._handle_node_failure(addr)
             # SGLang forgets a failed server's ranks, and a failed room's before it aborts the
@@ -399,22 +438,28 @@ def _classes() -> dict[str, type]:
         def __init__(
             self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
         ) -> None:
-            """A room no other receiver still holds is bootstrapped afresh: whatever died
-            before, its writers are the ones bootstrapping now.  A duplicate of a room still
-            pending changes nothing (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
-            if bootstrap_room not in mgr.request_status:  # before SGLang lists the room: a
-                mgr._dead_rooms.discard(bootstrap_room)  # watcher's marks from then on stay
+            """Held in the room marks before SGLang lists the room (a watcher's marks from
+            then on see it).  A room no other receiver still holds is bootstrapped afresh:
+            whatever died before, its writers are the ones bootstrapping now.  A duplicate of
+            a room still pending from the same server changes nothing
+            (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
+            afresh = bootstrap_room not in mgr.request_status
+            mgr._dead_rooms.hold(self, bootstrap_room, bootstrap_addr, afresh)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
             """A room whose prefill is dead needs no ABORT, and no ACK is awaited: nothing is
             left to stop, and the send would wait out ZMQ's send timeout on the scheduler
             thread.  Every ABORT of SGLang's receiver comes here (an abort, a failure, a
-            wait timed out, a clear), so the room is marked safe to release for each."""
+            wait timed out, a clear), so the room is marked safe to release for each.  A
+            room id another server's receiver holds cannot be marked: its ABORT goes out,
+            to the dead ranks too, and is counted as any other (rare: clients reusing ids)."""
             mgr, room = self.kv_mgr, self.bootstrap_room
-            if mgr.writers_gone(room, self):
-                if mgr.request_status.get(room) != KVPoll.Success:
-                    mgr._dead_rooms.add([room])
+            if mgr.writers_gone(room, self) and (
+                room in mgr._dead_rooms
+                or mgr.request_status.get(room) == KVPoll.Success
+                or mgr._dead_rooms.add([room], self.bootstrap_addr)
+            ):
                 return
             before = self._abort_generation
             super()._send_abort_notification(force_arm=force_arm)
