@@ -3,6 +3,7 @@ behind SGLang's router, the shmslots backend beside Mooncake's (TCP on loopback)
 
     python tools/sglang_serve.py [--prompt-tokens 512] [--max-new-tokens 64]
                                  [--requests 24] [--concurrency 4] [--ttft-samples 8]
+                                 [--runs 1]
 
 Needs the test environment (README, command 2).  For each setup it starts a prefill/decode
 pair and the router with tests/sglang_cpu's harness (the tiny random Llama, the CPU flags,
@@ -15,7 +16,8 @@ the strict stand-ins), then measures through the router:
 
 Three pairs, one after the other, never together: the shmslots backend (with the plugin,
 `SHMSLOTS_SGLANG=1`, which it needs), Mooncake with the plugin (the plugin's share of any
-difference), and Mooncake as SGLang ships it.
+difference), and Mooncake as SGLang ships it.  Each run starts the three in another order
+(run k with the k-th setup first), so no setup always meets the machine first.
 The model is tiny, so the figures weigh the transfer and scheduling path, not the model.
 """
 
@@ -87,7 +89,7 @@ def measure(setup: str, model: Path, logs: Path, args: argparse.Namespace) -> di
     bootstrap = free_port()
     flags = ["--disaggregation-transfer-backend", backend,
              "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS]  # fmt: skip
-    (logs / setup).mkdir()
+    (logs / setup).mkdir(parents=True)
     with Deployment(model, logs / setup) as deployment:
         started = time.perf_counter()
         prefill = deployment.server("prefill", "--disaggregation-mode", "prefill", *flags, env=env)
@@ -117,15 +119,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--ttft-samples", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=1, help="each in another setup order")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sglang-serve-"))  # kept: the servers' logs
     print(f"servers' logs: {work}", flush=True)
     model = make_model(work / "model")
-    results = [measure(setup, model, work, args) for setup in SETUPS]
+    for run in range(args.runs):
+        order = [*SETUPS][run % len(SETUPS) :] + [*SETUPS][: run % len(SETUPS)]
+        done = {setup: measure(setup, model, work / f"run{run + 1}", args) for setup in order}
+        report(run + 1, order, [done[setup] for setup in SETUPS], args)
+
+
+def report(
+    run: int, order: list[str], results: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
+    """One run's table, in SETUPS' order, and each setup against SGLang as shipped."""
     print(
-        f"tiny Llama on CPU; prompts of {results[0]['prompt_tokens']} tokens (the first); "
-        f"{args.requests} requests x {args.max_new_tokens} tokens, {args.concurrency} at a "
-        f"time; time to first token over {args.ttft_samples} streamed requests, one at a time"
+        f"run {run} (in the order {', '.join(order)}): tiny Llama on CPU; prompts of "
+        f"{results[0]['prompt_tokens']} tokens (the first); {args.requests} requests x "
+        f"{args.max_new_tokens} tokens, {args.concurrency} at a time; time to first token "
+        f"over {args.ttft_samples} streamed requests, one at a time"
     )
     print(f"{'setup':<17}{'up s':>6}{'TTFT p50 ms':>13}{'TTFT max ms':>13}{'tokens/s':>10}")
     for r in results:
@@ -139,6 +152,7 @@ def main() -> None:
         ttft_ratio = statistics.median(r["ttft"]) / statistics.median(shipped["ttft"])
         rate_ratio = r["tokens_per_s"] / shipped["tokens_per_s"]
         print(f"{r['setup']} / mooncake: TTFT p50 {ttft_ratio:.2f}x, tokens/s {rate_ratio:.2f}x")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
