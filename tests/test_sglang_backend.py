@@ -295,72 +295,87 @@ def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_lef
 
     monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
     marks = backend._RoomMarks()
-    assert marks.add(range(10), "a")
-    assert len(marks) == 4 and [r for r in range(10) if r in marks] == [6, 7, 8, 9]
+
+    def marked(n: int) -> list[int]:
+        return [r for r in range(n) if marks.server(r) is not None]
+
+    marks.add(range(10), "a")
+    assert len(marks) == 4 and marked(10) == [6, 7, 8, 9]
     marks.add([6], "a")  # marked again: now the newest
     marks.add([10], "a")
-    assert [r for r in range(11) if r in marks] == [6, 8, 9, 10]
+    assert marked(11) == [6, 8, 9, 10]
     marks.discard(8)
     marks.discard(8)  # a room released twice
-    assert [r for r in range(11) if r in marks] == [6, 9, 10]
+    assert marked(11) == [6, 9, 10]
     aborts = backend._Aborts()
     one, two = {"rank_port": 1}, {"rank_port": 2}
-    aborts.note(1, 7, [one, two])
-    assert aborts.get(1) == (7, [one, two]) and aborts.entries() == [one, two]
-    aborts.note(1, 8, [one])  # the same room id, another receiver
+    aborts.note(1, 7, [one, two], "a")
+    assert aborts.get(1) == (7, [one, two], "a") and aborts.entries() == [one, two]
+    aborts.note(1, 8, [one], "a")  # the same room id, another receiver
     assert aborts.get(1) is None and aborts.entries() == []
     aborts.discard(1)  # released: the next receiver of the id is noted again
-    aborts.note(1, None, [one])  # an ABORT that armed nothing, to a room not noted
+    aborts.note(1, None, [one], "a")  # an ABORT that armed nothing, to a room not noted
     assert aborts.get(1) is None and aborts.entries() == []
-    aborts.note(1, 9, [two])
-    assert aborts.get(1) == (9, [two])
-    aborts.note(1, None, [one])  # another receiver's, unarmed (SGLang's `_clear`)
+    aborts.note(1, 9, [two], "b")
+    assert aborts.get(1) == (9, [two], "b")
+    aborts.note(1, None, [one], "a")  # another receiver's, unarmed (SGLang's `_clear`)
     assert aborts.get(1) is None
     aborts.discard(1)
-    aborts.note(1, 9, [two])
+    aborts.note(1, 9, [two], "b")
     for room in range(2, 10):
-        aborts.note(room, room, [one])
-    assert aborts.get(1) is None and aborts.get(9) == (9, [one]) and len(aborts.entries()) == 4
+        aborts.note(room, room, [one], "a")
+    assert aborts.get(1) is None and aborts.get(9) == (9, [one], "a") and len(aborts.entries()) == 4
 
 
-def test_a_room_id_another_servers_live_receiver_holds_is_never_marked_dead() -> None:
+def test_a_release_by_room_id_waits_while_another_servers_receiver_of_the_id_may_be_written() -> (
+    None
+):
     """Clients may choose room ids, and SGLang keys rooms by id alone: when server "a" dies
-    whole, a room id that a live receiver of server "b" also holds must not be marked, or
-    that receiver's pages would be released while "b" writes them.  A receiver of "b" made
-    after the mark takes it away; a dropped receiver no longer counts."""
+    whole, a release asked by a room id that a receiver of server "b" also holds must wait
+    while "b"'s ranks may live (they may be writing that receiver's pages), and need not
+    once they are dead too (noted by identity), or that receiver is gone.  A receiver with
+    no rank entries yet has nothing writing it.  A fresh bootstrap of the id drops its mark;
+    a duplicate of a pending one does not."""
     import gc
 
     from shmslots.sglang import backend
 
-    class Receiver:  # what the marks keep of SGLang's receiver: a weak reference to it
-        pass
+    class Receiver:  # what the marks read of SGLang's receiver
+        def __init__(self, infos: list[dict[str, int]] | None) -> None:
+            self.bootstrap_infos = infos
 
     marks = backend._RoomMarks()
-    on_a, on_b = Receiver(), Receiver()
+    a_rank, b_rank = {"rank_port": 1}, {"rank_port": 2}
+    on_a, on_b = Receiver([a_rank]), Receiver([b_rank])
     marks.hold(on_a, 1, "a", afresh=True)
-    marks.hold(on_a, 2, "a", afresh=True)
-    marks.hold(on_b, 2, "b", afresh=False)  # the same id, pending, from another server
-    assert not marks.add([1, 2], "a")  # its receiver on "b" lives: 2 is refused
-    assert 1 in marks and 2 not in marks
-    later = Receiver()
-    marks.hold(later, 1, "b", afresh=False)  # another server's receiver takes id 1
-    assert 1 not in marks
-    assert marks.add([3], "a") and 3 in marks
-    marks.hold(Receiver(), 3, "a", afresh=False)  # a duplicate from the dead server: kept
-    assert 3 in marks
-    marks.hold(Receiver(), 3, "a", afresh=True)  # bootstrapped afresh: whoever writes now
-    assert 3 not in marks
-    del on_b, later
+    marks.hold(on_b, 1, "b", afresh=False)  # the same id, from another server
+    marks.hold(Receiver(None), 1, "c", afresh=False)  # dropped at once: SGLang let it go
+    idle = Receiver(None)
+    marks.hold(idle, 1, "c", afresh=False)  # bootstrapping: no rank entries yet
+    marks.add([1], "a")
+    assert marks.server(1) == "a"
+    dead = {id(a_rank): a_rank}
+    assert not marks.alone(1, "a", dead)  # b's rank may be writing on_b's pages
+    assert not marks.alone(1, "a", dead | {id(dict(b_rank)): dict(b_rank)})  # an equal copy
+    assert marks.alone(1, "a", dead | {id(b_rank): b_rank})  # both servers died
+    assert marks.alone(1, "b", dead)  # a's receiver: its rank is dead; c's: nothing writes it
+    del on_b
     gc.collect()
-    assert marks.add([1, 2], "a") and 1 in marks and 2 in marks
+    assert marks.alone(1, "a", dead)
+    marks.hold(Receiver([a_rank]), 1, "a", afresh=False)  # a duplicate of the pending id
+    assert marks.server(1) == "a"
+    marks.hold(Receiver([a_rank]), 1, "a", afresh=True)  # bootstrapped afresh
+    assert marks.server(1) is None
+    for room in range(2, 2000):  # receivers let go of are not remembered without end
+        marks.hold(Receiver(None), room, "a", afresh=True)
+    assert len(marks._held) < 200
 
 
 def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> None:
     """The watcher tells ranks apart by registry, not by name: a prefill restarted at the
     same address (same name, new registry) is alive, or the rooms bootstrapped to it would
     be released while it writes them; a rank seen alive whose registry is then removed (it
-    exited, or a sweep came) is dead, not "never seen", even if the watcher let go of it in
-    between."""
+    exited, or a sweep came) is dead, not "never seen"."""
     from shmslots.sglang import backend, samehost
     from shmslots.sglang.samehost.registry import Registry
 
@@ -377,11 +392,40 @@ def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> N
         again.close()
         restarted = Registry(name)  # died and restarted between two looks
         assert ranks.alive(name)
-        ranks.keep_only(())  # no longer watched (its server failed), but known
-        restarted.close()  # then killed and swept before its next look
+        ranks.keep_only(())
+        restarted.close()
+    finally:
+        ranks.keep_only(())
+
+
+def test_a_rank_let_go_of_and_then_removed_is_dead_and_one_unreadable_is_looked_at_again() -> None:
+    """The watcher lets go of the ranks of servers SGLang forgot; if such a live rank is
+    then killed and swept before its next look, it is dead, not "never seen" (a room
+    awaiting its ACK would wait out SGLang's 30 s).  But only a missing file says so: a
+    registry there that cannot be read now (descriptors or maps run out, a foreign file)
+    is looked at again, never taken for dead."""
+    from shmslots.segment import SHM_DIR
+    from shmslots.sglang import backend, samehost
+    from shmslots.sglang.samehost.registry import Registry
+
+    name = f"{samehost.PREFIX}let-go-test-{os.getpid()}"
+    ranks = backend._Ranks()
+    try:
+        live = Registry(name)
+        assert ranks.alive(name)
+        ranks.keep_only(())  # its server failed: no longer watched
+        live.close()  # killed, and swept, before its next look
+        assert not ranks.alive(name)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # unreadable as a
+        os.close(fd)  # registry: not 0600, no size
+        assert ranks.alive(name)
+        os.unlink(path)
         assert not ranks.alive(name)
     finally:
         ranks.keep_only(())
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
 
 
 def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_decode() -> None:

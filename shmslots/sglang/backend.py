@@ -51,6 +51,7 @@ import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
+from ..segment import SHM_DIR
 from .samehost import PREFIX, PeerRegistry, SameHostEngine
 
 NAME = "shmslots"
@@ -111,79 +112,100 @@ class _DeadSessions(set[str]):
 
 class _RoomMarks:
     """Rooms the watcher found every writer of dead, each with the prefill server (bootstrap
-    address) that died.  SGLang keys rooms by id alone and clients may choose ids, so a room
-    id that a live receiver of another server holds is never marked: the mark would release
-    that receiver's pages while its server writes them.  A receiver registers (`hold`) before
-    SGLang lists its room, so a watcher's look that sees the room sees the receiver.
+    address) that died, and the live receivers of each room id with their servers.  SGLang
+    keys rooms by id alone and clients may choose ids, so a room id may be held by
+    receivers of two servers at once: a release asked by the id must then be safe for each
+    (`alone`).  A receiver registers (`hold`) before SGLang lists its room, so a watcher's
+    look that sees the room sees the receiver.
 
-    A mark goes when SGLang releases its room (`clear_deferred_abort_state`), when the room is
-    bootstrapped afresh, or when another server's receiver takes its id.  With deferred
-    release off SGLang never clears a room, so only the newest DEAD_ROOMS marks are kept: a
-    decode whose prefills keep dying does not grow without end.  The watcher thread marks,
-    the scheduler thread holds, marks, reads and clears."""
+    A mark goes when SGLang releases its room (`clear_deferred_abort_state`), or when the room
+    is bootstrapped afresh.  With deferred release off SGLang never clears a room, so only
+    the newest DEAD_ROOMS marks are kept: a decode whose prefills keep dying does not grow
+    without end.  The watcher thread marks, the scheduler thread holds, marks, reads and
+    clears."""
 
     def __init__(self) -> None:
         self._marks: dict[int, str] = {}  # room: its dead server, oldest mark first
-        self._held: weakref.WeakKeyDictionary[Any, tuple[Any, str]] = weakref.WeakKeyDictionary()
+        self._held: dict[Any, weakref.WeakKeyDictionary[Any, str]] = {}  # room: receiver: server
+        self._prune_at = 64  # rooms held, counting those whose receivers are gone
         self._lock = threading.Lock()
 
     def hold(self, receiver: object, room: Any, server: str, afresh: bool) -> None:
-        """`receiver` bootstraps `room` from `server` (`afresh`: no other receiver holds the
-        id): a mark of another server's, or one made before a fresh bootstrap, is not about
-        its writers.  It counts until it is garbage: a dropped receiver writes nothing."""
+        """`receiver` bootstraps `room` from `server`; `afresh`: SGLang lists no room of the
+        id, so a mark made before is not about the writers bootstrapping now.  It is held
+        until it is garbage (SGLang drops a receiver once its pages are released)."""
         with self._lock:
-            self._held[receiver] = (room, server)
-            if afresh or self._marks.get(room, server) != server:
+            self._held.setdefault(room, weakref.WeakKeyDictionary())[receiver] = server
+            if len(self._held) > self._prune_at:
+                self._held = {k: held for k, held in self._held.items() if len(held)}
+                self._prune_at = 2 * len(self._held) + 64
+            if afresh:
                 self._marks.pop(room, None)
 
-    def add(self, rooms: Iterable[int], server: str) -> bool:
-        """Mark `rooms`, whose writers on `server` are all dead; False if any was refused
-        because a live receiver of another server holds its id."""
+    def add(self, rooms: Iterable[int], server: str) -> None:
+        """Mark `rooms`, whose writers on `server` are all dead."""
         with self._lock:
-            others = {room for room, at in list(self._held.values()) if at != server}
-            marked = True
             for room in rooms:
-                if room in others:
-                    marked = False
-                    continue
                 self._marks.pop(room, None)
                 self._marks[room] = server
             _trim(self._marks, DEAD_ROOMS)
-            return marked
+
+    def server(self, room: int) -> str | None:
+        """The dead server of `room`'s mark, or None if it has none."""
+        with self._lock:
+            return self._marks.get(room)
+
+    def alone(self, room: int, server: str, dead: dict[int, dict[str, Any]]) -> bool:
+        """No live receiver of `room` from a server other than `server` may still be written:
+        each has no rank entries, or only entries in `dead` (by identity).  Clients choose
+        room ids and SGLang keys rooms by id alone, so a release asked by the id must not
+        reach another server's receiver whose ranks may live: SGLang's own count decides
+        it then, or its timeout."""
+        with self._lock:
+            held = self._held.get(room)
+            others = [r for r, at in list(held.items()) if at != server] if held else []
+        return all(_known_dead(getattr(r, "bootstrap_infos", None) or (), dead) for r in others)
 
     def discard(self, room: int) -> None:
         with self._lock:
             self._marks.pop(room, None)
 
-    def __contains__(self, room: object) -> bool:
-        return room in self._marks
-
     def __len__(self) -> int:
         return len(self._marks)
 
 
+_Abort = tuple[int, list[dict[str, Any]], str]  # an armed ABORT: generation, entries, server
+
+
 class _Aborts:
-    """The rooms whose ABORT_ACKs SGLang awaits: each with its generation and the rank
-    entries its ABORT went to, which `is_abort_release_safe` checks the ACKs against and
-    the watcher watches.  A second ABORT to a room noted, armed or not, is another
-    receiver's of the same room id (or a race of two threads on one): the room is noted as
-    None, and SGLang's own count decides it.  Cleared with SGLang's tracker
-    (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
+    """The rooms whose ABORT_ACKs SGLang awaits: each with its generation, the rank entries
+    its ABORT went to, which `is_abort_release_safe` checks the ACKs against and the
+    watcher watches, and the server they belong to.  A second ABORT to a room noted, armed
+    or not, is another receiver's of the same room id (or a race of two threads on one):
+    the room is noted as None, and SGLang's own count decides it.  Cleared with SGLang's
+    tracker (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
 
     def __init__(self) -> None:
-        self._rooms: dict[int, tuple[int, list[dict[str, Any]]] | None] = {}
+        self._rooms: dict[int, _Abort | None] = {}
         self._lock = threading.Lock()
 
-    def note(self, room: int, generation: int | None, entries: Sequence[dict[str, Any]]) -> None:
-        """An ABORT sent to `entries`, arming `generation` (None: it armed nothing)."""
+    def note(
+        self,
+        room: int,
+        generation: int | None,
+        entries: Sequence[dict[str, Any]],
+        server: str,
+    ) -> None:
+        """An ABORT sent to `entries` of `server`, arming `generation` (None: it armed
+        nothing)."""
         with self._lock:
             if room in self._rooms:
                 self._rooms[room] = None
             elif generation is not None:
-                self._rooms[room] = (generation, list(entries))
+                self._rooms[room] = (generation, list(entries), server)
                 _trim(self._rooms, DEAD_ROOMS)
 
-    def get(self, room: int) -> tuple[int, list[dict[str, Any]]] | None:
+    def get(self, room: int) -> _Abort | None:
         with self._lock:
             return self._rooms.get(room)
 
@@ -221,8 +243,8 @@ class _Ranks:
             self._let_go(name, reg)
         try:
             reg = PeerRegistry(name, None)
-        except Exception:
-            return name not in self._known  # no file: gone, if it was seen
+        except Exception:  # no file: gone, if it was seen; any other trouble: looked at again
+            return name not in self._known or os.path.exists(os.path.join(SHM_DIR, name))
         try:
             reg.refresh()  # its owner's pid and start time
         except Exception:
@@ -243,7 +265,14 @@ class _Ranks:
 
     def _let_go(self, name: str, reg: PeerRegistry) -> None:
         reg.close()
-        self._known = _newest({**self._known, name: None}, DEAD_RANK_ENTRIES)
+        self._known.pop(name, None)  # the newest known stay: the ones still asked about
+        self._known[name] = None
+        _trim(self._known, DEAD_RANK_ENTRIES)
+
+
+def _known_dead(entries: Iterable[dict[str, Any]], dead: dict[int, dict[str, Any]]) -> bool:
+    """Every rank entry is one noted dead: the same object (see `writers_gone`)."""
+    return all(dead.get(id(e)) is e for e in entries)
 
 
 def _newest(items: dict[Any, Any], keep: int) -> dict[Any, Any]:
@@ -382,8 +411,9 @@ def _classes() -> dict[str, type]:
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
             """A room whose prefill died is safe at once: a dead process writes nothing.  So
             is one each rank of whose ABORT has acked this generation or is dead: SGLang
-            counts the ACKs, and a dead rank's never comes."""
-            if bootstrap_room in self._dead_rooms:
+            counts the ACKs, and a dead rank's never comes.  Either only while no other
+            server's receiver of the room id may still be written (`_alone`)."""
+            if self._marked(bootstrap_room):
                 return True
             if super().is_abort_release_safe(bootstrap_room, required_acks):
                 return True
@@ -391,10 +421,20 @@ def _classes() -> dict[str, type]:
             state = self._deferred_abort_ack_tracker.get(bootstrap_room)
             if noted is None or state is None or state.generation != noted[0]:
                 return False
-            entries, dead, acked = noted[1], self._dead_ranks, state.prefill_ranks
-            return len(entries) >= required_acks and all(
-                dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries
+            (_, entries, server), dead, acked = noted, self._dead_ranks, state.prefill_ranks
+            return (
+                len(entries) >= required_acks
+                and all(dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries)
+                and self._alone(bootstrap_room, server)
             )
+
+        def _marked(self, room: int) -> bool:
+            """The room's prefill server died whole, and it is `_alone` on that server."""
+            server = self._dead_rooms.server(room)
+            return server is not None and self._alone(room, server)
+
+        def _alone(self, room: int, server: str) -> bool:
+            return self._dead_rooms.alone(room, server, self._dead_ranks)
 
         def writers_gone(self, bootstrap_room: int, receiver: object = None) -> bool:
             """Every prefill rank that could write this room is dead (the plugin frees its
@@ -405,11 +445,13 @@ def _classes() -> dict[str, type]:
             (`_handle_node_failure` reads the rooms again).  By those entries' identity (its
             `bootstrap_infos`) it is told from one bootstrapped afresh, perhaps to a prefill
             restarted at that address.  The answer is the receiver's, not the room's: a
-            later receiver of the same room is asked afresh."""
-            if bootstrap_room in self._dead_rooms:
+            later receiver of the same room is asked afresh, and a mark covers only the
+            receivers of the server it names."""
+            server = self._dead_rooms.server(bootstrap_room)
+            if server is not None and getattr(receiver, "bootstrap_addr", server) == server:
                 return True
-            dead, infos = self._dead_ranks, getattr(receiver, "bootstrap_infos", None) or ()
-            return bool(dead and infos) and all(dead.get(id(i)) is i for i in infos)
+            infos = getattr(receiver, "bootstrap_infos", None) or ()
+            return bool(infos) and _known_dead(infos, self._dead_ranks)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
             self._aborts.discard(bootstrap_room)
@@ -438,33 +480,30 @@ def _classes() -> dict[str, type]:
         def __init__(
             self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
         ) -> None:
-            """Held in the room marks before SGLang lists the room (a watcher's marks from
-            then on see it).  A room no other receiver still holds is bootstrapped afresh:
-            whatever died before, its writers are the ones bootstrapping now.  A duplicate of
-            a room still pending from the same server changes nothing
-            (`CommonKVReceiver.__init__`, `common/conn.py:2482`)."""
+            """Held in the room marks before SGLang lists the room, so a watcher's look that
+            sees the room sees the receiver.  A room SGLang does not list is bootstrapped
+            afresh: whatever died before, its writers are the ones bootstrapping now.  A
+            duplicate of a room still pending changes no mark (`CommonKVReceiver.__init__`,
+            `common/conn.py:2482`); one from another server counts in `_alone`."""
             afresh = bootstrap_room not in mgr.request_status
             mgr._dead_rooms.hold(self, bootstrap_room, bootstrap_addr, afresh)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
             """A room whose prefill is dead needs no ABORT, and no ACK is awaited: nothing is
-            left to stop, and the send would wait out ZMQ's send timeout on the scheduler
-            thread.  Every ABORT of SGLang's receiver comes here (an abort, a failure, a
-            wait timed out, a clear), so the room is marked safe to release for each.  A
-            room id another server's receiver holds cannot be marked: its ABORT goes out,
-            to the dead ranks too, and is counted as any other (rare: clients reusing ids)."""
+            left to stop, and none would come.  Every ABORT of SGLang's receiver comes here
+            (an abort, a failure, a wait timed out, a clear), so the room is marked safe to
+            release for each (while it is `_alone`)."""
             mgr, room = self.kv_mgr, self.bootstrap_room
-            if mgr.writers_gone(room, self) and (
-                room in mgr._dead_rooms
-                or mgr.request_status.get(room) == KVPoll.Success
-                or mgr._dead_rooms.add([room], self.bootstrap_addr)
-            ):
+            if mgr.writers_gone(room, self):
+                if mgr.request_status.get(room) != KVPoll.Success:
+                    mgr._dead_rooms.add([room], self.bootstrap_addr)
                 return
             before = self._abort_generation
             super()._send_abort_notification(force_arm=force_arm)
             armed = self._abort_generation  # a new one if this call armed the room
-            mgr._aborts.note(room, None if armed == before else armed, self.bootstrap_infos)
+            generation = None if armed == before else armed
+            mgr._aborts.note(room, generation, self.bootstrap_infos, self.bootstrap_addr)
 
         def _get_bootstrap_info_from_server(
             self, prefill_dp_rank: int, prefill_cp_rank: int, tp_rank: int, pp_rank: int
