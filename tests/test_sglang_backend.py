@@ -283,92 +283,83 @@ def test_an_aborted_room_waits_for_its_silent_rank_and_is_released_when_that_ran
         assert pair.settle() == (True, BIG.pages, BIG.slots)
 
 
-def test_room_marks_and_awaited_aborts_are_bounded_and_a_room_armed_twice_is_left_to_sglang(
+def test_awaited_aborts_are_bounded_and_a_room_armed_twice_is_left_to_sglang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With deferred release off SGLang never clears a dead room's mark (no
-    `clear_deferred_abort_state`), and room ids are random: the marks of a decode whose
-    prefills keep dying must not grow without end, and the newest (those in flight) stay.
-    A room id armed by a second receiver while the first's ABORT awaits its ACKs must not
-    have the first's ACKs checked against the second's ranks: SGLang's count decides it."""
+    """With deferred release off SGLang never clears a room (no
+    `clear_deferred_abort_state`), and room ids are random: the noted ABORTs of a decode
+    whose prefills keep failing must not grow without end, and the newest (those in flight)
+    stay.  A room id armed by a second receiver while the first's ABORT awaits its ACKs must
+    not have the first's ACKs checked against the second's ranks: SGLang's count decides it."""
     from shmslots.sglang import backend
 
     monkeypatch.setattr(backend, "DEAD_ROOMS", 4)
-    marks = backend._RoomMarks()
-
-    def marked(n: int) -> list[int]:
-        return [r for r in range(n) if marks.server(r) is not None]
-
-    marks.add(range(10), "a")
-    assert len(marks) == 4 and marked(10) == [6, 7, 8, 9]
-    marks.add([6], "a")  # marked again: now the newest
-    marks.add([10], "a")
-    assert marked(11) == [6, 8, 9, 10]
-    marks.discard(8)
-    marks.discard(8)  # a room released twice
-    assert marked(11) == [6, 9, 10]
     aborts = backend._Aborts()
     one, two = {"rank_port": 1}, {"rank_port": 2}
-    aborts.note(1, 7, [one, two], "a")
-    assert aborts.get(1) == (7, [one, two], "a") and aborts.entries() == [one, two]
-    aborts.note(1, 8, [one], "a")  # the same room id, another receiver
+    aborts.note(1, 7, [one, two])
+    assert aborts.get(1) == (7, [one, two]) and aborts.entries() == [one, two]
+    aborts.note(1, 8, [one])  # the same room id, another receiver
     assert aborts.get(1) is None and aborts.entries() == []
     aborts.discard(1)  # released: the next receiver of the id is noted again
-    aborts.note(1, None, [one], "a")  # an ABORT that armed nothing, to a room not noted
+    aborts.note(1, None, [one])  # an ABORT that armed nothing, to a room not noted
     assert aborts.get(1) is None and aborts.entries() == []
-    aborts.note(1, 9, [two], "b")
-    assert aborts.get(1) == (9, [two], "b")
-    aborts.note(1, None, [one], "a")  # another receiver's, unarmed (SGLang's `_clear`)
+    aborts.note(1, 9, [two])
+    assert aborts.get(1) == (9, [two])
+    aborts.note(1, None, [one])  # another receiver's, unarmed (SGLang's `_clear`)
     assert aborts.get(1) is None
     aborts.discard(1)
-    aborts.note(1, 9, [two], "b")
+    aborts.note(1, 9, [two])
     for room in range(2, 10):
-        aborts.note(room, room, [one], "a")
-    assert aborts.get(1) is None and aborts.get(9) == (9, [one], "a") and len(aborts.entries()) == 4
+        aborts.note(room, room, [one])
+    assert aborts.get(1) is None and aborts.get(9) == (9, [one]) and len(aborts.entries()) == 4
 
 
-def test_a_release_by_room_id_waits_while_another_servers_receiver_of_the_id_may_be_written() -> (
+def test_a_room_id_with_several_receivers_is_released_early_only_once_each_ones_ranks_stopped() -> (
     None
 ):
-    """Clients may choose room ids, and SGLang keys rooms by id alone: when server "a" dies
-    whole, a release asked by a room id that a receiver of server "b" also holds must wait
-    while "b"'s ranks may live (they may be writing that receiver's pages), and need not
-    once they are dead too (noted by identity), or that receiver is gone.  A receiver with
-    no rank entries yet has nothing writing it.  A fresh bootstrap of the id drops its mark;
-    a duplicate of a pending one does not."""
+    """Clients may choose room ids, and SGLang asks whether a room may be released by id:
+    the ranks that may write it are those of every live receiver of the id, of one prefill
+    server or several (attention DP: one server, other ranks).  A release is early only if
+    each such rank is dead (by identity: an equal entry fetched afresh names another
+    process), or was sent the noted ABORT and acked it (an ACK's rank number answers only
+    for a rank that ABORT went to).  A receiver with no rank entries yet has nothing
+    writing it, and one SGLang let go of counts no more."""
     import gc
 
     from shmslots.sglang import backend
 
-    class Receiver:  # what the marks read of SGLang's receiver
+    class Receiver:  # what the holders read of SGLang's receiver
         def __init__(self, infos: list[dict[str, int]] | None) -> None:
             self.bootstrap_infos = infos
 
-    marks = backend._RoomMarks()
-    a_rank, b_rank = {"rank_port": 1}, {"rank_port": 2}
-    on_a, on_b = Receiver([a_rank]), Receiver([b_rank])
-    marks.hold(on_a, 1, "a", afresh=True)
-    marks.hold(on_b, 1, "b", afresh=False)  # the same id, from another server
-    marks.hold(Receiver(None), 1, "c", afresh=False)  # dropped at once: SGLang let it go
-    idle = Receiver(None)
-    marks.hold(idle, 1, "c", afresh=False)  # bootstrapping: no rank entries yet
-    marks.add([1], "a")
-    assert marks.server(1) == "a"
-    dead = {id(a_rank): a_rank}
-    assert not marks.alone(1, "a", dead)  # b's rank may be writing on_b's pages
-    assert not marks.alone(1, "a", dead | {id(dict(b_rank)): dict(b_rank)})  # an equal copy
-    assert marks.alone(1, "a", dead | {id(b_rank): b_rank})  # both servers died
-    assert marks.alone(1, "b", dead)  # a's receiver: its rank is dead; c's: nothing writes it
-    del on_b
+    rank = backend.ACK_RANK
+    a0, a1, b0 = ({"rank_port": p, rank: n} for p, n in ((1, 0), (2, 1), (3, 0)))
+    holders = backend._Holders()
+    on_a, on_b, idle = Receiver([a0, a1]), Receiver([b0]), Receiver(None)
+    for receiver in (on_a, on_b, idle):
+        holders.hold(receiver, 7)
+    holders.hold(Receiver([dict(b0)]), 7)  # let go of at once
+    del receiver
+    writers = holders.writers(7)
+    assert sorted(e["rank_port"] for e in writers) == [1, 2, 3]
+    dead = {id(a0): a0, id(a1): a1}
+    assert not backend._known_dead(writers, dead)  # b0 may be writing on_b's pages
+    assert not backend._known_dead(writers, dead | {id(c): c for c in [dict(b0)]})
+    assert backend._known_dead(writers, dead | {id(b0): b0})  # both servers died
+    one_dead = {id(a0): a0}
+    assert backend._acked_or_dead([a0, a1], [a0, a1], {1}, one_dead)  # a1 acked, a0 dead
+    assert not backend._acked_or_dead([a0, a1], [a0, a1], {0}, {})  # a1's ACK missing
+    assert not backend._acked_or_dead([a0, a1], writers, {0, 1}, {})  # b0 was not aborted
+    del on_b, writers
     gc.collect()
-    assert marks.alone(1, "a", dead)
-    marks.hold(Receiver([a_rank]), 1, "a", afresh=False)  # a duplicate of the pending id
-    assert marks.server(1) == "a"
-    marks.hold(Receiver([a_rank]), 1, "a", afresh=True)  # bootstrapped afresh
-    assert marks.server(1) is None
-    for room in range(2, 2000):  # receivers let go of are not remembered without end
-        marks.hold(Receiver(None), room, "a", afresh=True)
-    assert len(marks._held) < 200
+    assert backend._acked_or_dead([a0, a1], holders.writers(7), {1}, one_dead)
+    assert backend._known_dead(holders.writers(7), dead)
+    del on_a, idle
+    gc.collect()
+    assert holders.writers(7) == []
+    for room in range(8, 2000):  # receivers let go of are not remembered without end
+        holders.hold(Receiver(None), room)
+    assert len(holders._held) < 200
 
 
 def test_a_rank_restarted_under_its_name_is_alive_and_one_gone_stays_dead() -> None:

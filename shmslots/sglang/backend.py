@@ -17,20 +17,22 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
 - `_handle_node_failure` (called) and `is_abort_release_safe` (extended, decode side): a
   watcher thread reads every known prefill rank's registry lock, and whether its owner has
   begun to exit, every `SHMSLOTS_PD_WATCH_S` (0.02 s); a dead rank fails its server's rooms
-  as SGLang's heartbeat would after 2 x 5 s, and when every rank of that server is dead
-  those rooms are safe to release at once, since a dead process writes nothing (save a
-  room id that a live receiver of another server holds: clients choose ids); a
-  heartbeat's failure, which cannot tell dead from slow, keeps SGLang's own path;
+  as SGLang's heartbeat would after 2 x 5 s, and its rank entries are noted dead, by
+  identity.  A room is safe to release at once when every rank entry of every live
+  receiver of its id is (a dead process writes nothing; clients choose room ids and SGLang
+  asks by id, so one id may have several receivers); a heartbeat's failure, which cannot
+  tell dead from slow, keeps SGLang's own path;
 - `_deferred_abort_ack_tracker` (read): SGLang counts a room's ABORT_ACKs against the
   number of ranks it aborted, so a dead rank's missing ACK held the room for the timeout;
-  here a room is safe once each rank its ABORT went to has acked this generation or is
-  dead.  The watcher looks at the ranks of every room awaiting ACKs, since SGLang forgets
-  a failed server's ranks, and a failed room's (`clear`) before it sends the ABORT;
-- `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a room
-  whose ranks are all dead sends no ABORT, and one bootstrapped after the watcher's look is
-  told as the dead ranks' by its rank entries, SGLang's cached ones.  This relies on
-  `_handle_node_failure` deleting every cached entry of the server under its lock, and on
-  a receiver listing its room (`__init__`) before it reads that cache (`init`);
+  here a room is safe once each rank its ABORT went to, and that may write it, has acked
+  this generation or is dead.  The watcher looks at the ranks of every room awaiting ACKs,
+  since SGLang forgets a failed server's ranks, and a failed room's (`clear`) before it
+  sends the ABORT;
+- `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a
+  receiver whose ranks are all dead sends no ABORT.  One bootstrapped after the watcher's
+  look from SGLang's cached entries holds the very entries noted dead; one that fetched its
+  own after `_handle_node_failure` emptied the cache sends its ABORT, and its ranks are
+  watched as a room awaiting ACKs;
 - `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
   number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
@@ -57,7 +59,7 @@ from .samehost import PREFIX, PeerRegistry, SameHostEngine
 NAME = "shmslots"
 WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
-DEAD_ROOMS = 1 << 16  # rooms `_RoomMarks` and `_Aborts` keep, the newest: far more than in flight
+DEAD_ROOMS = 1 << 16  # rooms `_Aborts` keeps, the newest: far more than in flight
 ACK_RANK = "shmslots_ack_rank"  # a bootstrap entry's rank, as its ABORT_ACKs number it
 UTILS = "sglang.srt.disaggregation.utils"
 
@@ -110,102 +112,54 @@ class _DeadSessions(set[str]):
             super().add(session)
 
 
-class _RoomMarks:
-    """Rooms the watcher found every writer of dead, each with the prefill server (bootstrap
-    address) that died, and the live receivers of each room id with their servers.  SGLang
-    keys rooms by id alone and clients may choose ids, so a room id may be held by
-    receivers of two servers at once: a release asked by the id must then be safe for each
-    (`alone`).  A receiver registers (`hold`) before SGLang lists its room, so a watcher's
-    look that sees the room sees the receiver.
-
-    A mark goes when SGLang releases its room (`clear_deferred_abort_state`), or when the room
-    is bootstrapped afresh.  With deferred release off SGLang never clears a room, so only
-    the newest DEAD_ROOMS marks are kept: a decode whose prefills keep dying does not grow
-    without end.  The watcher thread marks, the scheduler thread holds, marks, reads and
-    clears."""
+class _Holders:
+    """The live receivers of each room id.  Clients choose room ids and SGLang keys rooms by
+    id alone, so one id may be held by several receivers, of one prefill server or of
+    several: a release asked by the id is made early only if it is safe for each.  Held
+    weakly (SGLang drops a receiver once its pages are released or its transfer is done),
+    and pruned as they go."""
 
     def __init__(self) -> None:
-        self._marks: dict[int, str] = {}  # room: its dead server, oldest mark first
-        self._held: dict[Any, weakref.WeakKeyDictionary[Any, str]] = {}  # room: receiver: server
-        self._prune_at = 64  # rooms held, counting those whose receivers are gone
+        self._held: dict[Any, weakref.WeakSet[Any]] = {}
+        self._prune_at = 64  # room ids held, counting those whose receivers are gone
         self._lock = threading.Lock()
 
-    def hold(self, receiver: object, room: Any, server: str, afresh: bool) -> None:
-        """`receiver` bootstraps `room` from `server`; `afresh`: SGLang lists no room of the
-        id, so a mark made before is not about the writers bootstrapping now.  It is held
-        until it is garbage (SGLang drops a receiver once its pages are released)."""
+    def hold(self, receiver: object, room: Any) -> None:
         with self._lock:
-            self._held.setdefault(room, weakref.WeakKeyDictionary())[receiver] = server
+            self._held.setdefault(room, weakref.WeakSet()).add(receiver)
             if len(self._held) > self._prune_at:
                 self._held = {k: held for k, held in self._held.items() if len(held)}
                 self._prune_at = 2 * len(self._held) + 64
-            if afresh:
-                self._marks.pop(room, None)
 
-    def add(self, rooms: Iterable[int], server: str) -> None:
-        """Mark `rooms`, whose writers on `server` are all dead."""
+    def writers(self, room: Any) -> list[dict[str, Any]]:
+        """The rank entries of every live receiver of `room`: whoever may write its pages."""
         with self._lock:
-            for room in rooms:
-                self._marks.pop(room, None)
-                self._marks[room] = server
-            _trim(self._marks, DEAD_ROOMS)
-
-    def server(self, room: int) -> str | None:
-        """The dead server of `room`'s mark, or None if it has none."""
-        with self._lock:
-            return self._marks.get(room)
-
-    def alone(self, room: int, server: str, dead: dict[int, dict[str, Any]]) -> bool:
-        """No live receiver of `room` from a server other than `server` may still be written:
-        each has no rank entries, or only entries in `dead` (by identity).  Clients choose
-        room ids and SGLang keys rooms by id alone, so a release asked by the id must not
-        reach another server's receiver whose ranks may live: SGLang's own count decides
-        it then, or its timeout."""
-        with self._lock:
-            held = self._held.get(room)
-            others = [r for r, at in list(held.items()) if at != server] if held else []
-        return all(_known_dead(getattr(r, "bootstrap_infos", None) or (), dead) for r in others)
-
-    def discard(self, room: int) -> None:
-        with self._lock:
-            self._marks.pop(room, None)
-
-    def __len__(self) -> int:
-        return len(self._marks)
-
-
-_Abort = tuple[int, list[dict[str, Any]], str]  # an armed ABORT: generation, entries, server
+            receivers = list(self._held.get(room, ()))
+        return [e for r in receivers for e in getattr(r, "bootstrap_infos", None) or ()]
 
 
 class _Aborts:
-    """The rooms whose ABORT_ACKs SGLang awaits: each with its generation, the rank entries
-    its ABORT went to, which `is_abort_release_safe` checks the ACKs against and the
-    watcher watches, and the server they belong to.  A second ABORT to a room noted, armed
-    or not, is another receiver's of the same room id (or a race of two threads on one):
-    the room is noted as None, and SGLang's own count decides it.  Cleared with SGLang's
-    tracker (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
+    """The rooms whose ABORT_ACKs SGLang awaits: each with its generation and the rank
+    entries its ABORT went to, which `is_abort_release_safe` checks the ACKs against and
+    the watcher watches.  A second ABORT to a room noted, armed or not, is another
+    receiver's of the same room id (or a race of two threads on one): the room is noted as
+    None, and SGLang's own count decides it.  Cleared with SGLang's tracker
+    (`clear_deferred_abort_state`); only the newest DEAD_ROOMS are kept."""
 
     def __init__(self) -> None:
-        self._rooms: dict[int, _Abort | None] = {}
+        self._rooms: dict[int, tuple[int, list[dict[str, Any]]] | None] = {}
         self._lock = threading.Lock()
 
-    def note(
-        self,
-        room: int,
-        generation: int | None,
-        entries: Sequence[dict[str, Any]],
-        server: str,
-    ) -> None:
-        """An ABORT sent to `entries` of `server`, arming `generation` (None: it armed
-        nothing)."""
+    def note(self, room: int, generation: int | None, entries: Sequence[dict[str, Any]]) -> None:
+        """An ABORT sent to `entries`, arming `generation` (None: it armed nothing)."""
         with self._lock:
             if room in self._rooms:
                 self._rooms[room] = None
             elif generation is not None:
-                self._rooms[room] = (generation, list(entries), server)
+                self._rooms[room] = (generation, list(entries))
                 _trim(self._rooms, DEAD_ROOMS)
 
-    def get(self, room: int) -> _Abort | None:
+    def get(self, room: int) -> tuple[int, list[dict[str, Any]]] | None:
         with self._lock:
             return self._rooms.get(room)
 
@@ -275,6 +229,22 @@ def _known_dead(entries: Iterable[dict[str, Any]], dead: dict[int, dict[str, Any
     return all(dead.get(id(e)) is e for e in entries)
 
 
+def _acked_or_dead(
+    entries: Sequence[dict[str, Any]],
+    writers: Sequence[dict[str, Any]],
+    acked: Container[int],
+    dead: dict[int, dict[str, Any]],
+) -> bool:
+    """Every rank an ABORT went to (`entries`), and every rank that may write the room
+    (`writers`), is dead or was sent that ABORT and acked it: `acked` holds the rank numbers
+    the ACKs carried (ACK_RANK), and a number answers only for a rank the ABORT went to."""
+    aborted = {id(e): e for e in entries}
+    return all(
+        dead.get(id(e)) is e or (aborted.get(id(e)) is e and e.get(ACK_RANK) in acked)
+        for e in (*entries, *writers)
+    )
+
+
 def _newest(items: dict[Any, Any], keep: int) -> dict[Any, Any]:
     """The last `keep` items of `items`, in order: a bounded memory of what died."""
     return dict(list(items.items())[-keep:])
@@ -330,7 +300,7 @@ def _classes() -> dict[str, type]:
                 self.rank_port,
                 receives=self.disaggregation_mode == DisaggregationMode.DECODE,
             )
-            self._dead_rooms = _RoomMarks()  # every writer dead: safe at once
+            self._holders = _Holders()  # a room id's receivers: its possible writers
             self._dead_ranks: dict[int, dict[str, Any]] = {}  # by id: see writers_gone
             self._aborts = _Aborts()
             self._ranks = _Ranks()
@@ -367,19 +337,18 @@ def _classes() -> dict[str, type]:
 
         def _check_prefills(self) -> None:
             """Each prefill server (bootstrap address) with a dead rank has its rooms failed,
-            as SGLang's heartbeat would after 2 x 5 s.  Only if every rank it holds is dead
-            are its rooms safe to release at once: a live rank may still be writing.  The
-            dead ranks' entries, and those of rooms awaiting ACKs, are noted by identity."""
+            as SGLang's heartbeat would after 2 x 5 s.  The dead ranks' entries, and those
+            of rooms awaiting ACKs, are noted by identity: a room is safe to release at once
+            only when every rank that may write it is (`is_abort_release_safe`)."""
             awaiting = self._aborts.entries()  # before any look: each look is after its fetch
-            with self.connection_lock:  # ranks and rooms in one look: a room bootstrapped
-                ranks: dict[str, set[str]] = {}  # after it may be a restarted prefill's
+            with self.connection_lock:
+                ranks: dict[str, set[str]] = {}
                 entries_of: dict[str, list[dict[str, Any]]] = {}
                 for key, entries in self.connection_pool.items():
                     for addr in self.prefill_info_table:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
                             ranks.setdefault(addr, set()).update(map(_rank_registry, entries))
                             entries_of.setdefault(addr, []).extend(entries)
-                rooms = {addr: set(self.addr_to_rooms_tracker.get(addr, ())) for addr in ranks}
             alive: dict[str, bool] = {}  # each name looked at once a pass
 
             def lives(name: str) -> bool:
@@ -389,15 +358,9 @@ def _classes() -> dict[str, type]:
 
             for addr, names in ranks.items():
                 dead = {name for name in names if not lives(name)}
-                if not dead:
-                    continue
-                if dead == names:
-                    status = self.request_status
-                    self._dead_rooms.add(
-                        (r for r in rooms[addr] if status.get(r) != KVPoll.Success), addr
-                    )
-                self._note_dead(e for e in entries_of[addr] if _rank_registry(e) in dead)
-                self._handle_node_failure(addr)
+                if dead:
+                    self._note_dead(e for e in entries_of[addr] if _rank_registry(e) in dead)
+                    self._handle_node_failure(addr)
             # SGLang forgets a failed server's ranks, and a failed room's before it aborts the
             # room: a room awaiting ACKs has its ranks watched here until it is released
             self._note_dead(e for e in awaiting if not lives(_rank_registry(e)))
@@ -409,11 +372,13 @@ def _classes() -> dict[str, type]:
                 self._dead_ranks = _newest({**self._dead_ranks, **gone}, DEAD_RANK_ENTRIES)
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-            """A room whose prefill died is safe at once: a dead process writes nothing.  So
-            is one each rank of whose ABORT has acked this generation or is dead: SGLang
-            counts the ACKs, and a dead rank's never comes.  Either only while no other
-            server's receiver of the room id may still be written (`_alone`)."""
-            if self._marked(bootstrap_room):
+            """Safe at once when every rank that may write the room is dead: a dead process
+            writes nothing.  Safe too once every such rank has acked this generation's ABORT
+            or is dead: SGLang counts the ACKs, and a dead rank's never comes.  The ranks
+            that may write are those of every live receiver of the room id (`_Holders`):
+            clients choose ids, and SGLang asks by id."""
+            dead, writers = self._dead_ranks, self._holders.writers(bootstrap_room)
+            if writers and _known_dead(writers, dead):
                 return True
             if super().is_abort_release_safe(bootstrap_room, required_acks):
                 return True
@@ -421,41 +386,30 @@ def _classes() -> dict[str, type]:
             state = self._deferred_abort_ack_tracker.get(bootstrap_room)
             if noted is None or state is None or state.generation != noted[0]:
                 return False
-            (_, entries, server), dead, acked = noted, self._dead_ranks, state.prefill_ranks
-            return (
-                len(entries) >= required_acks
-                and all(dead.get(id(e)) is e or e.get(ACK_RANK) in acked for e in entries)
-                and self._alone(bootstrap_room, server)
+            entries = noted[1]
+            return len(entries) >= required_acks and _acked_or_dead(
+                entries, writers, state.prefill_ranks, dead
             )
 
-        def _marked(self, room: int) -> bool:
-            """The room's prefill server died whole, and it is `_alone` on that server."""
-            server = self._dead_rooms.server(room)
-            return server is not None and self._alone(room, server)
-
-        def _alone(self, room: int, server: str) -> bool:
-            return self._dead_rooms.alone(room, server, self._dead_ranks)
-
         def writers_gone(self, bootstrap_room: int, receiver: object = None) -> bool:
-            """Every prefill rank that could write this room is dead (the plugin frees its
-            metadata slot at once instead of quarantining it; no ABORT need be sent).
+            """Every prefill rank that could write this receiver's pages (with no receiver:
+            any receiver's of the room id) is dead, by its rank entries' identity: the
+            plugin frees the metadata slot at once instead of quarantining it, and no ABORT
+            need be sent.
 
             A receiver made after the watcher's look at SGLang's tables took its rank
             entries from SGLang's cache, and SGLang failed its room with the rest
-            (`_handle_node_failure` reads the rooms again).  By those entries' identity (its
-            `bootstrap_infos`) it is told from one bootstrapped afresh, perhaps to a prefill
-            restarted at that address.  The answer is the receiver's, not the room's: a
-            later receiver of the same room is asked afresh, and a mark covers only the
-            receivers of the server it names."""
-            server = self._dead_rooms.server(bootstrap_room)
-            if server is not None and getattr(receiver, "bootstrap_addr", server) == server:
-                return True
-            infos = getattr(receiver, "bootstrap_infos", None) or ()
-            return bool(infos) and _known_dead(infos, self._dead_ranks)
+            (`_handle_node_failure` reads the rooms again): those entries are the ones
+            noted dead.  One bootstrapped afresh, perhaps to a prefill restarted at that
+            address, has entries of its own, and keeps SGLang's path."""
+            if receiver is None:
+                entries = self._holders.writers(bootstrap_room)
+            else:
+                entries = getattr(receiver, "bootstrap_infos", None) or []
+            return bool(entries) and _known_dead(entries, self._dead_ranks)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
             self._aborts.discard(bootstrap_room)
-            self._dead_rooms.discard(bootstrap_room)
             super().clear_deferred_abort_state(bootstrap_room)
 
         def teardown(self) -> None:
@@ -480,30 +434,20 @@ def _classes() -> dict[str, type]:
         def __init__(
             self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
         ) -> None:
-            """Held in the room marks before SGLang lists the room, so a watcher's look that
-            sees the room sees the receiver.  A room SGLang does not list is bootstrapped
-            afresh: whatever died before, its writers are the ones bootstrapping now.  A
-            duplicate of a room still pending changes no mark (`CommonKVReceiver.__init__`,
-            `common/conn.py:2482`); one from another server counts in `_alone`."""
-            afresh = bootstrap_room not in mgr.request_status
-            mgr._dead_rooms.hold(self, bootstrap_room, bootstrap_addr, afresh)
+            mgr._holders.hold(self, bootstrap_room)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
-            """A room whose prefill is dead needs no ABORT, and no ACK is awaited: nothing is
-            left to stop, and none would come.  Every ABORT of SGLang's receiver comes here
-            (an abort, a failure, a wait timed out, a clear), so the room is marked safe to
-            release for each (while it is `_alone`)."""
+            """A receiver whose prefill ranks are dead needs no ABORT, and no ACK is awaited:
+            nothing is left to stop, and none would come.  Every ABORT of SGLang's receiver
+            comes here (an abort, a failure, a wait timed out, a clear)."""
             mgr, room = self.kv_mgr, self.bootstrap_room
             if mgr.writers_gone(room, self):
-                if mgr.request_status.get(room) != KVPoll.Success:
-                    mgr._dead_rooms.add([room], self.bootstrap_addr)
                 return
             before = self._abort_generation
             super()._send_abort_notification(force_arm=force_arm)
             armed = self._abort_generation  # a new one if this call armed the room
-            generation = None if armed == before else armed
-            mgr._aborts.note(room, generation, self.bootstrap_infos, self.bootstrap_addr)
+            mgr._aborts.note(room, None if armed == before else armed, self.bootstrap_infos)
 
         def _get_bootstrap_info_from_server(
             self, prefill_dp_rank: int, prefill_cp_rank: int, tp_rank: int, pp_rank: int
