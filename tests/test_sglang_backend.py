@@ -323,7 +323,8 @@ def test_a_room_id_with_several_receivers_is_released_early_only_once_each_ones_
     each such rank is dead (by identity: an equal entry fetched afresh names another
     process), or was sent the noted ABORT and acked it (an ACK's rank number answers only
     for a rank that ABORT went to).  A receiver with no rank entries yet has nothing
-    writing it, and one SGLang let go of counts no more."""
+    writing it, and one SGLang let go of counts no more.  The receivers holding a rank
+    entry noted dead are found by identity too (their rooms are failed)."""
     import gc
 
     from shmslots.sglang import backend
@@ -342,6 +343,9 @@ def test_a_room_id_with_several_receivers_is_released_early_only_once_each_ones_
     del receiver
     writers = holders.writers(7)
     assert sorted(e["rank_port"] for e in writers) == [1, 2, 3]
+    holders.hold(Receiver([b0]), 8)  # another room of b's, let go of
+    assert holders.holding([a1]) == [on_a] and holders.holding([b0]) == [on_b]
+    assert holders.holding([dict(a1)]) == []  # an equal entry fetched afresh: another rank
     dead = {id(a0): a0, id(a1): a1}
     assert not backend._known_dead(writers, dead)  # b0 may be writing on_b's pages
     assert not backend._known_dead(writers, dead | {id(c): c for c in [dict(b0)]})

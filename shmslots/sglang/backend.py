@@ -24,10 +24,10 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   tell dead from slow, keeps SGLang's own path;
 - `_deferred_abort_ack_tracker` (read): SGLang counts a room's ABORT_ACKs against the
   number of ranks it aborted, so a dead rank's missing ACK held the room for the timeout;
-  here a room is safe once each rank its ABORT went to, and that may write it, has acked
-  this generation or is dead.  The watcher looks at the ranks of every room awaiting ACKs,
-  since SGLang forgets a failed server's ranks, and a failed room's (`clear`) before it
-  sends the ABORT;
+  here a room is safe once each rank its ABORT went to, and each rank that may write it,
+  is dead or was sent that ABORT and acked this generation.  The watcher looks at the
+  ranks of every room awaiting ACKs, since SGLang forgets a failed server's ranks, and a
+  failed room's (`clear`) before it sends the ABORT;
 - `_send_abort_notification` (overridden) and `bootstrap_infos` (read), receiver: a
   receiver whose ranks are all dead sends no ABORT.  One bootstrapped after the watcher's
   look from SGLang's cached entries holds the very entries noted dead; one that fetched its
@@ -130,6 +130,14 @@ class _Holders:
             if len(self._held) > self._prune_at:
                 self._held = {k: held for k, held in self._held.items() if len(held)}
                 self._prune_at = 2 * len(self._held) + 64
+
+    def holding(self, entries: Iterable[dict[str, Any]]) -> list[Any]:
+        """The live receivers holding any of `entries` (the same objects)."""
+        ids = {id(e) for e in entries}  # `entries` live through the call: ids are theirs
+        with self._lock:
+            receivers = [r for held in self._held.values() for r in list(held)]
+        infos = [(r, getattr(r, "bootstrap_infos", None) or ()) for r in receivers]
+        return [r for r, entries_of in infos if any(id(e) in ids for e in entries_of)]
 
     def writers(self, room: Any) -> list[dict[str, Any]]:
         """The rank entries of every live receiver of `room`: whoever may write its pages."""
@@ -344,8 +352,9 @@ def _classes() -> dict[str, type]:
             with self.connection_lock:
                 ranks: dict[str, set[str]] = {}
                 entries_of: dict[str, list[dict[str, Any]]] = {}
+                addrs = list(self.prefill_info_table)  # the scheduler adds servers unlocked
                 for key, entries in self.connection_pool.items():
-                    for addr in self.prefill_info_table:
+                    for addr in addrs:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
                             ranks.setdefault(addr, set()).update(map(_rank_registry, entries))
                             entries_of.setdefault(addr, []).extend(entries)
@@ -367,9 +376,21 @@ def _classes() -> dict[str, type]:
             self._ranks.keep_only(alive)  # let go of forgotten servers' registries
 
         def _note_dead(self, entries: Iterable[dict[str, Any]]) -> None:
-            gone = {id(e): e for e in entries}
-            if gone:  # rebound, never mutated: the scheduler thread reads it without a lock
-                self._dead_ranks = _newest({**self._dead_ranks, **gone}, DEAD_RANK_ENTRIES)
+            """Note dead ranks' entries, and fail the room of every receiver holding one, as
+            `_handle_node_failure` fails its server's: a dead rank's entries noted from the
+            rooms awaiting ACKs may be held by receivers whose server SGLang no longer lists,
+            and whose rooms it would then fail only at its heartbeat's timeout."""
+            dead = self._dead_ranks
+            gone = {id(e): e for e in entries if dead.get(id(e)) is not e}
+            if not gone:
+                return
+            # rebound, never mutated: the scheduler thread reads it without a lock
+            self._dead_ranks = _newest({**dead, **gone}, DEAD_RANK_ENTRIES)
+            for receiver in self._holders.holding(gone.values()):
+                room = receiver.bootstrap_room
+                if room in self.request_status and self.check_status(room) != KVPoll.Success:
+                    self.record_failure(room, "shmslots: a prefill rank of this room died")
+                    self.update_status(room, KVPoll.Failed)
 
         def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
             """Safe at once when every rank that may write the room is dead: a dead process
