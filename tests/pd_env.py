@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -551,6 +552,20 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
             3, SimpleNamespace(bootstrap_infos=[dict(e) for e in receiver.bootstrap_infos])
         ),
     }
+    # another receiver of room 1's id (clients choose ids) with entries of its own, not
+    # known dead: as if bootstrapped from a live server.  A release asked by the id must
+    # wait for it, and need not once SGLang has let go of it
+    twin = cls("RECEIVER")(manager, addr, 1)
+    twin.bootstrap_infos = [dict(e) for e in early.bootstrap_infos]
+    required = len(early.bootstrap_infos)
+    facts["beside_a_live_twin"] = [
+        manager.is_abort_release_safe(1, required),
+        manager.writers_gone(1),
+    ]
+    twin.clear()
+    del twin
+    gc.collect()
+    facts["once_let_go"] = [manager.is_abort_release_safe(1, required), manager.writers_gone(1)]
     for r in (early, receiver):
         r.clear()
     conn.send(("facts", facts))

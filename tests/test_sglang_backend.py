@@ -168,7 +168,9 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
     the watcher's look at SGLang's tables and SGLang's failing of the dead prefill's rooms
     took the dead ranks from SGLang's cache, and SGLang fails its room too.  It must be
     released at once with the others, not sent an ABORT the dead prefill never acknowledges
-    (30 s, "Failed-timeout")."""
+    (30 s, "Failed-timeout").  And a room id that another receiver, whose ranks are not
+    known dead, also holds (clients choose ids) is not released early until SGLang lets go
+    of that receiver: SGLang asks by id."""
     with Pair(Shape()) as pair:
         pair.start_prefill()
         pair.start_decode(window_main)
@@ -182,6 +184,8 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert facts["statuses"] == [True, True]  # both rooms failed by SGLang
         assert facts["safe"] == [True, True] and facts["marked"] and not facts["armed"]
         assert not facts["fresh_entries_gone"]
+        assert facts["beside_a_live_twin"] == [False, False]  # a room id with a live writer
+        assert facts["once_let_go"] == [True, True]
 
 
 def _failed_rooms(pair: Pair) -> tuple[list[Any], Counter[str]]:
