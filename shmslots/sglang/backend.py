@@ -136,14 +136,13 @@ class _Holders:
         ids = {id(e) for e in entries}  # `entries` live through the call: ids are theirs
         with self._lock:
             receivers = [r for held in self._held.values() for r in list(held)]
-        infos = [(r, getattr(r, "bootstrap_infos", None) or ()) for r in receivers]
-        return [r for r, entries_of in infos if any(id(e) in ids for e in entries_of)]
+        return [r for r in receivers if any(id(e) in ids for e in _entries(r))]
 
     def writers(self, room: Any) -> list[dict[str, Any]]:
         """The rank entries of every live receiver of `room`: whoever may write its pages."""
         with self._lock:
             receivers = list(self._held.get(room, ()))
-        return [e for r in receivers for e in getattr(r, "bootstrap_infos", None) or ()]
+        return [e for r in receivers for e in _entries(r)]
 
 
 class _Aborts:
@@ -230,6 +229,11 @@ class _Ranks:
         self._known.pop(name, None)  # the newest known stay: the ones still asked about
         self._known[name] = None
         _trim(self._known, DEAD_RANK_ENTRIES)
+
+
+def _entries(receiver: object) -> list[dict[str, Any]]:
+    """A receiver's prefill rank entries (SGLang's `bootstrap_infos`): none before `init`."""
+    return list(getattr(receiver, "bootstrap_infos", None) or ())
 
 
 def _known_dead(entries: Iterable[dict[str, Any]], dead: dict[int, dict[str, Any]]) -> bool:
@@ -350,13 +354,11 @@ def _classes() -> dict[str, type]:
             only when every rank that may write it is (`is_abort_release_safe`)."""
             awaiting = self._aborts.entries()  # before any look: each look is after its fetch
             with self.connection_lock:
-                ranks: dict[str, set[str]] = {}
-                entries_of: dict[str, list[dict[str, Any]]] = {}
+                entries_of: dict[str, list[dict[str, Any]]] = {}  # each server's rank entries
                 addrs = list(self.prefill_info_table)  # the scheduler adds servers unlocked
                 for key, entries in self.connection_pool.items():
                     for addr in addrs:
                         if key.startswith(f"{addr}_"):  # bootstrap_key: addr_dp_cp_tp
-                            ranks.setdefault(addr, set()).update(map(_rank_registry, entries))
                             entries_of.setdefault(addr, []).extend(entries)
             alive: dict[str, bool] = {}  # each name looked at once a pass
 
@@ -365,10 +367,10 @@ def _classes() -> dict[str, type]:
                     alive[name] = self._ranks.alive(name)
                 return alive[name]
 
-            for addr, names in ranks.items():
-                dead = {name for name in names if not lives(name)}
+            for addr, entries in entries_of.items():
+                dead = [e for e in entries if not lives(_rank_registry(e))]
                 if dead:
-                    self._note_dead(e for e in entries_of[addr] if _rank_registry(e) in dead)
+                    self._note_dead(dead)
                     self._handle_node_failure(addr)
             # SGLang forgets a failed server's ranks, and a failed room's before it aborts the
             # room: a room awaiting ACKs has its ranks watched here until it is released
@@ -426,7 +428,7 @@ def _classes() -> dict[str, type]:
             if receiver is None:
                 entries = self._holders.writers(bootstrap_room)
             else:
-                entries = getattr(receiver, "bootstrap_infos", None) or []
+                entries = _entries(receiver)
             return bool(entries) and _known_dead(entries, self._dead_ranks)
 
         def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
