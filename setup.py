@@ -28,7 +28,7 @@ KILL_POINTS = (
 )
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"]
 HIDDEN = "-fvisibility=hidden"  # one exported symbol per module, its PyInit
-CORE_FILES = ["module", "atomic", "arena", "hotpath", "rowcodec", "refcodec", "leases"]
+CORE_FILES = ["module", "atomic", "arena", "hotpath", "rowcodec", "rowhash", "refcodec", "leases"]
 
 setup(
     install_requires=[

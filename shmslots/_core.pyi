@@ -136,6 +136,7 @@ SCALARS: dict[str, int]
 NUMBER_WRITES: tuple[str, ...]
 
 def row_hash(items: Sequence[Buffer], /) -> int: ...
+def _row_hash_ways(items: Sequence[Buffer], /) -> tuple[int, ...]: ...
 
 # -- refcodec.c: a ref field's bytes ---------------------------------------------------------
 # why RowCodec.open_ref refuses an arena ref (IS_CUDA: a CUDA ref, which Python opens)

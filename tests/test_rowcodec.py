@@ -3,6 +3,9 @@ value it accepts, and for anything else it writes nothing and defers to Python."
 
 from __future__ import annotations
 
+import platform
+import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmslots import Field, SchemaError, SlotTable
-from shmslots._core import RowCodec, row_hash
+from shmslots._core import RowCodec, _row_hash_ways, row_hash
+from shmslots.layout import VERSION
 from shmslots.rows import RULES, Rows
 from shmslots.schema import DTYPE_INDEX
 
@@ -360,3 +364,54 @@ def test_the_codec_refuses_a_field_whose_bytes_are_not_its_shape(name: str) -> N
         with pytest.raises(ValueError, match="dtype times its shape"):
             RowCodec(table._segment.mm, table.layout.seals, 1, (spec,), RULES)
         assert rows.checksum(0) == rows.checksum(0)
+
+
+LONG_LENGTHS = [255, 256, 257, 319, 320, 321, 1023, 1024, 1025, 1088, 2049, 8192, 8193, 65536 + 65]
+
+
+def test_every_way_of_computing_the_checksum_gives_the_same_value() -> None:
+    """rowhash.c computes long items by AVX2, SSE2 or a portable loop, whichever the CPU has;
+    a remote writer's row_hash is checked against the reader's seal, so all must agree."""
+    ways = _row_hash_ways([b""])
+    if platform.machine() == "x86_64":
+        has_avx2 = "avx2" in Path("/proc/cpuinfo").read_text()
+        assert len(ways) == (3 if has_avx2 else 2)
+    rng = random.Random(7)
+    for length in [*range(0, 600), *LONG_LENGTHS, *(rng.randrange(600, 40000) for _ in range(50))]:
+        data = rng.randbytes(length)
+        cut = rng.randrange(0, length + 1)
+        for items in ([data], [data[:cut], data[cut:]], [b"head", data, b"tail"]):
+            sums = _row_hash_ways(items)
+            assert len(set(sums)) == 1 and sums[0] == row_hash(items), (length, cut, sums)
+
+
+@pytest.mark.parametrize("length", LONG_LENGTHS)
+def test_a_long_items_checksum_sees_every_bit_and_every_stripe_moved(length: int) -> None:
+    """Every single-bit flip in a long item changes its checksum, by every way of computing
+    it, and so does swapping two 64-byte stripes (the lanes add, so order must still count)."""
+    data = bytearray(random.Random(length).randbytes(length))
+    whole = row_hash([data])
+    seen = {whole}
+    for i in range(0, length, max(1, length // 2048)):
+        for bit in (0x01, 0x80):
+            data[i] ^= bit
+            sums = set(_row_hash_ways([data]))
+            data[i] ^= bit
+            assert len(sums) == 1
+            seen |= sums
+    flips = len(range(0, length, max(1, length // 2048)))
+    assert len(seen) == 1 + 2 * flips
+    for a, b in ((0, 64), (0, 1024), (64, 1088), (length // 128 * 64 - 64, length // 128 * 64)):
+        if b + 64 <= length:
+            swapped = bytearray(data)
+            swapped[a : a + 64], swapped[b : b + 64] = data[b : b + 64], data[a : a + 64]
+            assert row_hash([swapped]) != whole, (a, b)
+
+
+def test_the_checksum_is_the_one_the_format_names() -> None:
+    """Fixed values: a checksum that changes must change layout.VERSION with it, or a table
+    (and a remote writer's row_hash) of one build is misread by another."""
+    short, long = bytes(range(200)), bytes(i * 7 % 251 for i in range(8192))
+    sums = (row_hash([]), row_hash([short]), row_hash([long]), row_hash([short, long]))
+    assert sums == (220908381, 2073345203, 3455477859, 1038766538)
+    assert VERSION == 12  # the version these values belong to

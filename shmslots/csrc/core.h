@@ -1,9 +1,9 @@
 /* shmslots._core: what its files share.
  *
- * One extension, seven files, one job each: atomic.c (atomics and futexes on a mapping),
+ * One extension, eight files, one job each: atomic.c (atomics and futexes on a mapping),
  * arena.c (the arena's pages and the blocks this process lent), hotpath.c (the slot
  * protocol's transitions and the ready ring), rowcodec.c (the rules a tensor must pass and the
- * row copies), refcodec.c (a ref field's bytes), leases.c (the type-state handles' fast
+ * row copies), rowhash.c (the row checksum), refcodec.c (a ref field's bytes), leases.c (the type-state handles' fast
  * paths); module.c joins them.  leases.c calls the others through
  * the functions declared here, C to C: a handle's step makes no Python call between two
  * compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
@@ -127,6 +127,16 @@ Py_ssize_t ref_arena_len(int ndim, Py_ssize_t table_len);
 void ref_put_arena(char *item, int dtype, uint64_t offset, uint64_t nbytes, int ndim,
                    const int64_t *sizes, const char *table, Py_ssize_t table_len);
 int refcodec_add(PyObject *m);
+
+/* -- rowhash.c: the row checksum ----------------------------------------------------------- */
+
+/* A row's checksum: row_hash_fold of the seed chained through row_hash_span of each field's
+ * item, in field order.  `by` picks one of the row_hash_ways() ways this CPU can compute it,
+ * slowest first, all giving the same value (the tests hold them equal); -1 is the fastest. */
+uint64_t row_hash_seed(void);
+uint64_t row_hash_span(const char *p, Py_ssize_t n, uint64_t seed, int by);
+uint32_t row_hash_fold(uint64_t h);
+int row_hash_ways(void);
 
 /* -- rowcodec.c: a row's copies --------------------------------------------------------------- */
 

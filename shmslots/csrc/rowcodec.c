@@ -10,9 +10,7 @@
  * copy, a number that does not fit) it writes nothing and returns False, and rows.py takes
  * its checked path, which raises the error or handles the case.
  *
- * The row checksum is the wyhash construction (below), folded to 32 bits: a
- * row that is not byte for byte the one sealed fails with probability about
- * 1 - 2^-32, the purpose zlib.crc32 served at a tenth of the speed.
+ * The row checksum itself is rowhash.c's.
  */
 #include "core.h"
 #include <float.h>
@@ -402,78 +400,6 @@ struct RowCodec {
     Rules *rules;
 };
 
-/* -- checksum ------------------------------------------------------------------------------ */
-
-/* The wyhash construction (final4 constants): a 64x64->128-bit multiply folds 16 bytes at a
- * time, three independent lanes per 48 bytes, so a row costs one multiply per 16 bytes. */
-static const uint64_t S0 = UINT64_C(0x2d358dccaa6c78a5), S1 = UINT64_C(0x8bb84b93962eacc9),
-                      S2 = UINT64_C(0x4b33a62ed433d4a3), S3 = UINT64_C(0x4d5a2da51de1aa47);
-
-static inline uint64_t load64(const char *p)
-{
-    uint64_t w;
-    memcpy(&w, p, 8);
-    return w;
-}
-
-static inline uint64_t load32(const char *p)
-{
-    uint32_t w;
-    memcpy(&w, p, 4);
-    return w;
-}
-
-/* Both halves of a * b, folded. */
-static inline uint64_t mix(uint64_t a, uint64_t b)
-{
-    unsigned __int128 r = (unsigned __int128)a * b;
-    return (uint64_t)r ^ (uint64_t)(r >> 64);
-}
-
-/* One span folded into `seed`; a row chains its fields' items through it, in field order. */
-static uint64_t
-span_hash(const char *p, Py_ssize_t n, uint64_t seed)
-{
-    size_t len = (size_t)n, i = len;
-    uint64_t a, b;
-    if (len <= 16) {
-        if (len >= 4) {
-            a = (load32(p) << 32) | load32(p + ((len >> 3) << 2));
-            b = (load32(p + len - 4) << 32) | load32(p + len - 4 - ((len >> 3) << 2));
-        } else if (len > 0) {
-            a = ((uint64_t)(unsigned char)p[0] << 16) | ((uint64_t)(unsigned char)p[len >> 1] << 8) |
-                (unsigned char)p[len - 1];
-            b = 0;
-        } else {
-            a = b = 0;
-        }
-    } else {
-        if (i >= 48) {
-            uint64_t see1 = seed, see2 = seed;
-            do {
-                seed = mix(load64(p) ^ S1, load64(p + 8) ^ seed);
-                see1 = mix(load64(p + 16) ^ S2, load64(p + 24) ^ see1);
-                see2 = mix(load64(p + 32) ^ S3, load64(p + 40) ^ see2);
-                p += 48;
-                i -= 48;
-            } while (i >= 48);
-            seed ^= see1 ^ see2;
-        }
-        while (i > 16) {
-            seed = mix(load64(p) ^ S1, load64(p + 8) ^ seed);
-            i -= 16;
-            p += 16;
-        }
-        a = load64(p + i - 16);
-        b = load64(p + i - 8);
-    }
-    unsigned __int128 r = (unsigned __int128)(a ^ S1) * (b ^ seed);
-    return mix((uint64_t)r ^ S0 ^ len, (uint64_t)(r >> 64) ^ S1);
-}
-
-static inline uint64_t hash_seed(void) { return mix(S0, S1); }
-static inline uint32_t hash_fold(uint64_t h) { return (uint32_t)(h ^ (h >> 32)); }
-
 /* -- construction -------------------------------------------------------------------------- */
 
 static int
@@ -608,10 +534,10 @@ slot_arg(RowCodec *r, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, 
 static uint32_t
 row_checksum(RowCodec *r, Py_ssize_t slot)
 {
-    uint64_t h = hash_seed();
+    uint64_t h = row_hash_seed();
     for (Py_ssize_t i = 0; i < r->nfields; i++)
-        h = span_hash(item_at(r, &r->spec[i], slot), r->spec[i].nbytes, h);
-    return hash_fold(h);
+        h = row_hash_span(item_at(r, &r->spec[i], slot), r->spec[i].nbytes, h, -1);
+    return row_hash_fold(h);
 }
 
 /* -- write --------------------------------------------------------------------------------- */
@@ -1068,23 +994,40 @@ rc_seal(RowCodec *r, PyObject *const *args, Py_ssize_t nargs)
 /* row_hash(items) -> the checksum of a row whose fields' items are `items`, in field order:
  * what a row sealed from those bytes carries (the CLI and remote writers compute it so). */
 static PyObject *
-rc_hash(PyObject *module, PyObject *arg)
+items_hash(PyObject *arg, int by)
 {
     PyObject *items = PySequence_Fast(arg, "row_hash takes a sequence of buffers");
     if (!items)
         return NULL;
-    uint64_t h = hash_seed();
+    uint64_t h = row_hash_seed();
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
         Py_buffer view;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, i), &view, PyBUF_SIMPLE) < 0) {
             Py_DECREF(items);
             return NULL;
         }
-        h = span_hash(view.buf, view.len, h);
+        h = row_hash_span(view.buf, view.len, h, by);
         PyBuffer_Release(&view);
     }
     Py_DECREF(items);
-    return PyLong_FromUnsignedLong(hash_fold(h));
+    return PyLong_FromUnsignedLong(row_hash_fold(h));
+}
+
+static PyObject *rc_hash(PyObject *module, PyObject *arg) { return items_hash(arg, -1); }
+
+/* row_hash by each way this CPU has (rowhash.c), slowest first: the tests hold them equal. */
+static PyObject *
+rc_hash_ways(PyObject *module, PyObject *arg)
+{
+    PyObject *sums = PyTuple_New(row_hash_ways());
+    for (Py_ssize_t by = 0; sums && by < PyTuple_GET_SIZE(sums); by++) {
+        PyObject *sum = items_hash(arg, (int)by);
+        if (!sum)
+            Py_CLEAR(sums);
+        else
+            PyTuple_SET_ITEM(sums, by, sum);
+    }
+    return sums;
 }
 
 static PyObject *
@@ -1303,6 +1246,7 @@ PyTypeObject RowCodecType = {
 
 static PyMethodDef module_methods[] = {
     {"row_hash", rc_hash, METH_O, "row_hash(items) -> the 32-bit checksum of a row of these items"},
+    {"_row_hash_ways", rc_hash_ways, METH_O, "_row_hash_ways(items) -> row_hash by each way this CPU has"},
     {"mapped", (PyCFunction)(void (*)(void))rc_mapped, METH_FASTCALL,
      "mapped(buffer, offset, dtype, shape) -> a tensor over buffer[offset:], holding an export"},
     {NULL, NULL, 0, NULL},
