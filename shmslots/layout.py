@@ -68,7 +68,7 @@ MAGIC = b"SHMSLOTS"
 # an acquire load, so whoever sees it also sees the header and schema stored before it, on
 # weak-memory CPUs (Arm) too, where plain copies may become visible in any order.
 _MAGIC_WORD = int.from_bytes(MAGIC, sys.byteorder)
-# 12: long items' checksum by striped lanes (csrc/rowhash.c), a quarter of wyhash's time;
+# 12: long items' checksum by striped lanes (csrc/rowhash.c), under half wyhash's time;
 # 11: a ref's bytes are a fixed binary record for the arena (csrc/refcodec.c), not msgpack;
 # 10: handle fields renamed ref fields (the schema stores kind "ref");
 # 9: a QUARANTINED state (its deadline in the slot entry) and its two counters;

@@ -7,7 +7,6 @@ torch: the CLI reads schemas with it, and must start without loading torch.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import reprlib
 import struct
@@ -249,11 +248,6 @@ class RowSchema:
 
     def __repr__(self) -> str:
         return f"RowSchema({list(self.fields)!r})"
-
-    @property
-    def fingerprint(self) -> int:
-        """64-bit digest of the encoded schema: two ends agree on the row layout or refuse."""
-        return int.from_bytes(hashlib.blake2b(self.encode(), digest_size=8).digest(), "little")
 
     def encode(self) -> bytes:
         blob: bytes = msgpack.packb(

@@ -45,6 +45,7 @@ from shmslots import (
     TableClosed,
     row_hash,
 )
+from shmslots.layout import VERSION
 from shmslots.remote import (
     ENGINES,
     Engine,
@@ -61,8 +62,9 @@ from shmslots.remote import (
     nixl,
     open_engine,
 )
+from shmslots.remote import grant as grant_module
 from shmslots.remote.engine import address_of
-from shmslots.remote.grant import COMMIT
+from shmslots.remote.grant import COMMIT, row_format
 from shmslots.schema import RowSchema
 
 
@@ -282,17 +284,23 @@ def test_rows_in_adjacent_slots_each_land_in_their_own_row(
 
 
 def test_a_writer_checks_every_row_before_sending(
-    name: str, engines: tuple[Engine, Engine]
+    name: str, engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with served(name, engines, slots=4, commit_timeout_s=0.2) as (table, server, writer):
         good, other = server.grant(1), server.grant(2)
         foreign = Grant(**{**good.__dict__, "fingerprint": good.fingerprint ^ 1})
+        # an owner of another table format (another checksum): the same schema, refused
+        monkeypatch.setattr(grant_module, "VERSION", VERSION - 1)
+        older = Grant(**{**good.__dict__, "fingerprint": row_format(table.schema)})
+        monkeypatch.undo()
+        assert older.fingerprint != good.fingerprint
         shorter = Grant(**{**good.__dict__, "lengths": (*good.lengths[:-1], 16)})
         strided = Grant(**{**good.__dict__, "item_lens": (*good.item_lens[:-1], 128)})
         bad_dtype = {**small_row(2), "p": torch.zeros(4, dtype=torch.float64)}
         missing = {k: v for k, v in small_row(2).items() if k != "h"}
         for rows, error in [
             ([(good, small_row(1)), (foreign, small_row(1))], GrantError),
+            ([(good, small_row(1)), (older, small_row(1))], GrantError),
             ([(good, small_row(1)), (shorter, small_row(1))], GrantError),
             ([(good, small_row(1)), (strided, small_row(1))], GrantError),
             ([(good, small_row(1)), (other, bad_dtype)], SchemaError),

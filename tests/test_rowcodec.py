@@ -409,9 +409,20 @@ def test_a_long_items_checksum_sees_every_bit_and_every_stripe_moved(length: int
 
 
 def test_the_checksum_is_the_one_the_format_names() -> None:
-    """Fixed values: a checksum that changes must change layout.VERSION with it, or a table
-    (and a remote writer's row_hash) of one build is misread by another."""
-    short, long = bytes(range(200)), bytes(i * 7 % 251 for i in range(8192))
-    sums = (row_hash([]), row_hash([short]), row_hash([long]), row_hash([short, long]))
-    assert sums == (220908381, 2073345203, 3455477859, 1038766538)
+    """Fixed values, at lengths each side of the two constructions' boundary, of a stripe, a
+    block and a last stripe that overlaps: a checksum that changes must change
+    layout.VERSION with it, or a table (and a remote writer's row_hash) of one build is
+    misread by another."""
+    data = bytes(i * 7 % 251 for i in range(8192))
+    sums = [row_hash([data[:n]]) for n in (0, 200, 255, 256, 321, 1025, 8192)]
+    assert sums == [
+        1942769647,
+        2318978598,
+        2336569658,
+        313831709,
+        938998554,
+        3064549864,
+        3455477859,
+    ]
+    assert row_hash([data[:200], data]) == 1037284810  # chained through two items
     assert VERSION == 12  # the version these values belong to

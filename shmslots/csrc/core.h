@@ -3,8 +3,8 @@
  * One extension, eight files, one job each: atomic.c (atomics and futexes on a mapping),
  * arena.c (the arena's pages and the blocks this process lent), hotpath.c (the slot
  * protocol's transitions and the ready ring), rowcodec.c (the rules a tensor must pass and the
- * row copies), rowhash.c (the row checksum), refcodec.c (a ref field's bytes), leases.c (the type-state handles' fast
- * paths); module.c joins them.  leases.c calls the others through
+ * row copies), rowhash.c (the row checksum), refcodec.c (a ref field's bytes), leases.c (the
+ * type-state handles' fast paths); module.c joins them.  leases.c calls the others through
  * the functions declared here, C to C: a handle's step makes no Python call between two
  * compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
  * module against the installed torch, through the capsule tensors.h describes.

@@ -3,6 +3,7 @@ which generation; and the commit the writer sends back."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import msgpack
 
 from ..errors import SchemaError, ShmSlotsError
+from ..layout import VERSION
 from ..schema import MAX_FIELDS, MAX_ROW_SIZE, RowSchema
 
 
@@ -18,6 +20,13 @@ def require_inline(schema: RowSchema) -> None:
     outside the row, where no engine write can put it."""
     if schema.has_refs:
         raise SchemaError("remote writers can fill inline fields only; this schema has ref fields")
+
+
+def row_format(schema: RowSchema) -> int:
+    """64-bit digest of what a writer and the owner must agree on: the row layout, and the
+    table format (VERSION), which names the checksum a commit is checked by."""
+    blob = schema.encode() + VERSION.to_bytes(4, "little")
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little")
 
 
 _U64 = 2**64
@@ -50,7 +59,7 @@ class Grant:
     slot: int
     generation: int
     tag: int
-    fingerprint: int  # RowSchema.fingerprint of the owner's table
+    fingerprint: int  # row_format of the owner's table
     nonce: int
 
     def encode(self) -> bytes:

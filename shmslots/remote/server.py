@@ -34,7 +34,7 @@ from ..leases import Reservation, WriteSlot
 from ..quarantine import Quarantine
 from ..table import SlotTable
 from .engine import Engine
-from .grant import COMMIT, Grant, parse_commit, require_inline
+from .grant import COMMIT, Grant, parse_commit, require_inline, row_format
 
 
 @dataclass
@@ -99,7 +99,7 @@ class RemoteServer:
         self.engine = engine
         self._timeout_s = commit_timeout_s
         self.stats = RemoteStats()
-        self._fingerprint = schema.fingerprint
+        self._fingerprint = row_format(schema)
         self._ptrs, self._item_lens = tuple(ptrs), tuple(item_lens)
         self._lengths = tuple(fs.field.nbytes for fs in schema.slots.values())
         # the columns lie back to back: one registration covers every row

@@ -10,10 +10,11 @@ from typing import Any
 
 from .._core import AtomicView
 from ..errors import InvalidArgument, SchemaError
+from ..layout import VERSION
 from ..rows import ColumnBlock, Rows
 from ..schema import RowSchema
 from .engine import Engine, address_of
-from .grant import COMMIT, Grant, GrantError, require_inline
+from .grant import COMMIT, Grant, GrantError, require_inline, row_format
 
 GrantedRow = tuple[Grant, Mapping[str, Any]]
 # keeps a batch's commit message (48 bytes a row at most) below the engine's notify limit
@@ -74,14 +75,14 @@ class RemoteWriter:
 
     def _check(self, grant: Grant, values: Mapping[str, Any]) -> None:
         if (
-            grant.fingerprint != self.schema.fingerprint
+            grant.fingerprint != row_format(self.schema)
             or grant.item_lens != self._item_lens
             or grant.lengths != self._lengths
         ):
             raise GrantError(
-                f"grant for slot {grant.slot} is for another row layout (fingerprint "
-                f"{grant.fingerprint:#x}, items {list(grant.item_lens)}, field bytes "
-                f"{list(grant.lengths)})"
+                f"grant for slot {grant.slot} is for another row layout or table format "
+                f"(fingerprint {grant.fingerprint:#x}, items {list(grant.item_lens)}, field "
+                f"bytes {list(grant.lengths)}; this writer's table format is version {VERSION})"
             )
         missing = self.schema.slots.keys() - values.keys()
         if missing:
