@@ -297,6 +297,8 @@ class Outcome:
     landed_at: float = 0.0  # monotonic, when poll() first said Success
     pages: list[int] = field(default_factory=list)
     slot: int = -1
+    reason: str = ""  # the failure SGLang recorded, if it was this receiver's to take
+    asked: bool = False  # its metadata went to prefill (its handshake had not failed)
 
 
 def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
@@ -420,38 +422,44 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
             allocator.sweep()  # the decode loop's beat: the failed rooms' slots are due now
             conn.send(("settled", intact, len(free_pages), allocator.available_size()))
             continue
-        _, addr, rooms, pages_per_room, window, abort_rooms, bad_rooms = msg
+        _, addrs, rooms, pages_per_room, window, abort_rooms, bad_rooms = msg
         deadline = time.monotonic() + 60
-        while not manager.try_ensure_parallel_info(addr):
+        while not all(manager.try_ensure_parallel_info(addr) for addr in addrs):
             if time.monotonic() > deadline:
                 raise TimeoutError("no prefill bootstrap server")
             time.sleep(0.05)
-        todo = list(rooms)
-        active: dict[int, tuple[Any, Outcome, Any]] = {}
-        outcomes: dict[int, Outcome] = {}
+        # a receiver of each room on each server: with two, each id is in flight twice, as
+        # two clients' requests may be (ids are theirs to choose); outcomes by (room, server)
+        todo = [(room, server) for room in rooms for server in range(len(addrs))]
+        active: dict[Any, tuple[Any, Outcome, Any]] = {}
+        outcomes: dict[Any, Outcome] = {}
         while todo or active:
             allocator.sweep()  # each turn, as the plugin does in resolve_deferred_releases
             if todo and not active and len(free_pages) < pages_per_room:
                 # every page is a failed room's, cooling until "settle": the rest never start
-                outcomes.update((room, Outcome(room, "NotStarted")) for room in todo)
+                outcomes.update((key, Outcome(key[0], "NotStarted")) for key in todo)
                 todo.clear()
             while todo and len(active) < window and len(free_pages) >= pages_per_room:
                 idx = allocator.alloc()
                 if idx is None:
                     break
-                room = todo.pop(0)
-                req = SimpleNamespace(bootstrap_room=room, rid=room)
+                key = todo.pop(0)
+                room = key[0]
+                req = SimpleNamespace(bootstrap_room=room, rid=key)
                 allocator.bind(req, idx)
                 pages = [free_pages.pop() for _ in range(pages_per_room)]
-                receiver = cls("RECEIVER")(manager, addr, room)
+                receiver = cls("RECEIVER")(manager, addrs[key[1]], room)
                 receiver.init(0)
                 asked = [*pages[:-1], shape.pages + 3] if room in bad_rooms else pages
+                out = Outcome(room, "", pages=pages, slot=idx)
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
                     receiver.send_metadata(
                         np.asarray(asked, dtype=np.int32), idx, _state_indices(shape, pages)
                     )
-                active[room] = (receiver, Outcome(room, "", pages=pages, slot=idx), req)
-            for room, (receiver, out, req) in list(active.items()):
+                    out.asked = True
+                active[key] = (receiver, out, req)
+            for key, (receiver, out, req) in list(active.items()):
+                room = key[0]
                 if room in abort_rooms and not out.failed_at:
                     abort_rooms.discard(room)
                     receiver.abort()
@@ -468,13 +476,16 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                         # DecodeTransferQueue.pop_transferred's failed path, in its order: the
                         # receiver cleared (SGLang forgets the room), then the ABORT; then
                         # _defer_release
-                        with contextlib.suppress(KVTransferError):
+                        try:
                             receiver.failure_exception()
-                        receiver.ensure_abort_notified(force_arm=True)
+                        except KVTransferError as exc:
+                            out.reason = str(exc)
+                        if out.asked:  # else the handshake's failure (decode.py:1158): no
+                            receiver.ensure_abort_notified(force_arm=True)  # ABORT, no hold
                         out.status = "Failed"
                     required = len(receiver.bootstrap_infos or ()) if receiver.abort_notified else 0
                     out.required_acks = required
-                    if not manager.is_abort_release_safe(room, required):
+                    if out.asked and not manager.is_abort_release_safe(room, required):
                         if time.monotonic() - out.failed_at < 30:
                             continue
                         out.status = "Failed-timeout"
@@ -485,15 +496,16 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
                     _fill_canary(kv, states, out, shape)
                     buffers.clear_slot(out.slot)
                     allocator.free(out.slot)
-                    manager.clear_deferred_abort_state(room)
+                    if out.asked:
+                        manager.clear_deferred_abort_state(room)
                     receiver.clear()
                     released.append(out)  # its pages come back at "settle", after the check
                 else:
                     continue
-                outcomes[room] = out
-                del active[room]
+                outcomes[key] = out
+                del active[key]
             time.sleep(0.0005)
-        conn.send(("done", outcomes))
+        conn.send(("done", outcomes if len(addrs) > 1 else {k[0]: o for k, o in outcomes.items()}))
     getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     buffers.close()
 
@@ -663,17 +675,20 @@ class Pair:
         self.procs: list[mp.process.BaseProcess] = []
         self.prefill: Connection | None = None  # rank 0's, of `prefills`
         self.prefills: list[Connection] = []
+        self.second_port = env.free_port()
+        self.second: Connection | None = None  # a second prefill server's, if started
         self.decode: Connection | None = None
         self.decode_table = ""
         self.prefill_shareable: bool | None = None  # what the prefill said when up
         self.prefill_receives: bool | None = None
 
     def _start(
-        self, target: Any, counter: Any, shape: Shape | None = None
+        self, target: Any, counter: Any, shape: Shape | None = None, port: int | None = None
     ) -> tuple[Connection, Any, tuple[Any, ...]]:
         parent, child = self.ctx.Pipe()
         shape = shape or self.shape
-        proc = self.ctx.Process(target=target, args=(child, shape, self.port, counter))
+        port = port or self.port
+        proc = self.ctx.Process(target=target, args=(child, shape, port, counter))
         proc.start()
         self.procs.append(proc)
         child.close()  # so that its death on the way up is an EOF here, not a wait
@@ -699,6 +714,10 @@ class Pair:
         self.prefill = self.prefills[0]
         self.prefill_shareable, self.prefill_receives = up[2], up[3]
 
+    def start_second_prefill(self) -> None:
+        """Another prefill server (one rank) at its own bootstrap port, beside the first."""
+        self.second, _, _ = self._start(prefill_main, self.sent, port=self.second_port)
+
     def start_decode(self, target: Any = decode_main) -> None:
         self.decode, _, up = self._start(target, self.landed)
         self.decode_table = up[2]
@@ -712,11 +731,16 @@ class Pair:
         bad: frozenset[int] = frozenset(),
     ) -> None:
         """Both sides get the rooms (as SGLang's router would tell them); decode aborts the
-        `abort` rooms mid-transfer and asks for a page past its pool's end for the `bad`."""
+        `abort` rooms mid-transfer and asks for a page past its pool's end for the `bad`.
+        With a second prefill server up, each room goes to both, under the same id."""
         assert self.prefills and self.decode is not None
+        addrs = [f"127.0.0.1:{self.port}"]
         for conn in self.prefills:
             conn.send(("run", rooms, pages, window))
-        self.decode.send(("run", f"127.0.0.1:{self.port}", rooms, pages, window, set(abort), bad))
+        if self.second is not None:
+            self.second.send(("run", rooms, pages, window))
+            addrs.append(f"127.0.0.1:{self.second_port}")
+        self.decode.send(("run", addrs, rooms, pages, window, set(abort), bad))
 
     def reply(self, conn: Connection | None, timeout: float = 90) -> Any:
         assert conn is not None
@@ -744,7 +768,7 @@ class Pair:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for conn in [*self.prefills, self.decode]:
+        for conn in [*self.prefills, self.second, self.decode]:
             try:
                 if conn is not None:
                     conn.send(("stop",))

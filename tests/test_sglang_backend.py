@@ -163,6 +163,42 @@ def test_prefill_sigkilled_mid_transfer_decode_releases_at_once_and_serves_on() 
         assert all(o.status == "Success" and o.verified for o in outcomes.values())
 
 
+def test_a_second_receiver_of_an_id_in_flight_is_refused_and_the_id_fails() -> None:
+    """Room ids are the client's to choose.  Here each id is sent to two prefill servers at
+    once, a receiver on each.  SGLang keys a room's status and ACKs by id, so one's Success
+    would read as the other's: a row consumed before its bytes landed (seen without this
+    refusal: another room's aux row, KV and state half written).  The second receiver is
+    refused and the id fails, as SGLang itself does under deferred allocation.  Both are
+    released at once, nothing lands after, and an id whose first receiver was done before
+    the second came is served twice."""
+    with Pair(BIG) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.start_second_prefill()
+        rooms = list(range(1, 31))
+        pair.submit(rooms, pages=4, window=6)
+        for conn in (pair.prefill, pair.second):
+            _, _, refused, _ = pair.reply(conn)
+            assert refused == 0
+        _, outcomes = pair.reply(pair.decode)
+        assert sorted(outcomes) == [(room, server) for room in rooms for server in (0, 1)]
+        refused_ids = 0
+        for room in rooms:
+            first, second = outcomes[room, 0], outcomes[room, 1]
+            if first.status == second.status == "Success":  # one after the other
+                assert first.verified and second.verified
+                continue
+            if first.status == second.status == "NotStarted":  # the pages all cooling
+                continue
+            assert (first.status, second.status) == ("Failed", "Failed"), (first, second)
+            assert "Duplicate decode bootstrap room" in first.reason + second.reason
+            assert first.released_at - first.failed_at < 2.0
+            assert second.released_at - second.failed_at < 2.0
+            refused_ids += 1
+        assert refused_ids
+        assert pair.settle() == (True, BIG.pages, BIG.slots)  # nothing landed after release
+
+
 def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_at_once() -> None:
     """A race that can fail the kill test above (seen once): a receiver made between
     the watcher's look at SGLang's tables and SGLang's failing of the dead prefill's rooms

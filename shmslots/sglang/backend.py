@@ -33,6 +33,10 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   look from SGLang's cached entries holds the very entries noted dead; one that fetched its
   own after `_handle_node_failure` emptied the cache sends its ABORT, and its ranks are
   watched as a room awaiting ACKs;
+- `__init__` (extended), receiver: a second receiver of a room id still in flight
+  (`request_status`) is refused as SGLang refuses it under deferred allocation only
+  (`_owns_bootstrap_room` False, `record_failure`, the id Failed; its own entry in
+  `addr_to_rooms_tracker` undone): two receivers of one id share its status and ACKs;
 - `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
   number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
@@ -457,8 +461,21 @@ def _classes() -> dict[str, type]:
         def __init__(
             self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
         ) -> None:
+            """A second receiver of a room id still in flight is refused, and the id fails,
+            as SGLang refuses it under deferred allocation (`common/conn.py:2500`) but
+            nowhere else: the two would share the id's status and ACKs, and one's Success
+            would read as the other's, a row consumed before its bytes land."""
+            duplicate = bootstrap_room is not None and bootstrap_room in mgr.request_status
+            tracked = bootstrap_room in mgr.addr_to_rooms_tracker.get(bootstrap_addr, ())
             mgr._holders.hold(self, bootstrap_room)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
+            if duplicate and getattr(self, "_owns_bootstrap_room", True):  # SGLang's did not
+                self._owns_bootstrap_room = False  # so its clear() leaves the first's state
+                if not tracked:
+                    mgr.addr_to_rooms_tracker[bootstrap_addr].discard(bootstrap_room)
+                mgr.record_failure(bootstrap_room, "Duplicate decode bootstrap room (shmslots)")
+                mgr.update_status(bootstrap_room, KVPoll.Failed)
+                self.conclude_state = KVPoll.Failed
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
             """A receiver whose prefill ranks are dead needs no ABORT, and no ACK is awaited:
