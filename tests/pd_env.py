@@ -510,13 +510,9 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     buffers.close()
 
 
-def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
-    """A decode side whose watcher looks only when told, with a room bootstrapped in the
-    window between its look at SGLang's tables and SGLang's failing of a dead prefill's
-    rooms (on a busy decode, the scheduler thread's receivers race the watcher there)."""
-    os.environ[WATCH_ENV] = "3600"  # no look but this function's: the window on demand
+def _bare_decode(conn: Connection, shape: Shape, bootstrap_port: int) -> tuple[Any, Any, Any]:
+    """A decode side's manager, the plugin's buffers and the backend's classes, said up."""
     _runtime("decode", shape, bootstrap_port)
-    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers import scheduler
 
     scheduler.ReqToMetadataIdxAllocator(shape.slots)  # the plugin's buffers come after it
@@ -530,6 +526,66 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
     )
     _, cls = _classes(shape)
     conn.send(("up", os.getpid(), buffers.table.name))
+    return manager, buffers, cls
+
+
+def ids_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
+    """A decode side that plays one room id's lives in SGLang's order, in its scheduler
+    thread's calls, with no prefill (no receiver bootstraps): a request made while another of
+    its id is in flight; then a retry of the id, failed, and a retry of that retry made
+    before SGLang's second clear of the failed one (`_do_release`); and a rank's death
+    noted after its receiver was done and its id taken again."""
+    manager, buffers, cls = _bare_decode(conn, shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    def reason(receiver: Any) -> str:
+        try:
+            receiver.failure_exception()  # the decode's handshake- or transfer-failed path
+        except KVTransferError as exc:
+            return str(exc.failure_reason)
+        return ""
+
+    room, addr = 7, f"127.0.0.1:{bootstrap_port}"
+    first = cls("RECEIVER")(manager, addr, room)
+    second = cls("RECEIVER")(manager, addr, room)  # the same id, the first in flight
+    facts: dict[str, Any] = {
+        "failed": [first.poll() == KVPoll.Failed, second.poll() == KVPoll.Failed],
+        # the prealloc queue (the refused one's) is polled before the transfer queue
+        "reasons": [reason(second), reason(first)],
+    }
+    first.clear()  # its release
+    retry = cls("RECEIVER")(manager, addr, room)
+    facts["retry"] = retry.poll() == KVPoll.Bootstrapping
+    retry.abort()
+    reason(retry)  # failed: SGLang clears it here, and holds it for its release
+    again = cls("RECEIVER")(manager, addr, room)  # the client retries at once
+    retry.clear()  # _do_release: the failed one's second clear
+    facts["again"] = again.poll() == KVPoll.Bootstrapping
+    again.clear()
+    # a receiver done with its id, whose prefill rank then dies while a new request holds
+    # the id: the death is not the new one's
+    done = cls("RECEIVER")(manager, addr, 8)
+    done.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": bootstrap_port}]
+    done.clear()
+    new = cls("RECEIVER")(manager, addr, 8)
+    manager._note_dead(done.bootstrap_infos)  # as the watcher notes a dead rank's entries
+    facts["new_after_death"] = new.poll() == KVPoll.Bootstrapping
+    new.clear()
+    conn.send(("facts", facts))
+    assert conn.recv() == ("stop",)
+    manager.close_engine()
+    buffers.close()
+
+
+def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
+    """A decode side whose watcher looks only when told, with a room bootstrapped in the
+    window between its look at SGLang's tables and SGLang's failing of a dead prefill's
+    rooms (on a busy decode, the scheduler thread's receivers race the watcher there)."""
+    os.environ[WATCH_ENV] = "3600"  # no look but this function's: the window on demand
+    manager, buffers, cls = _bare_decode(conn, shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
     addr = f"127.0.0.1:{bootstrap_port}"
     while not manager.try_ensure_parallel_info(addr):
         time.sleep(0.05)

@@ -33,10 +33,14 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   look from SGLang's cached entries holds the very entries noted dead; one that fetched its
   own after `_handle_node_failure` emptied the cache sends its ABORT, and its ranks are
   watched as a room awaiting ACKs;
-- `__init__` (extended), receiver: a second receiver of a room id still in flight
-  (`request_status`) is refused as SGLang refuses it under deferred allocation only
-  (`_owns_bootstrap_room` False, `record_failure`, the id Failed; its own entry in
-  `addr_to_rooms_tracker` undone): two receivers of one id share its status and ACKs;
+- `__init__` and `failure_exception` (extended), receiver: a second receiver of a room id
+  still in flight (`request_status`) is refused as SGLang refuses it under deferred
+  allocation only (`_owns_bootstrap_room` False, the id Failed, a `failure_records` entry
+  if it had none, its own `addr_to_rooms_tracker` entry undone), with a reason of its own:
+  two receivers of one id share its status and ACKs;
+- `_clear` (extended), receiver: only its first clear is its own (`_owns_bootstrap_room`
+  False after it): SGLang clears a failed receiver again at its release, when a retry may
+  hold the id;
 - `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
   number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
@@ -65,6 +69,7 @@ WATCH_ENV = "SHMSLOTS_PD_WATCH_S"
 DEAD_RANK_ENTRIES = 1024  # dead prefills' rank entries remembered, told by identity
 DEAD_ROOMS = 1 << 16  # rooms `_Aborts` keeps, the newest: far more than in flight
 ACK_RANK = "shmslots_ack_rank"  # a bootstrap entry's rank, as its ABORT_ACKs number it
+DUPLICATE = "Duplicate decode bootstrap room: another request holds this room id (shmslots)"
 UTILS = "sglang.srt.disaggregation.utils"
 
 log = logging.getLogger(__name__)
@@ -287,6 +292,7 @@ def _classes() -> dict[str, type]:
     if _built:
         return _built
     from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.disaggregation.mooncake.conn import (
         MooncakeKVBootstrapServer,
         MooncakeKVManager,
@@ -393,6 +399,8 @@ def _classes() -> dict[str, type]:
             # rebound, never mutated: the scheduler thread reads it without a lock
             self._dead_ranks = _newest({**dead, **gone}, DEAD_RANK_ENTRIES)
             for receiver in self._holders.holding(gone.values()):
+                if not receiver._owns_bootstrap_room:  # cleared (its id may be a retry's now)
+                    continue  # or refused: a failure by id would fail another's request
                 room = receiver.bootstrap_room
                 if room in self.request_status and self.check_status(room) != KVPoll.Success:
                     self.record_failure(room, "shmslots: a prefill rank of this room died")
@@ -471,11 +479,31 @@ def _classes() -> dict[str, type]:
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
             if duplicate and getattr(self, "_owns_bootstrap_room", True):  # SGLang's did not
                 self._owns_bootstrap_room = False  # so its clear() leaves the first's state
+                self._refused = True
                 if not tracked:
                     mgr.addr_to_rooms_tracker[bootstrap_addr].discard(bootstrap_room)
-                mgr.record_failure(bootstrap_room, "Duplicate decode bootstrap room (shmslots)")
+                with mgr.failure_lock:  # the first's own reason, if it has one, stays its
+                    mgr.failure_records.setdefault(bootstrap_room, DUPLICATE)
                 mgr.update_status(bootstrap_room, KVPoll.Failed)
                 self.conclude_state = KVPoll.Failed
+
+        _refused = False
+
+        def failure_exception(self) -> None:
+            """A refused receiver's reason is its own: the id's one record is the first
+            receiver's to take (whichever asked first took it, and the other was told
+            "unknown reason from another rank")."""
+            if self._refused:
+                raise KVTransferError(self.bootstrap_room, DUPLICATE)
+            super().failure_exception()
+
+        def _clear(self) -> None:
+            """Only the first clear is the receiver's own.  SGLang's decode clears a failed
+            receiver twice (`failure_exception`, then `_do_release`); by the second a retry
+            may hold the id, and the second clear popped the retry's status, failing it.
+            SGLang stops it so under deferred allocation only (`common/conn.py:2942`)."""
+            super()._clear()
+            self._owns_bootstrap_room = False
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
             """A receiver whose prefill ranks are dead needs no ABORT, and no ACK is awaited:
