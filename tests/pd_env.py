@@ -620,9 +620,10 @@ def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> 
             3, SimpleNamespace(bootstrap_infos=[dict(e) for e in receiver.bootstrap_infos])
         ),
     }
-    # another receiver of room 1's id (clients choose ids) with entries of its own, not
-    # known dead: as if bootstrapped from a live server.  A release asked by the id must
-    # wait for it, and need not once SGLang has let go of it
+    # another receiver of room 1's id with entries of its own, not known dead, as a retry's
+    # bootstrapped from a live server would hold (this one, made while room 1 is in flight,
+    # is refused as a duplicate, and its entries are set by hand).  A release asked by the
+    # id must wait for it, and need not once SGLang has let go of it
     twin = cls("RECEIVER")(manager, addr, 1)
     twin.bootstrap_infos = [dict(e) for e in early.bootstrap_infos]
     required = len(early.bootstrap_infos)
