@@ -530,11 +530,12 @@ def _bare_decode(conn: Connection, shape: Shape, bootstrap_port: int) -> tuple[A
 
 
 def ids_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
-    """A decode side that plays one room id's lives in SGLang's order, in its scheduler
-    thread's calls, with no prefill (no receiver bootstraps): a request made while another of
-    its id is in flight; then a retry of the id, failed, and a retry of that retry made
-    before SGLang's second clear of the failed one (`_do_release`); and a rank's death
-    noted after its receiver was done and its id taken again."""
+    """A decode side that plays room ids' lives in SGLang's order, in its scheduler thread's
+    calls, beside a prefill server that has no request of its own: a request made while
+    another of its id is in flight; a retry of an id, failed before it asked for pages, and
+    a retry of that retry made before SGLang's second clear of the failed one (its sweep);
+    a retry made while a failed receiver that asked for pages awaits its release, and one
+    after; a rank's death noted after its receiver was done and its id taken again."""
     manager, buffers, cls = _bare_decode(conn, shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
@@ -563,6 +564,20 @@ def ids_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> Non
     retry.clear()  # _do_release: the failed one's second clear
     facts["again"] = again.poll() == KVPoll.Bootstrapping
     again.clear()
+    while not manager.try_ensure_parallel_info(addr):
+        time.sleep(0.05)
+    asked = cls("RECEIVER")(manager, addr, 9)
+    asked.init(0)  # bootstraps to the prefill
+    asked.send_metadata(np.arange(3, dtype=np.int32), 0, None)  # its pages, asked for
+    asked.abort()  # the ABORT goes to the prefill
+    reason(asked)  # failed: SGLang clears it here, and holds it until the prefill's ACK
+    early = cls("RECEIVER")(manager, addr, 9)  # a retry while it is held
+    facts["retry_while_held"] = [early.poll() == KVPoll.Failed, reason(early)]
+    early.clear()  # the prealloc queue's sweep
+    asked.clear()  # _do_release
+    late = cls("RECEIVER")(manager, addr, 9)  # a retry once it is released
+    facts["retry_once_released"] = late.poll() == KVPoll.Bootstrapping
+    late.clear()
     # a receiver done with its id, whose prefill rank then dies while a new request holds
     # the id: the death is not the new one's
     done = cls("RECEIVER")(manager, addr, 8)

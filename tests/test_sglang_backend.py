@@ -205,18 +205,25 @@ def test_a_second_receiver_of_an_id_in_flight_is_refused_and_the_id_fails() -> N
 
 
 def test_a_refused_request_and_the_first_of_its_id_are_told_why_and_a_retry_is_served() -> None:
-    """SGLang's decode in its own order (the scheduler thread's calls, no prefill): both
-    requests of a refused id are told it was a duplicate (the id's one failure record was
-    the first to ask's, the other told "unknown reason from another rank"), and a retry
-    made while a failed receiver of its id awaits release survives that receiver's second
-    clear (which popped the retry's status: it failed).  A rank of a receiver done with its
+    """SGLang's decode in its own order (the scheduler thread's calls, beside a prefill):
+    both requests of a refused id are told it was a duplicate (the id's one failure record
+    was the first to ask's, the other told "unknown reason from another rank"); a retry
+    made before a failed receiver's second clear survives it (which popped the retry's
+    status: it failed); a retry is refused while a failed receiver that asked for pages
+    awaits its release, and served after.  A rank of a receiver done with its
     id, found dead once a new request holds the id, fails no one (it failed the new one)."""
     with Pair(Shape()) as pair:
+        pair.start_prefill()
         pair.start_decode(ids_main)
         _, facts = pair.reply(pair.decode)
     assert facts["failed"] == [True, True]
     assert all("Duplicate decode bootstrap room" in why for why in facts["reasons"]), facts
     assert facts["retry"] and facts["again"], facts
+    # a retry while a failed receiver that asked for pages awaits release is refused (its
+    # prefill may still write them, and answers by id), and one after its release served
+    assert facts["retry_while_held"][0], facts
+    assert "Duplicate decode bootstrap room" in facts["retry_while_held"][1], facts
+    assert facts["retry_once_released"], facts
     assert facts["new_after_death"], facts  # a dead rank of a done receiver fails no one
 
 

@@ -33,14 +33,18 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   look from SGLang's cached entries holds the very entries noted dead; one that fetched its
   own after `_handle_node_failure` emptied the cache sends its ABORT, and its ranks are
   watched as a room awaiting ACKs;
-- `__init__` and `failure_exception` (extended), receiver: a second receiver of a room id
-  still in flight (`request_status`) is refused as SGLang refuses it under deferred
-  allocation only (`_owns_bootstrap_room` False, the id Failed, a `failure_records` entry
-  if it had none, its own `addr_to_rooms_tracker` entry undone), with a reason of its own:
-  two receivers of one id share its status and ACKs;
+- `__init__`, `failure_exception` and `send_metadata` (extended), receiver: a receiver of
+  a room id still in flight (in `request_status`, or failed after `send_metadata` and not
+  yet released) is refused as SGLang refuses one under deferred allocation only
+  (`_owns_bootstrap_room` False where the id's state is another's, the id Failed unless it
+  had its Success, a `failure_records` entry if it had none, its own
+  `addr_to_rooms_tracker` entry undone), with a reason of its own: two receivers of one
+  id share its status, failure and ACKs;
 - `_clear` (extended), receiver: only its first clear is its own (`_owns_bootstrap_room`
   False after it): SGLang clears a failed receiver again at its release, when a retry may
-  hold the id;
+  hold the id.  So `abort()` after it only sets `conclude_state`, as SGLang's does for a
+  receiver it does not own (no failure record, no ABORT by id: 0.5.23 reaches that only
+  from `_fail_prefill_recompute`);
 - `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
   number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
@@ -146,6 +150,12 @@ class _Holders:
         with self._lock:
             receivers = [r for held in self._held.values() for r in list(held)]
         return [r for r in receivers if any(id(e) in ids for e in _entries(r))]
+
+    def awaiting_release(self, room: Any) -> bool:
+        """A live receiver of `room` failed after its pages were asked for, not yet released."""
+        with self._lock:
+            receivers = list(self._held.get(room, ()))
+        return any(r.awaiting_release() for r in receivers)
 
     def writers(self, room: Any) -> list[dict[str, Any]]:
         """The rank entries of every live receiver of `room`: whoever may write its pages."""
@@ -469,25 +479,47 @@ def _classes() -> dict[str, type]:
         def __init__(
             self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None
         ) -> None:
-            """A second receiver of a room id still in flight is refused, and the id fails,
-            as SGLang refuses it under deferred allocation (`common/conn.py:2500`) but
-            nowhere else: the two would share the id's status and ACKs, and one's Success
-            would read as the other's, a row consumed before its bytes land."""
-            duplicate = bootstrap_room is not None and bootstrap_room in mgr.request_status
-            tracked = bootstrap_room in mgr.addr_to_rooms_tracker.get(bootstrap_addr, ())
-            mgr._holders.hold(self, bootstrap_room)
-            super().__init__(mgr, bootstrap_addr, bootstrap_room)
-            if duplicate and getattr(self, "_owns_bootstrap_room", True):  # SGLang's did not
-                self._owns_bootstrap_room = False  # so its clear() leaves the first's state
-                self._refused = True
-                if not tracked:
-                    mgr.addr_to_rooms_tracker[bootstrap_addr].discard(bootstrap_room)
+            """A receiver of a room id still in flight is refused, as SGLang refuses it under
+            deferred allocation (`common/conn.py:2500`) but nowhere else: the two would share
+            the id's status, failure and ACKs, and one's Success would read as the other's,
+            a row consumed before its bytes land.  In flight: in SGLang's table, or failed
+            and awaiting its release (SGLang has let go of the id, but the prefill may still
+            write the pages it was asked for, and its ACK and any late status name only the
+            id: a retry's ABORT_ACK released them early).  Unless the first had its Success,
+            the id fails with it."""
+            room = bootstrap_room
+            in_table = room is not None and room in mgr.request_status
+            held = room is not None and mgr._holders.awaiting_release(room)
+            tracked = room in mgr.addr_to_rooms_tracker.get(bootstrap_addr, ())
+            mgr._holders.hold(self, room)
+            super().__init__(mgr, bootstrap_addr, room)
+            if not (in_table or held) or not getattr(self, "_owns_bootstrap_room", True):
+                return  # not a duplicate, or SGLang refused it itself
+            self._refused = True
+            self.conclude_state = KVPoll.Failed
+            if not in_table:  # the status SGLang just made is this receiver's: its clear goes
+                mgr.update_status(room, KVPoll.Failed)
+                return
+            self._owns_bootstrap_room = False  # the id's state is the first's: left to it
+            if not tracked:
+                mgr.addr_to_rooms_tracker[bootstrap_addr].discard(room)
+            if mgr.check_status(room) != KVPoll.Success:
                 with mgr.failure_lock:  # the first's own reason, if it has one, stays its
-                    mgr.failure_records.setdefault(bootstrap_room, DUPLICATE)
-                mgr.update_status(bootstrap_room, KVPoll.Failed)
-                self.conclude_state = KVPoll.Failed
+                    mgr.failure_records.setdefault(room, DUPLICATE)
+                mgr.update_status(room, KVPoll.Failed)
 
         _refused = False
+        _asked = False  # its page indices went to the prefill: they may be written
+        _clears = 0
+
+        def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+            self._asked = True  # before: a write may start as soon as the message is out
+            super().send_metadata(*args, **kwargs)
+
+        def awaiting_release(self) -> bool:
+            """Failed after its pages were asked for, and not yet released: SGLang clears a
+            failed receiver at its failure and again at its release (`_do_release`)."""
+            return self._asked and self._clears == 1 and self.conclude_state != KVPoll.Success
 
         def failure_exception(self) -> None:
             """A refused receiver's reason is its own: the id's one record is the first
@@ -504,6 +536,7 @@ def _classes() -> dict[str, type]:
             SGLang stops it so under deferred allocation only (`common/conn.py:2942`)."""
             super()._clear()
             self._owns_bootstrap_room = False
+            self._clears += 1
 
         def _send_abort_notification(self, *, force_arm: bool = False) -> None:
             """A receiver whose prefill ranks are dead needs no ABORT, and no ACK is awaited:
