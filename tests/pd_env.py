@@ -572,8 +572,12 @@ def ids_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> Non
     asked.abort()  # the ABORT goes to the prefill
     reason(asked)  # failed: SGLang clears it here, and holds it until the prefill's ACK
     early = cls("RECEIVER")(manager, addr, 9)  # a retry while it is held
-    facts["retry_while_held"] = [early.poll() == KVPoll.Failed, reason(early)]
+    twice = cls("RECEIVER")(manager, addr, 9)  # and another, the first refused in the table
+    facts["retry_while_held"] = [early.poll() == KVPoll.Failed, reason(early), reason(twice)]
     early.clear()  # the prealloc queue's sweep
+    twice.clear()
+    # nothing of theirs is left for a later request of the id: no status, no stale reason
+    facts["left_after_refusals"] = [9 in manager.request_status, 9 in manager.failure_records]
     asked.clear()  # _do_release
     late = cls("RECEIVER")(manager, addr, 9)  # a retry once it is released
     facts["retry_once_released"] = late.poll() == KVPoll.Bootstrapping

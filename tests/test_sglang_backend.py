@@ -222,7 +222,8 @@ def test_a_refused_request_and_the_first_of_its_id_are_told_why_and_a_retry_is_s
     # a retry while a failed receiver that asked for pages awaits release is refused (its
     # prefill may still write them, and answers by id), and one after its release served
     assert facts["retry_while_held"][0], facts
-    assert "Duplicate decode bootstrap room" in facts["retry_while_held"][1], facts
+    assert all("Duplicate decode bootstrap room" in why for why in facts["retry_while_held"][1:])
+    assert facts["left_after_refusals"] == [False, False], facts
     assert facts["retry_once_released"], facts
     assert facts["new_after_death"], facts  # a dead rank of a done receiver fails no one
 

@@ -35,16 +35,17 @@ subclass of `MooncakeKVManager` that relies on these of its (0.5.23) methods:
   watched as a room awaiting ACKs;
 - `__init__`, `failure_exception` and `send_metadata` (extended), receiver: a receiver of
   a room id still in flight (in `request_status`, or failed after `send_metadata` and not
-  yet released) is refused as SGLang refuses one under deferred allocation only
-  (`_owns_bootstrap_room` False where the id's state is another's, the id Failed unless it
-  had its Success, a `failure_records` entry if it had none, its own
-  `addr_to_rooms_tracker` entry undone), with a reason of its own: two receivers of one
-  id share its status, failure and ACKs;
+  yet released) is refused as SGLang refuses one under deferred allocation only, with a
+  reason of its own: two receivers of one id share its status, failure and ACKs.  Where
+  the id's state is another's: `_owns_bootstrap_room` False, the id Failed unless this
+  rank's table has its Success, a `failure_records` entry if it had none, its own
+  `addr_to_rooms_tracker` entry undone.  Beside a held receiver, the state SGLang's
+  `__init__` made is the refused one's, Failed, and its `failure_exception` clears it;
 - `_clear` (extended), receiver: only its first clear is its own (`_owns_bootstrap_room`
   False after it): SGLang clears a failed receiver again at its release, when a retry may
   hold the id.  So `abort()` after it only sets `conclude_state`, as SGLang's does for a
-  receiver it does not own (no failure record, no ABORT by id: 0.5.23 reaches that only
-  from `_fail_prefill_recompute`);
+  receiver it does not own (no ABORT by id; 0.5.23 reaches that only from
+  `_fail_prefill_recompute`, which then records a failure by id itself);
 - `_get_bootstrap_info_from_server` (extended), receiver: each rank entry carries the rank
   number the rank's ACKs carry (`_prefill_unique_rank`), from the prefill's sizes;
 - `teardown` (extended): the engine's registry goes with the manager.
@@ -524,8 +525,13 @@ def _classes() -> dict[str, type]:
         def failure_exception(self) -> None:
             """A refused receiver's reason is its own: the id's one record is the first
             receiver's to take (whichever asked first took it, and the other was told
-            "unknown reason from another rank")."""
+            "unknown reason from another rank").  One refused beside a held receiver owns
+            the id's state, and clears it with any record made since, as SGLang's does."""
             if self._refused:
+                if self._owns_bootstrap_room:  # refused beside a held one: the id's state
+                    self.clear()  # is its own, and so is any record made for it since
+                    with self.kv_mgr.failure_lock:
+                        self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
                 raise KVTransferError(self.bootstrap_room, DUPLICATE)
             super().failure_exception()
 
