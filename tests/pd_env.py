@@ -751,8 +751,8 @@ class Pair:
         self.procs: list[mp.process.BaseProcess] = []
         self.prefill: Connection | None = None  # rank 0's, of `prefills`
         self.prefills: list[Connection] = []
-        self.second_port = env.free_port()
         self.second: Connection | None = None  # a second prefill server's, if started
+        self.second_port = 0
         self.decode: Connection | None = None
         self.decode_table = ""
         self.prefill_shareable: bool | None = None  # what the prefill said when up
@@ -792,6 +792,7 @@ class Pair:
 
     def start_second_prefill(self) -> None:
         """Another prefill server (one rank) at its own bootstrap port, beside the first."""
+        self.second_port = env.free_port()
         self.second, _, _ = self._start(prefill_main, self.sent, port=self.second_port)
 
     def start_decode(self, target: Any = decode_main) -> None:

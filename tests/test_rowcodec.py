@@ -392,15 +392,15 @@ def test_a_long_items_checksum_sees_every_bit_and_every_stripe_moved(length: int
     data = bytearray(random.Random(length).randbytes(length))
     whole = row_hash([data])
     seen = {whole}
-    for i in range(0, length, max(1, length // 2048)):
+    flipped = range(0, length, max(1, length // 2048))
+    for i in flipped:
         for bit in (0x01, 0x80):
             data[i] ^= bit
             sums = set(_row_hash_ways([data]))
             data[i] ^= bit
             assert len(sums) == 1
             seen |= sums
-    flips = len(range(0, length, max(1, length // 2048)))
-    assert len(seen) == 1 + 2 * flips
+    assert len(seen) == 1 + 2 * len(flipped)
     for a, b in ((0, 64), (0, 1024), (64, 1088), (length // 128 * 64 - 64, length // 128 * 64)):
         if b + 64 <= length:
             swapped = bytearray(data)

@@ -57,6 +57,7 @@ slot through its own mapping of that segment, and the slot keeps the plugin's ru
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -152,17 +153,18 @@ class _Holders:
             receivers = [r for held in self._held.values() for r in list(held)]
         return [r for r in receivers if any(id(e) in ids for e in _entries(r))]
 
+    def of(self, room: Any) -> list[Any]:
+        """The live receivers of `room`."""
+        with self._lock:
+            return list(self._held.get(room, ()))
+
     def awaiting_release(self, room: Any) -> bool:
         """A live receiver of `room` failed after its pages were asked for, not yet released."""
-        with self._lock:
-            receivers = list(self._held.get(room, ()))
-        return any(r.awaiting_release() for r in receivers)
+        return any(r.awaiting_release() for r in self.of(room))
 
     def writers(self, room: Any) -> list[dict[str, Any]]:
         """The rank entries of every live receiver of `room`: whoever may write its pages."""
-        with self._lock:
-            receivers = list(self._held.get(room, ()))
-        return [e for r in receivers for e in _entries(r)]
+        return [e for r in self.of(room) for e in _entries(r)]
 
 
 class _Aborts:
@@ -527,13 +529,13 @@ def _classes() -> dict[str, type]:
             receiver's to take (whichever asked first took it, and the other was told
             "unknown reason from another rank").  One refused beside a held receiver owns
             the id's state, and clears it with any record made since, as SGLang's does."""
-            if self._refused:
-                if self._owns_bootstrap_room:  # refused beside a held one: the id's state
-                    self.clear()  # is its own, and so is any record made for it since
-                    with self.kv_mgr.failure_lock:
-                        self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-                raise KVTransferError(self.bootstrap_room, DUPLICATE)
-            super().failure_exception()
+            if not self._refused:
+                super().failure_exception()
+                return
+            if self._owns_bootstrap_room:  # refused beside a held one: the id's state is
+                with contextlib.suppress(KVTransferError):  # its own, and so is any record
+                    super().failure_exception()  # made since: SGLang's clears and pops them
+            raise KVTransferError(self.bootstrap_room, DUPLICATE)
 
         def _clear(self) -> None:
             """Only the first clear is the receiver's own.  SGLang's decode clears a failed
