@@ -3,13 +3,13 @@ to "why is this target missed".
 
     python tools/bench.py steps [--rounds N]
 
-Seven tables, each step timed on its own over N rounds (median per round, after a warmup):
-the busy small-row round trip as tools/bench.py's shmslots busy transport makes it (A sends,
-B echoes the row back through its views, A reads the reply); the same round trip as a user
-first writes it (lease.copy() of every field, write() of the copies); a batch of 64 rows
-(claim_n, a scatter per field or 64 writes, publish_all, poll, gather of the id,
-release_all) of small rows, and by scatter of EAGLE rows; a 1 MiB tensor filled into a loan
-(ws.alloc) and read through lease.tensor.  A last table times what lies under them: the
+Eight tables, each step timed on its own over N rounds (median per round, after a warmup):
+the busy round trip, of small rows and of EAGLE rows, as tools/bench.py's shmslots busy
+transport makes it (A sends, B echoes the row back through its views, A reads the reply);
+the small-row round trip as a user first writes it (lease.copy() of every field, write() of
+the copies); a batch of 64 rows (claim_n, a scatter per field or 64 writes, publish_all,
+poll, gather of the id, release_all) of small rows, and by scatter of EAGLE rows; a 1 MiB
+tensor filled into a loan (ws.alloc) and read through lease.tensor.  A last table times what lies under them: the
 facts write() checks on each tensor and the tensors made over a mapping, through torch's C++
 objects as shmslots does and through its Python API as before.
 """
@@ -64,10 +64,10 @@ class Steps:
 
 
 @contextmanager
-def two_tables() -> Iterator[tuple[SlotTable, SlotTable]]:
+def two_tables(kind: Kind = SMALL) -> Iterator[tuple[SlotTable, SlotTable]]:
     with (
-        created_table(unique_name("steps-req"), SMALL) as req,
-        created_table(unique_name("steps-resp"), SMALL) as resp,
+        created_table(unique_name("steps-req"), kind) as req,
+        created_table(unique_name("steps-resp"), kind) as resp,
     ):
         yield req, resp
 
@@ -78,39 +78,42 @@ def taken(table: SlotTable) -> Lease:
     return lease
 
 
-def busy_round_trip(rounds: int) -> Steps:
+def busy_round_trip(rounds: int, kind: Kind) -> Steps:
     """benchkit/shm.py's ShmEnd's send, echo and recv, one step at a time."""
-    values, s = record_values(SMALL), Steps()
-    with two_tables() as (req, resp):
+    values, s = record_values(kind), Steps()
+    rid_name = id_field(kind)
+    names = [rid_name, *values]
+    n, rest = len(names), len(names) - 1
+    with two_tables(kind) as (req, resp):
         for rid in range(rounds):
             s.start()
             ws = req.claim(tag=1)
             s.mark("A claim")
-            ws.write(id=rid, **values)
-            s.mark("A write (int + 2 tensors)")
+            ws.write(**{rid_name: rid}, **values)
+            s.mark(f"A write (int + {rest} tensors)")
             ws.publish()
             s.mark("A publish")
             lease = taken(req)
             s.mark("B take")
-            views = {name: lease.view(name) for name in NAMES}
-            s.mark("B 3 views")
-            lease.item("id")
+            views = {name: lease.view(name) for name in names}
+            s.mark(f"B {n} views")
+            lease.item(rid_name)
             s.mark("B item")
             reply = resp.claim(tag=1)
             s.mark("B claim")
             reply.write(**views)
-            s.mark("B write (3 views)")
+            s.mark(f"B write ({n} views)")
             del views
             lease.release()
-            s.mark("B release (3 views checked)")
+            s.mark(f"B release ({n} views checked)")
             reply.publish()
             s.mark("B publish")
             back = taken(resp)
             s.mark("A take")
-            back.view("ints")
-            back.view("vec")
-            s.mark("A 2 views")
-            back.item("id")
+            for name in values:
+                back.view(name)
+            s.mark(f"A {rest} views")
+            back.item(rid_name)
             s.mark("A item")
             back.release()
             s.mark("A release")
@@ -244,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5000)
     rounds = parser.parse_args(argv).rounds
     torch.set_num_threads(1)
-    busy_round_trip(rounds).print("busy small-row round trip (tools/bench.py: shmslots busy)")
+    for kind in (SMALL, EAGLE):
+        title = f"busy {kind.name}-row round trip (tools/bench.py: shmslots busy)"
+        busy_round_trip(rounds, kind).print(title)
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
     for kind, scattered, how in (
         (SMALL, True, "scatter per field"),
