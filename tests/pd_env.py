@@ -13,8 +13,9 @@ as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
   then `is_abort_release_safe`, as `DecodeTransferQueue.pop_transferred`, `_defer_release`
   and `resolve_deferred_releases` call them);
 - the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
-  each process (`get_parallel().override_permanently`): a one-rank decode, and a prefill of
-  `Shape.prefill_tp` ranks, a process each, its bootstrap server in rank 0's.
+  each process (`get_parallel().override_permanently`): a prefill of `Shape.prefill_tp` ranks
+  and a decode of `Shape.decode_tp`, a process each, the prefill's bootstrap server in its
+  rank 0's.
 
 Every KV byte is a function of (room, entry, page, offset), every aux row of the room, so the
 decode side checks all it receives; a failed room's pages and slot are filled with a canary
@@ -68,7 +69,8 @@ class Shape:
     device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
     vmm_prefill: bool = False  # the prefill's CUDA pools VMM memory, as expandable_segments'
     prefill_tp: int = 1  # prefill ranks (attention TP), each a process with its share of heads
-    rank: int = 0  # this prefill process's rank (Pair sets it)
+    decode_tp: int = 1  # decode ranks, the same way
+    rank: int = 0  # this process's rank within its side (Pair sets it)
 
     @property
     def entries(self) -> int:
@@ -79,10 +81,14 @@ class Shape:
         heads = 1 if self.mla else self.heads
         return self.page_size * heads * self.head_dim * 2
 
+    def tp(self, mode: str) -> int:
+        return self.prefill_tp if mode == "prefill" else self.decode_tp
+
     def rank_item_len(self, mode: str) -> int:
-        """Bytes of one page of one entry in `mode`'s pools: a prefill rank's share of the
-        heads (SGLang slices heads between attention TP sizes, `send_kvcache_slice`)."""
-        return self.item_len // (self.prefill_tp if mode == "prefill" else 1)
+        """Bytes of one page of one entry in `mode`'s pools: a rank's share of the heads
+        (SGLang slices heads between attention TP sizes, `send_kvcache_slice`); MLA's one
+        latent is every rank's whole."""
+        return self.item_len if self.mla else self.item_len // self.tp(mode)
 
 
 MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
@@ -108,7 +114,7 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         disaggregation_bootstrap_port=bootstrap_port,
         host="127.0.0.1",
         page_size=shape.page_size,
-        tp_size=shape.prefill_tp if mode == "prefill" else 1,
+        tp_size=shape.tp(mode),
     ).install()
     if shape.backend == "nixl":
         _nixl_under_its_import_name()
@@ -120,7 +126,7 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
 
         MooncakeKVSender.supports_host_tensor_indices = False
         te.maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # as parallel_state does
-    rank = shape.rank if mode == "prefill" else 0
+    rank = shape.rank
     get_parallel().override_permanently(
         tp_rank=rank, attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
@@ -152,7 +158,7 @@ def _kv_args(
 
     args = get_kv_class(TransferBackend(shape.backend), KVClassType.KVARGS)()
     args.pp_rank = args.system_dp_rank = 0
-    args.engine_rank = shape.rank if mode == "prefill" else 0
+    args.engine_rank = shape.rank
     args.kv_cache_dtype_str, args.kv_layout = "bfloat16", None
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
@@ -299,6 +305,7 @@ class Outcome:
     slot: int = -1
     reason: str = ""  # the failure SGLang recorded, if it was this receiver's to take
     asked: bool = False  # its metadata went to prefill (its handshake had not failed)
+    given_up: bool = False  # aborted by the test's "give_up", still waiting then
 
 
 def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
@@ -354,7 +361,9 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                 if state == KVPoll.WaitingForInput and not started:
                     for e, t in enumerate(kv if shape.verify else ()):
                         for i, p in enumerate(pages):
-                            _page(t, p, shape, "prefill").copy_(_share(room, e, i, shape))
+                            _page(t, p, shape, "prefill").copy_(
+                                _share(room, e, i, shape, "prefill")
+                            )
                     for k, j, part in _state_parts(states, pages, shape):
                         part.copy_(pattern(room, STATE_ENTRY + k, j, part.numel()))
                     req = env.sglang_req(room, HIDDEN, TOPK)
@@ -435,6 +444,14 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         outcomes: dict[Any, Outcome] = {}
         while todo or active:
             allocator.sweep()  # each turn, as the plugin does in resolve_deferred_releases
+            if conn.poll():  # rooms that can no longer end, given up as SGLang's waiting
+                assert conn.recv() == ("give_up",)  # timeout gives them up (300 s)
+                for receiver, out, _ in active.values():
+                    if not out.failed_at:
+                        out.given_up = True
+                        receiver.abort()
+                outcomes.update((key, Outcome(key[0], "NotStarted")) for key in todo)
+                todo.clear()
             if todo and not active and len(free_pages) < pages_per_room:
                 # every page is a failed room's, cooling until "settle": the rest never start
                 outcomes.update((key, Outcome(key[0], "NotStarted")) for key in todo)
@@ -667,12 +684,12 @@ def _page(t: torch.Tensor, page: int, shape: Shape, mode: str = "decode") -> tor
     return t[page * n : (page + 1) * n]
 
 
-def _share(room: int, entry: int, page: int, shape: Shape) -> torch.Tensor:
-    """This prefill rank's heads of a page's `pattern` (a page is tokens x heads x dim)."""
+def _share(room: int, entry: int, page: int, shape: Shape, mode: str) -> torch.Tensor:
+    """This rank's heads of a page's `pattern` (a page is tokens x heads x dim)."""
     whole = pattern(room, entry, page, shape.item_len)
-    if shape.prefill_tp == 1:
+    if shape.rank_item_len(mode) == shape.item_len:
         return whole
-    heads = shape.heads // shape.prefill_tp
+    heads = shape.heads // shape.tp(mode)
     by_head = whole.view(shape.page_size, shape.heads, -1)
     return by_head[:, shape.rank * heads : (shape.rank + 1) * heads].reshape(-1)
 
@@ -689,7 +706,7 @@ def _verify(
     """Every KV byte, the state rows and the aux row are the room's; the slot is then
     consumed and released."""
     ok = all(
-        torch.equal(_page(t, p, shape).cpu(), pattern(out.room, e, i, shape.item_len))
+        torch.equal(_page(t, p, shape).cpu(), _share(out.room, e, i, shape, "decode"))
         for e, t in enumerate(kv if shape.verify else ())
         for i, p in enumerate(out.pages)
     )
@@ -753,7 +770,8 @@ class Pair:
         self.prefills: list[Connection] = []
         self.second: Connection | None = None  # a second prefill server's, if started
         self.second_port = 0
-        self.decode: Connection | None = None
+        self.decode: Connection | None = None  # rank 0's, of `decodes`
+        self.decodes: list[Connection] = []
         self.decode_table = ""
         self.prefill_shareable: bool | None = None  # what the prefill said when up
         self.prefill_receives: bool | None = None
@@ -796,8 +814,14 @@ class Pair:
         self.second, _, _ = self._start(prefill_main, self.sent, port=self.second_port)
 
     def start_decode(self, target: Any = decode_main) -> None:
-        self.decode, _, up = self._start(target, self.landed)
-        self.decode_table = up[2]
+        self.decodes = []  # a decode server started again replaces the last one
+        for rank in range(self.shape.decode_tp):
+            shape = dataclasses.replace(self.shape, rank=rank)
+            conn, _, up = self._start(target, self.landed, shape)
+            self.decodes.append(conn)
+            if rank == 0:
+                self.decode_table = up[2]
+        self.decode = self.decodes[0]
 
     def submit(
         self,
@@ -817,7 +841,8 @@ class Pair:
         if self.second is not None:
             self.second.send(("run", rooms, pages, window))
             addrs.append(f"127.0.0.1:{self.second_port}")
-        self.decode.send(("run", addrs, rooms, pages, window, set(abort), bad))
+        for conn in self.decodes:
+            conn.send(("run", addrs, rooms, pages, window, set(abort), bad))
 
     def reply(self, conn: Connection | None, timeout: float = 90) -> Any:
         assert conn is not None
@@ -829,10 +854,21 @@ class Pair:
             raise TimeoutError("no reply")
         return conn.recv()
 
+    def give_up(self) -> None:
+        """Each decode rank aborts the rooms it still waits for and starts no more."""
+        for conn in self.decodes:
+            conn.send(("give_up",))
+
     def settle(self) -> tuple[bool, int, int]:
-        self.decode.send(("settle",))  # type: ignore[union-attr]
-        _, intact, pages, slots = self.reply(self.decode)
-        return intact, pages, slots
+        """Every decode rank's canaries intact, and the fewest pages and slots any has free."""
+        for conn in self.decodes:
+            conn.send(("settle",))
+        settled = [self.reply(conn)[1:] for conn in self.decodes]
+        return (
+            all(intact for intact, _, _ in settled),
+            min(pages for _, pages, _ in settled),
+            min(slots for _, _, slots in settled),
+        )
 
     def wait_until(self, counter: Any, n: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -845,7 +881,7 @@ class Pair:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for conn in [*self.prefills, self.second, self.decode]:
+        for conn in [*self.prefills, self.second, *self.decodes]:
             try:
                 if conn is not None:
                     conn.send(("stop",))

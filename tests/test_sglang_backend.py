@@ -123,10 +123,34 @@ def test_two_prefill_ranks_write_their_heads_into_one_decode_rank() -> None:
         assert pair.settle() == (True, shape.pages, shape.slots)
 
 
-def _kill_mid_transfer(pair: Pair, side: str) -> float:
-    """SIGKILL `side` once transfers are flowing; returns the kill's monotonic time."""
+@pytest.mark.parametrize("mla", [False, True], ids=["mha-heads-sliced", "mla-replicated"])
+def test_one_prefill_rank_writes_into_two_decode_ranks(mla: bool) -> None:
+    """Decode at attention TP 2, prefill at 1 (as on one 8-GPU host: a prefill of fewer GPUs
+    than its decode): each decode rank asks for the room, SGLang's prefill waits for both
+    and writes each its own pages, with `send_kvcache_slice` its half of every token's heads
+    (MLA's one latent whole to each), and an aux row into each rank's table; every byte
+    checked on both ranks."""
+    shape = Shape(heads=4, page_size=8, decode_tp=2, mla=mla)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        numbers = list(range(1000, 1040))
+        pair.submit(numbers, pages=3, window=4)
+        _, sent, refused, _ = pair.reply(pair.prefill)
+        assert set(sent.values()) == {"Success"} and refused == 0
+        for conn in pair.decodes:
+            _, outcomes = pair.reply(conn)
+            assert sorted(outcomes) == numbers
+            assert all(o.status == "Success" and o.verified for o in outcomes.values())
+        assert pair.settle() == (True, shape.pages, shape.slots)
+
+
+def _kill_mid_transfer(pair: Pair, side: str, rank: int = 0) -> float:
+    """SIGKILL `side`'s `rank` once transfers are flowing (the processes as the pair first
+    started them: the prefill's ranks, then the decode's); returns the kill's monotonic
+    time."""
     pair.wait_until(pair.sent, 20)
-    proc = pair.procs[0 if side == "prefill" else 1]
+    proc = pair.procs[rank if side == "prefill" else pair.shape.prefill_tp + rank]
     assert proc.pid is not None
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -511,6 +535,47 @@ def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_
         assert set(sent.values()) == {"Success"}
         assert all(o.status == "Success" and o.verified for o in outcomes.values())
         assert pair.settle() == (True, BIG.pages, BIG.slots)
+
+
+def test_one_decode_rank_of_two_sigkilled_mid_transfer_fails_its_rooms_on_both_sides() -> None:
+    """Decode at attention TP 2, its rank 1 SIGKILLed while the prefill writes both ranks'
+    halves of each room: the prefill's write into the dead rank fails at once, and so does
+    the room, on the prefill and, unless its half there had landed, on the live rank 0,
+    which releases it without SGLang's 30 s timeout; nothing lands in rank 0's released
+    pages after.  Then the decode server comes
+    back whole (SGLang's launcher takes it down when a rank dies) and is served."""
+    shape = dataclasses.replace(BIG, state="", decode_tp=2)
+    with Pair(shape) as pair:
+        pair.start_prefill()
+        pair.start_decode()
+        pair.submit(list(range(1, 2001)), pages=4, window=6)
+        killed = _kill_mid_transfer(pair, "decode", rank=1)
+        _, sent, refused, _ = pair.reply(pair.prefill)
+        assert "Failed" in sent.values() and refused == 0  # in flight, or waiting for rank 1
+        pair.decodes = pair.decodes[:1]  # rank 0's: rank 1 is gone
+        # rooms rank 0 began after the kill wait for SGLang's timeouts: the prefill waits for
+        # rank 1's page indices too
+        pair.give_up()
+        _, outcomes = pair.reply(pair.decode)
+        statuses = Counter(o.status for o in outcomes.values())
+        assert set(statuses) <= {"Success", "Failed", "NotStarted"}, statuses
+        assert all(o.verified for o in outcomes.values() if o.status == "Success")
+        # a room the prefill failed had its rank 0 half written already (Success there), or
+        # not (Failed there, released at the prefill's ACK); either way nothing waits 30 s
+        for o in outcomes.values():
+            if o.status == "Failed":
+                assert o.released_at - (o.failed_at if o.given_up else killed) < 2.0, o
+        assert pair.settle() == (True, shape.pages, shape.slots)  # nothing landed after
+        pair.decodes[0].send(("stop",))
+        pair.procs[1].join(30)  # rank 0's
+        pair.start_decode()
+        more = list(range(5001, 5021))
+        pair.submit(more, pages=4, window=4)
+        _, sent, _, _ = pair.reply(pair.prefill)
+        assert set(sent.values()) == {"Success"}
+        for conn in pair.decodes:
+            _, outcomes = pair.reply(conn)
+            assert all(o.status == "Success" and o.verified for o in outcomes.values())
 
 
 def test_decode_abort_mid_transfer_is_acknowledged_at_once() -> None:
