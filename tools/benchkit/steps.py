@@ -9,9 +9,9 @@ transport makes it (A sends, B echoes the row back through its views, A reads th
 the small-row round trip as a user first writes it (lease.copy() of every field, write() of
 the copies); a batch of 64 rows (claim_n, a scatter per field or 64 writes, publish_all,
 poll, gather of the id, release_all) of small rows, and by scatter of EAGLE rows; a 1 MiB
-tensor filled into a loan (ws.alloc) and read through lease.tensor.  A last table times what lies under them: the
-facts write() checks on each tensor and the tensors made over a mapping, through torch's C++
-objects as shmslots does and through its Python API as before.
+tensor filled into a loan (ws.alloc) and read through lease.tensor. A last table times what
+lies under them: the facts write() checks on each tensor and the tensors made over a
+mapping, through torch's C++ objects as shmslots does and through its Python API as before.
 """
 
 from __future__ import annotations
@@ -247,9 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5000)
     rounds = parser.parse_args(argv).rounds
     torch.set_num_threads(1)
-    for kind in (SMALL, EAGLE):
-        title = f"busy {kind.name}-row round trip (tools/bench.py: shmslots busy)"
-        busy_round_trip(rounds, kind).print(title)
+    busy_round_trip(rounds, SMALL).print(
+        "busy small-row round trip (tools/bench.py: shmslots busy)"
+    )
+    busy_round_trip(rounds, EAGLE).print(
+        "busy EAGLE-row round trip (tools/bench.py: shmslots busy)"
+    )
     copying_round_trip(rounds).print("as a user first writes it (shmslots copying)")
     for kind, scattered, how in (
         (SMALL, True, "scatter per field"),
