@@ -91,7 +91,8 @@ class Shape:
         return self.item_len if self.mla else self.item_len // self.tp(mode)
 
 
-MAMBA_ITEM_LENS = (96, 160)  # bytes of one request's conv and temporal state
+MAMBA_DIMS = (6, 10)  # the TP-split dimension of one request's conv and temporal state
+MAMBA_DIM_BYTES = 16  # bytes of each of those dims' rows (96 and 160 bytes a request whole)
 SWA_LAYERS, SWA_PAGES = 2, 2  # sliding-window layers (K and V each), pages of the window
 DSA_TOKEN_BYTES = 132  # DSA's indexer key of one token: 128 fp8 values and a float32 scale
 STATE_ENTRY = 1000  # the state parts' entry numbers in `pattern`, after any KV entry's
@@ -175,14 +176,20 @@ def _kv_args(
     args.ib_device, args.gpu_id = None, 0
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
+    # as SGLang's kv_args builder labels an SWA pool's pages (utils.py:1554): NHD, the
+    # default of its MHA pool, tokens x heads x dim
+    args.swa_kv_cache_layout = "nhd" if shape.state == "swa" else None
     if state:
         from sglang.srt.disaggregation.base.conn import StateType
 
         args.state_data_ptrs = [[t.data_ptr() for t in state]]
         args.state_data_lens = [[t.numel() for t in state]]
-        args.state_dim_per_tensor = []
+        tp = shape.tp(mode)  # Mamba's dims tell SGLang how to split its rows between TP sizes
+        args.state_dim_per_tensor = (
+            [[d // tp for d in MAMBA_DIMS]] if shape.state == "mamba" else []
+        )
         args.state_types = [StateType(shape.state)]
-        args.state_item_lens = [list(_state_item_lens(shape))]
+        args.state_item_lens = [list(_state_item_lens(shape, tp))]
         # Mamba's tensors and DSA's layers are paired by id; SWA's K and V by position
         args.state_layer_ids = [[] if shape.state == "swa" else list(range(len(state)))]
     args.prefill_start_layer, args.prefill_end_layer = 0, shape.layers
@@ -245,23 +252,24 @@ def _pool(n: int, shape: Shape) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=shape.device)
 
 
-def _state_item_lens(shape: Shape) -> tuple[int, ...]:
-    """Bytes of one index's item in each tensor of the state group: Mamba's conv and
-    temporal rows, SWA's K and V pages of its layers, DSA's indexer-key page of each layer
-    (fp8 keys and a float32 scale per token, DeepSeek-V3.2's 128 + 4 bytes)."""
+def _state_item_lens(shape: Shape, tp: int = 1) -> tuple[int, ...]:
+    """Bytes of one index's item in each tensor of the state group, on a rank of attention
+    TP `tp`: Mamba's conv and temporal rows (their dims split between ranks), SWA's K and V
+    pages of its layers (their heads split, as the KV's), DSA's indexer-key page of each
+    layer (fp8 keys and a float32 scale per token, DeepSeek-V3.2's 128 + 4 bytes)."""
     if shape.state == "mamba":
-        return MAMBA_ITEM_LENS
+        return tuple(d // tp * MAMBA_DIM_BYTES for d in MAMBA_DIMS)
     if shape.state == "swa":
-        return (shape.item_len,) * (2 * SWA_LAYERS)
+        return (shape.item_len // tp,) * (2 * SWA_LAYERS)
     if shape.state == "dsa":
         return (shape.page_size * DSA_TOKEN_BYTES,) * shape.layers
     return ()
 
 
-def _state(shape: Shape) -> list[torch.Tensor]:
+def _state(shape: Shape, mode: str) -> list[torch.Tensor]:
     """The state group's tensors, an item per KV page, so a room's state parts are found
     from its KV pages and, like them, reused only after the canary check."""
-    return [_pool(shape.pages * n, shape) for n in _state_item_lens(shape)]
+    return [_pool(shape.pages * n, shape) for n in _state_item_lens(shape, shape.tp(mode))]
 
 
 def _state_indices(shape: Shape, pages: list[int]) -> list[list[int]] | None:
@@ -277,16 +285,27 @@ def _state_indices(shape: Shape, pages: list[int]) -> list[list[int]] | None:
 
 
 def _state_parts(
-    state: list[torch.Tensor], pages: list[int], shape: Shape
+    state: list[torch.Tensor], pages: list[int], shape: Shape, mode: str
 ) -> list[tuple[int, int, torch.Tensor]]:
-    """(entry, part, bytes) of a room's state: what `pattern` fills at prefill and checks at
-    decode."""
+    """(entry, part, bytes) of a room's state on a rank of `mode`: what prefill fills with
+    its share of `pattern` and decode checks."""
     (indices,) = _state_indices(shape, pages) or [[]]
+    lens = _state_item_lens(shape, shape.tp(mode))
     return [
         (k, j, t[i * n : (i + 1) * n])
-        for k, (t, n) in enumerate(zip(state, _state_item_lens(shape), strict=True))
+        for k, (t, n) in enumerate(zip(state, lens, strict=True))
         for j, i in enumerate(indices)
     ]
+
+
+def _state_share(room: int, k: int, j: int, shape: Shape, mode: str) -> torch.Tensor:
+    """This rank's share of the `pattern` of a state part (entry `k`, part `j`)."""
+    whole = pattern(room, STATE_ENTRY + k, j, _state_item_lens(shape)[k])
+    if shape.state == "mamba":
+        return _rank_rows(whole, 1, MAMBA_DIMS[k], shape, mode)
+    if shape.state == "swa":
+        return _rank_rows(whole, shape.page_size, shape.heads, shape, mode)
+    return whole
 
 
 @dataclass
@@ -316,7 +335,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv, states = _kv(shape, "prefill"), _state(shape)
+    kv, states = _kv(shape, "prefill"), _state(shape, "prefill")
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
@@ -364,8 +383,8 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                             _page(t, p, shape, "prefill").copy_(
                                 _share(room, e, i, shape, "prefill")
                             )
-                    for k, j, part in _state_parts(states, pages, shape):
-                        part.copy_(pattern(room, STATE_ENTRY + k, j, part.numel()))
+                    for k, j, part in _state_parts(states, pages, shape, "prefill"):
+                        part.copy_(_state_share(room, k, j, shape, "prefill"))
                     req = env.sglang_req(room, HIDDEN, TOPK)
                     req.metadata_buffer_index, req.bootstrap_room = slot, room
                     buffers.set_buf(req)
@@ -405,7 +424,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.managers import scheduler
 
-    kv, states = _kv(shape, "decode"), _state(shape)
+    kv, states = _kv(shape, "decode"), _state(shape, "decode")
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -539,7 +558,7 @@ def _bare_decode(conn: Connection, shape: Shape, bootstrap_port: int) -> tuple[A
         output_dsa_topk_indices_dim=0,
     )  # fmt: skip
     manager = _manager(
-        shape, "decode", _kv(shape, "decode"), buffers.get_buf_infos(), _state(shape)
+        shape, "decode", _kv(shape, "decode"), buffers.get_buf_infos(), _state(shape, "decode")
     )
     _, cls = _classes(shape)
     conn.send(("up", os.getpid(), buffers.table.name))
@@ -685,13 +704,18 @@ def _page(t: torch.Tensor, page: int, shape: Shape, mode: str = "decode") -> tor
 
 
 def _share(room: int, entry: int, page: int, shape: Shape, mode: str) -> torch.Tensor:
-    """This rank's heads of a page's `pattern` (a page is tokens x heads x dim)."""
+    """This rank's heads of a page's `pattern` (a page is tokens x heads x dim; MLA's one
+    latent is every rank's whole)."""
     whole = pattern(room, entry, page, shape.item_len)
-    if shape.rank_item_len(mode) == shape.item_len:
-        return whole
-    heads = shape.heads // shape.tp(mode)
-    by_head = whole.view(shape.page_size, shape.heads, -1)
-    return by_head[:, shape.rank * heads : (shape.rank + 1) * heads].reshape(-1)
+    return whole if shape.mla else _rank_rows(whole, shape.page_size, shape.heads, shape, mode)
+
+
+def _rank_rows(whole: torch.Tensor, outer: int, rows: int, shape: Shape, mode: str) -> torch.Tensor:
+    """This rank's share of an item laid out as outer x rows x bytes, its rows split between
+    `mode`'s attention TP ranks, as SGLang splits KV heads and Mamba state dims."""
+    per = rows // shape.tp(mode)
+    by_row = whole.view(outer, rows, -1)
+    return by_row[:, shape.rank * per : (shape.rank + 1) * per].reshape(-1)
 
 
 def _verify(
@@ -711,8 +735,8 @@ def _verify(
         for i, p in enumerate(out.pages)
     )
     ok = ok and all(
-        torch.equal(part.cpu(), pattern(out.room, STATE_ENTRY + k, j, part.numel()))
-        for k, j, part in (_state_parts(state, out.pages, shape) if shape.verify else ())
+        torch.equal(part.cpu(), _state_share(out.room, k, j, shape, "decode"))
+        for k, j, part in (_state_parts(state, out.pages, shape, "decode") if shape.verify else ())
     )
     output_ids, *_, topk_p, topk_index, hidden, _dsa, room = buffers.get_buf(out.slot)
     want_p, want_i, want_h = env.expected_draft(out.room, HIDDEN, TOPK)
@@ -731,7 +755,7 @@ def _released(
 ) -> Iterator[torch.Tensor]:
     """The bytes a released room owned: its pages of every entry, and its state parts."""
     yield from (_page(t, p, shape) for t in kv for p in out.pages)
-    yield from (part for _, _, part in _state_parts(state, out.pages, shape))
+    yield from (part for _, _, part in _state_parts(state, out.pages, shape, "decode"))
 
 
 def _fill_canary(

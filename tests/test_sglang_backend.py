@@ -123,14 +123,22 @@ def test_two_prefill_ranks_write_their_heads_into_one_decode_rank() -> None:
         assert pair.settle() == (True, shape.pages, shape.slots)
 
 
-@pytest.mark.parametrize("mla", [False, True], ids=["mha-heads-sliced", "mla-replicated"])
-def test_one_prefill_rank_writes_into_two_decode_ranks(mla: bool) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(heads=4, page_size=8, decode_tp=2, state="mamba"),
+        Shape(heads=4, page_size=8, decode_tp=2, state="swa"),
+        Shape(heads=4, page_size=8, decode_tp=2, mla=True),
+    ],
+    ids=["mha-and-mamba-sliced", "swa-sliced", "mla-replicated"],
+)
+def test_one_prefill_rank_writes_into_two_decode_ranks(shape: Shape) -> None:
     """Decode at attention TP 2, prefill at 1 (as on one 8-GPU host: a prefill of fewer GPUs
     than its decode): each decode rank asks for the room, SGLang's prefill waits for both
     and writes each its own pages, with `send_kvcache_slice` its half of every token's heads
-    (MLA's one latent whole to each), and an aux row into each rank's table; every byte
-    checked on both ranks."""
-    shape = Shape(heads=4, page_size=8, decode_tp=2, mla=mla)
+    (MLA's one latent whole to each), its half of a Mamba state's dims
+    (`_send_mamba_state_slice`) or of an SWA window's heads (`_send_swa_state_slice`), and
+    an aux row into each rank's table; every byte checked on both ranks."""
     with Pair(shape) as pair:
         pair.start_prefill()
         pair.start_decode()
