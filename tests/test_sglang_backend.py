@@ -104,11 +104,19 @@ def test_every_byte_of_every_request_lands(
         assert pair.settle() == (True, shape.pages, shape.slots)
 
 
-def test_two_prefill_ranks_write_their_heads_into_one_decode_rank() -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(heads=8, page_size=8, prefill_tp=2, state="mamba"),
+        Shape(heads=8, page_size=8, prefill_tp=2, state="swa"),
+    ],
+    ids=["mha-and-mamba", "swa"],
+)
+def test_two_prefill_ranks_write_their_heads_into_one_decode_rank(shape: Shape) -> None:
     """Prefill at attention TP 2, decode at 1: each prefill rank holds half the KV heads,
     and SGLang's own `send_kvcache_slice` writes them into the decode's whole pages, a
-    head-slice of every token (blocks of 4 heads x 16 dim here), every byte checked."""
-    shape = Shape(heads=8, page_size=8, prefill_tp=2)
+    head-slice of every token (blocks of 4 heads x 16 dim here); so, too, each rank's half
+    of a Mamba state's dims and of an SWA window's heads.  Every byte checked."""
     with Pair(shape) as pair:
         pair.start_prefill()
         pair.start_decode()
