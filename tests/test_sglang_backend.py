@@ -23,6 +23,9 @@ pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLAN
 
 from pd_env import Pair, Shape, ids_main, window_main  # noqa: E402
 
+from shmslots.segment import SHM_DIR  # noqa: E402
+from shmslots.sglang.samehost.registry import PREFIX  # noqa: E402
+
 CUDA_ONLY = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -511,7 +514,6 @@ def test_a_rank_let_go_of_and_then_removed_is_dead_and_one_unreadable_is_looked_
     awaiting its ACK would wait out SGLang's 30 s).  But only a missing file says so: a
     registry there that cannot be read now (descriptors or maps run out, a foreign file)
     is looked at again, never taken for dead."""
-    from shmslots.segment import SHM_DIR
     from shmslots.sglang import backend, samehost
     from shmslots.sglang.samehost.registry import Registry
 
@@ -592,6 +594,51 @@ def test_one_decode_rank_of_two_sigkilled_mid_transfer_fails_its_rooms_on_both_s
         for conn in pair.decodes:
             _, outcomes = pair.reply(conn)
             assert all(o.status == "Success" and o.verified for o in outcomes.values())
+
+
+def _registries_held(procs: list[Any]) -> set[str]:
+    """The same-host registries `procs` hold open: each engine its own (its lock), and its
+    peers' it watches."""
+    held = set()
+    for proc in procs:
+        fds = f"/proc/{proc.pid}/fd"
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                path = os.readlink(os.path.join(fds, fd))
+                if path.startswith(os.path.join(SHM_DIR, PREFIX)):
+                    held.add(os.path.basename(path))
+    return held
+
+
+def test_a_pd_role_switch_serves_the_other_way_over_the_same_pools() -> None:
+    """SGLang's PD role switch flips an idle server in place: `teardown_disaggregation`
+    drops its manager, metadata buffers and allocator, and the other role is built over the
+    same KV pools (Mooncake's manager, and so this one, says it supports it).  Here the two
+    sides swap roles in their own processes: the old decode's table is unlinked, both old
+    registries are removed and each side has a new one, and rooms go the other way, every
+    byte checked (the new decode's pools moved onto memfds again, its old ones back onto
+    private pages with their bytes)."""
+    shape = Shape(state="mamba")
+    with Pair(shape) as pair:
+        pair.start_switching()
+        for first in (1000, 2000):
+            rooms = list(range(first, first + 30))
+            pair.submit(rooms, pages=3, window=4)
+            _, sent, refused, _ = pair.reply(pair.prefill)
+            _, outcomes = pair.reply(pair.decode)
+            assert set(sent.values()) == {"Success"} and refused == 0
+            assert sorted(outcomes) == rooms
+            assert all(o.status == "Success" and o.verified for o in outcomes.values())
+            assert pair.settle() == (True, shape.pages, shape.slots)
+            if first == 1000:
+                table, before = pair.decode_table, _registries_held(pair.procs)
+                pair.switch_roles()
+                assert not os.path.exists(os.path.join(SHM_DIR, table))
+                assert pair.prefill_receives is False  # the new prefill's engine only sends
+                assert len(before) == 2, before
+                assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in before)
+        after = _registries_held(pair.procs)
+        assert len(after) == 2 and after.isdisjoint(before), (before, after)
 
 
 def test_decode_abort_mid_transfer_is_acknowledged_at_once() -> None:
