@@ -15,10 +15,7 @@ as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
 - the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
   each process (`get_parallel().override_permanently`): a prefill of `Shape.prefill_tp` ranks
   and a decode of `Shape.decode_tp`, a process each, the prefill's bootstrap server in its
-  rank 0's;
-- a PD role switch's scheduler: `_tear_down_role` hands SGLang's `teardown_disaggregation`
-  the parts of one it reads, and `switching_main` then builds the other role in the same
-  process over the same pools.
+  rank 0's.
 
 Every KV byte is a function of (room, entry, page, offset), every aux row of the room, so the
 decode side checks all it receives; a failed room's pages and slot are filled with a canary
@@ -108,13 +105,6 @@ def pattern(room: int, entry: int, page: int, item_len: int) -> torch.Tensor:
 
 
 def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
-    from_role = _ROLE[0]
-    _ROLE[0] = mode
-    if from_role:  # a role switch: SGLang's flip of the one setting (role_switch.py)
-        from sglang.srt.runtime_context import get_context
-
-        get_context().override("role_switch.flip", disaggregation_mode=mode)
-        return
     faulthandler.register(signal.SIGUSR1)  # Pair.reply asks for stacks when a side hangs
     env.load_sglang(plugin=True)
     from sglang.srt.runtime_context import get_context, get_parallel
@@ -142,9 +132,6 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         tp_rank=rank, attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
     )  # fmt: skip
-
-
-_ROLE = [""]  # this process's role, once it has one
 
 
 def _nixl_under_its_import_name() -> None:
@@ -340,21 +327,15 @@ class Outcome:
     given_up: bool = False  # aborted by the test's "give_up", still waiting then
 
 
-Pools = tuple[list[torch.Tensor], list[torch.Tensor]]  # a side's KV and state pools
-
-
-def prefill_main(
-    conn: Connection, shape: Shape, bootstrap_port: int, sent: Any, pools: Pools | None = None
-) -> Pools | None:
+def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
     """The prefill side: a bootstrap server and a manager; for each room it is told of, a
     sender that fills its own pages with the room's pattern and sends them.  It says, when
     up, whether CUDA IPC could share its pools (None on the CPU) and whether its engine
-    receives (None but for shmslots').  Told to switch, it tears its role down as SGLang's
-    PD role switch does and returns its pools (given `pools`, it took them over so)."""
+    receives (None but for shmslots')."""
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv, states = pools or (_kv(shape, "prefill"), _state(shape, "prefill"))
+    kv, states = _kv(shape, "prefill"), _state(shape, "prefill")
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
@@ -372,7 +353,7 @@ def prefill_main(
     free_slots = list(range(shape.slots))
     while True:
         msg = conn.recv()
-        if msg[0] in ("stop", "switch"):
+        if msg[0] == "stop":
             break
         _, rooms, pages_per_room, window = msg
         todo = list(rooms)
@@ -425,33 +406,9 @@ def prefill_main(
                     progress = time.monotonic()
             time.sleep(0.0005)
         conn.send(("done", done, _refused(manager), sent_at))
-    if msg[0] == "switch":
-        _tear_down_role("prefill", manager, buffers)
-    else:
-        getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
-    if server is not None:  # and its port, for the next server
+    getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
+    if server is not None:
         server.close()
-    return (kv, states) if msg[0] == "switch" else None
-
-
-def _tear_down_role(mode: str, manager: Any, buffers: Any, allocator: Any = None) -> None:
-    """This side's role torn down by SGLang's own `teardown_disaggregation`, as its PD role
-    switch does, over the scheduler's parts it reads (its queue's manager, the metadata
-    buffers and allocator; no prefix cache here)."""
-    from sglang.srt.disaggregation import role_switch
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    queue = SimpleNamespace(kv_manager=manager)
-    role_switch.teardown_disaggregation(
-        SimpleNamespace(
-            disaggregation_mode=DisaggregationMode(mode),
-            disagg_prefill_bootstrap_queue=queue,
-            disagg_decode_prealloc_queue=queue,
-            disagg_metadata_buffers=buffers,
-            req_to_metadata_buffer_idx_allocator=allocator,
-            disable_radix_cache=True,
-        )
-    )
 
 
 def _refused(manager: Any) -> int:
@@ -459,19 +416,15 @@ def _refused(manager: Any) -> int:
     return int(getattr(getattr(manager, "engine", None), "refused", 0))  # NIXL: no engine
 
 
-def decode_main(
-    conn: Connection, shape: Shape, bootstrap_port: int, landed: Any, pools: Pools | None = None
-) -> Pools | None:
+def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any) -> None:
     """The decode side: the plugin's allocator and metadata buffers (a shmslots table), a
-    manager and, for each room it is told of, a receiver over free pages and a free slot.
-    Told to switch, it tears its role down as SGLang's PD role switch does and returns its
-    pools (given `pools`, it took them over so)."""
+    manager and, for each room it is told of, a receiver over free pages and a free slot."""
     _runtime("decode", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.managers import scheduler
 
-    kv, states = pools or (_kv(shape, "decode"), _state(shape, "decode"))
+    kv, states = _kv(shape, "decode"), _state(shape, "decode")
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -487,8 +440,10 @@ def decode_main(
     released: list[Outcome] = []
     while True:
         msg = conn.recv()
-        if msg[0] in ("stop", "switch"):
+        if msg[0] == "stop":
             break
+        if msg[0] == "give_up":  # came after the run it was for had ended
+            continue
         if msg[0] == "settle":  # failed rooms' canaries intact; then their pages come back
             intact = _canaries_intact(kv, states, released, shape)
             free_pages.extend(p for out in released for p in out.pages)
@@ -510,8 +465,8 @@ def decode_main(
         outcomes: dict[Any, Outcome] = {}
         while todo or active:
             allocator.sweep()  # each turn, as the plugin does in resolve_deferred_releases
-            if conn.poll():  # rooms that can no longer end, given up as SGLang's waiting
-                assert conn.recv() == ("give_up",)  # timeout gives them up (300 s)
+            if conn.poll():  # rooms that can no longer end are given up, as SGLang's waiting
+                msg = conn.recv()  # timeout gives them up (300 s); or the test is over
                 for receiver, out, _ in active.values():
                     if not out.failed_at:
                         out.given_up = True
@@ -589,28 +544,10 @@ def decode_main(
                 del active[key]
             time.sleep(0.0005)
         conn.send(("done", outcomes if len(addrs) > 1 else {k[0]: o for k, o in outcomes.items()}))
-    if msg[0] == "switch":
-        _tear_down_role("decode", manager, buffers, allocator)
-        return kv, states
+        if msg[0] == "stop":  # it came during the run
+            break
     getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     buffers.close()
-    return None
-
-
-def switching_main(conn: Connection, shape: Shape, bootstrap_port: int, counters: Any) -> None:
-    """One process taking both roles in turn over its one set of pools, as SGLang's PD role
-    switch flips an idle server: `counters` is (its first role, the prefill's sent count,
-    the decode's landed count)."""
-    role, sent, landed = counters
-    pools: Pools | None = None
-    while True:
-        if role == "prefill":
-            pools = prefill_main(conn, shape, bootstrap_port, sent, pools)
-        else:
-            pools = decode_main(conn, shape, bootstrap_port, landed, pools)
-        if pools is None:
-            return
-        role = "decode" if role == "prefill" else "prefill"
 
 
 def _bare_decode(conn: Connection, shape: Shape, bootstrap_port: int) -> tuple[Any, Any, Any]:
@@ -847,8 +784,8 @@ def _canaries_intact(
 
 
 class Pair:
-    """A prefill process and a decode process on one host; every process it starts is
-    killed and reaped on exit, whatever happened."""
+    """A prefill server and a decode server on one host, a process per rank; every process
+    it starts is killed and reaped on exit, whatever happened."""
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
@@ -856,7 +793,9 @@ class Pair:
         self.port = env.free_port()
         self.sent = self.ctx.Value("i", 0)
         self.landed = self.ctx.Value("i", 0)
-        self.procs: list[mp.process.BaseProcess] = []
+        self.procs: list[mp.process.BaseProcess] = []  # every process it started
+        self.prefill_procs: list[mp.process.BaseProcess] = []  # the servers' now, by rank
+        self.decode_procs: list[mp.process.BaseProcess] = []
         self.prefill: Connection | None = None  # rank 0's, of `prefills`
         self.prefills: list[Connection] = []
         self.second: Connection | None = None  # a second prefill server's, if started
@@ -890,34 +829,15 @@ class Pair:
     def start_prefill(self) -> None:
         # torch reads its allocator's settings from the environment the prefill starts with
         vmm = "expandable_segments:True" if self.shape.vmm_prefill else None
-        self.prefills = []  # a prefill server started again replaces the last one
+        self.prefills, self.prefill_procs = [], []  # a server started again replaces the last
         with _environ("PYTORCH_CUDA_ALLOC_CONF", vmm):
             for rank in range(self.shape.prefill_tp):  # rank 0 first: its bootstrap server
                 shape = dataclasses.replace(self.shape, rank=rank)
-                conn, _, up = self._start(prefill_main, self.sent, shape)
+                conn, proc, up = self._start(prefill_main, self.sent, shape)
                 self.prefills.append(conn)
+                self.prefill_procs.append(proc)
         self.prefill = self.prefills[0]
         self.prefill_shareable, self.prefill_receives = up[2], up[3]
-
-    def start_switching(self) -> None:
-        """A prefill and a decode, each able to take the other's role (`switch_roles`)."""
-        self.prefill, _, up = self._start(switching_main, ("prefill", self.sent, self.landed))
-        self.prefills = [self.prefill]
-        self.prefill_shareable, self.prefill_receives = up[2], up[3]
-        self.decode, _, up = self._start(switching_main, ("decode", self.sent, self.landed))
-        self.decodes, self.decode_table = [self.decode], up[2]
-
-    def switch_roles(self) -> None:
-        """Each side takes the other's role in its own process, as SGLang's PD role switch
-        flips idle servers; the prefill first, since its bootstrap port is the next one's."""
-        assert self.prefill is not None and self.decode is not None
-        self.prefill.send(("switch",))
-        table = self.reply(self.prefill)[2]
-        self.decode.send(("switch",))
-        up = self.reply(self.decode)
-        self.prefill_shareable, self.prefill_receives = up[2], up[3]
-        self.prefill, self.decode = self.decode, self.prefill
-        self.prefills, self.decodes, self.decode_table = [self.prefill], [self.decode], table
 
     def start_second_prefill(self) -> None:
         """Another prefill server (one rank) at its own bootstrap port, beside the first."""
@@ -925,11 +845,12 @@ class Pair:
         self.second, _, _ = self._start(prefill_main, self.sent, port=self.second_port)
 
     def start_decode(self, target: Any = decode_main) -> None:
-        self.decodes = []  # a decode server started again replaces the last one
+        self.decodes, self.decode_procs = [], []  # a server started again replaces the last
         for rank in range(self.shape.decode_tp):
             shape = dataclasses.replace(self.shape, rank=rank)
-            conn, _, up = self._start(target, self.landed, shape)
+            conn, proc, up = self._start(target, self.landed, shape)
             self.decodes.append(conn)
+            self.decode_procs.append(proc)
             if rank == 0:
                 self.decode_table = up[2]
         self.decode = self.decodes[0]
@@ -970,16 +891,13 @@ class Pair:
         for conn in self.decodes:
             conn.send(("give_up",))
 
-    def settle(self) -> tuple[bool, int, int]:
-        """Every decode rank's canaries intact, and the fewest pages and slots any has free."""
+    def settle(self) -> tuple[bool, int, int] | list[tuple[bool, int, int]]:
+        """(canaries intact, pages free, slots free) of the decode's ranks: one tuple when
+        every rank says the same, else each rank's."""
         for conn in self.decodes:
             conn.send(("settle",))
-        settled = [self.reply(conn)[1:] for conn in self.decodes]
-        return (
-            all(intact for intact, _, _ in settled),
-            min(pages for _, pages, _ in settled),
-            min(slots for _, _, slots in settled),
-        )
+        settled = [tuple(self.reply(conn)[1:]) for conn in self.decodes]
+        return settled[0] if len(set(settled)) == 1 else settled
 
     def wait_until(self, counter: Any, n: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ def main() -> None:
 
     load_plugins()
     from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.managers import scheduler
     from sglang.srt.server_args import ServerArgs
@@ -38,8 +39,8 @@ def main() -> None:
     mooncake = get_kv_class(TransferBackend("mooncake"), KVClassType.MANAGER).__name__
     deferred = [*argv, "--disaggregation-transfer-backend", "shmslots"]
     deferred += ["--disaggregation-decode-allocation-policy", "prefill_complete"]
-    try:  # the hook SGLang's launch runs on the flags (arg_groups/pipeline.py)
-        handle_pd_disaggregation(ServerArgs.from_cli_args(parser.parse_args(deferred)))
+    try:  # the step SGLang's launch runs on the flags, as it runs it (arg_groups/pipeline.py)
+        run_hook(handle_pd_disaggregation, ServerArgs.from_cli_args(parser.parse_args(deferred)))
         prefill_complete = "accepted"
     except ValueError as exc:
         prefill_complete = str(exc)

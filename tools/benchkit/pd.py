@@ -94,7 +94,7 @@ def _kill_to_release(shape: pd_env.Shape, window: int) -> float:
         pair.start_decode()
         pair.submit(list(range(1, 10_000)), pages, window)
         pair.wait_until(pair.sent, 3, 120)
-        proc = pair.procs[0]
+        proc = pair.prefill_procs[0]
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
