@@ -12,10 +12,10 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 
@@ -443,6 +443,34 @@ class SlotTable:
         if self._sites is not None:
             trace(self._parts, [ws], _WRITING)
         return ws
+
+    def send(
+        self, fields: Mapping[str, Any] | tuple[Any, ...], /, tag: int = 0, timeout: float = 1.0
+    ) -> None:
+        """Claim, write and publish a row as one step (iceoryx2's send_copy): one compiled
+        call that no exception can split, with no write slot made.  `fields` is every field
+        by name, or a tuple of their values in schema order (as `lease.views(names)` gives
+        a row to pass on).  Refused input hands the slot back with nothing queued; waits (no
+        slot free, a full ready queue) are claim's and publish's, each up to `timeout` s."""
+        if self._sites is None and self._core.send(self, fields, tag):
+            return
+        names = self.schema.slots
+        if type(fields) is tuple:
+            if len(fields) != len(names):
+                raise SchemaError(
+                    f"send takes {len(names)} values in schema order, got {len(fields)}"
+                )
+            fields = dict(zip(names, fields, strict=True))
+        elif not isinstance(fields, Mapping):
+            raise InvalidArgument(
+                f"send takes a mapping or a tuple of field values, got {fields!r}"
+            )
+        missing = names.keys() - fields.keys()
+        if missing:  # refused before a slot is claimed or a byte written
+            raise SchemaError(f"send writes a whole row; fields {sorted(missing)} are missing")
+        with self.claim(tag, timeout) as ws:  # the same steps, each with its waits and errors
+            ws.write(**fields)
+            ws.publish(timeout)
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
         """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""

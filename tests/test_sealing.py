@@ -1,4 +1,4 @@
-"""One sealing order for publish and keep, killed between every two of its steps (#24, 2).
+"""One sealing order for publish, send and keep, killed between every two of its steps (#24, 2).
 
 keep() used to change the state before it sealed, while publish sealed before: a writer
 SIGKILLed between the two left a kept (HELD) row under a stale seal, which the reaper
@@ -21,6 +21,10 @@ PUBLISH_SEALED, KEEP_SEALED, KEEP_HELD = (
 
 def _write_then_die(name: str, op: str, point: int) -> None:
     table = SlotTable.attach(name, "writer")
+    if op == "send":  # claim, write and the seal inside the one compiled call
+        _core._kill_at(point)
+        table.send(small_row(7), tag=7)
+        raise SystemExit("the kill point was not reached")
     ws = table.claim(tag=7)
     ws.write(**small_row(7))
     _core._kill_at(point)
@@ -35,6 +39,7 @@ def _write_then_die(name: str, op: str, point: int) -> None:
     ("op", "point", "after"),
     [
         ("publish", PUBLISH_SEALED, "nothing"),  # sealed, still WRITING: never published
+        ("send", PUBLISH_SEALED, "nothing"),  # the same point inside send's one call
         ("keep", KEEP_SEALED, "nothing"),  # sealed, still WRITING: never kept
         ("keep", KEEP_HELD, "the row"),  # kept and sealed: a dead holder's row comes back
     ],

@@ -143,7 +143,8 @@ int row_hash_ways(void);
 typedef struct RowCodec RowCodec;
 extern PyTypeObject RowCodecType;
 
-/* 1 every field written, 0 not the plain case (nothing written), -1 error set. */
+/* `fields`: a dict of name -> value, or a tuple of every field's value in schema order.
+ * 1 every field given written, 0 not the plain case (nothing written), -1 error set. */
 int codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields);
 /* 0 sealed, -1 error set. */
 int codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t gen);

@@ -997,18 +997,23 @@ ws_alloc(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
  * committed is lost and nothing is delivered under a stale seal.  A slot that is not ours any
  * more (reaped while this process was taken for dead) never gets our seal over its new
  * owner's: only a reaper moves a live owner's slot, and only for the dead.  1 sealed, 0 not
- * this handle's slot (nothing written), -1 error set. */
+ * this participant's WRITING slot at `gen` (nothing written), -1 error set. */
+static int
+seal_writing(Core *c, Py_ssize_t slot, uint64_t gen)
+{
+    int mine = hot_writing(c->hot, slot, gen);
+    if (mine <= 0)
+        return mine < 0 ? -1 : 0;
+    return codec_seal(c->codec, slot, gen) < 0 ? -1 : 1;
+}
+
+/* seal_writing for a write slot's own slot. */
 static int
 seal_mine(Handle *h)
 {
     Py_ssize_t slot;
     uint64_t gen;
-    if (!ids(h, &slot, &gen))
-        return -1;
-    int mine = hot_writing(h->core->hot, slot, gen);
-    if (mine <= 0)
-        return mine < 0 ? -1 : 0;
-    return codec_seal(h->core->codec, slot, gen) < 0 ? -1 : 1;
+    return ids(h, &slot, &gen) ? seal_writing(h->core, slot, gen) : -1;
 }
 
 /* _seal_mine() -> bool: seal_mine for the Python path of publish (leases.py). */
@@ -1411,6 +1416,63 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     return acquire_one(c, args[0], E_CLAIM, number);
+}
+
+/* send(table, fields, tag) -> True | None: claim, write and publish a row in one call that
+ * runs no Python, so no exception can split it: a FREE slot acquired, `fields` (a dict of
+ * every field, or a tuple of their values in schema order) copied into its row, the row
+ * sealed in the one sealing order (seal_writing) and published, with no write slot made.  A
+ * value refused (wrong dtype, shape, a storage smaller than it claims) raises codec_write's
+ * error with the slot handed back, nothing queued.  None, with nothing changed, where the
+ * compiled case does not apply (ref fields, not exactly the schema's number of fields, a
+ * value that is not the plain case, a tag that is not a plain int, no slot FREE, a full
+ * ready queue, the slot reaped meanwhile): the table's send then claims, writes and
+ * publishes, with their waits and their errors.  Killed between the steps, the slot is a
+ * dead writer's WRITING one, which a reaper frees. */
+static PyObject *
+core_send(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send(table, fields, tag)");
+        return NULL;
+    }
+    PyObject *fields = args[1], *tag = args[2];
+    Py_ssize_t given = PyDict_CheckExact(fields)    ? PyDict_GET_SIZE(fields)
+                       : PyTuple_CheckExact(fields) ? PyTuple_GET_SIZE(fields)
+                                                    : -1;
+    if (!usable_core(c) || !c->plain_claim || given != c->nfields || !PyLong_CheckExact(tag))
+        Py_RETURN_NONE;
+    uint64_t number;
+    if (!tag_arg(tag, &number)) { /* negative or over 64 bits: claim words the error */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t slot;
+    uint64_t gen;
+    int gc_was = hold_collection(); /* from the acquire to the publish: no Python between */
+    int got = hot_acquire(c->hot, E_CLAIM, number, &slot, &gen);
+    if (got <= 0) {
+        collection_back(gc_was);
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    /* every field written: a dict's keys are distinct, each one the codec knows */
+    int written = codec_write(c->codec, slot, fields);
+    int sealed = written == 1 ? seal_writing(c, slot, gen) : written;
+    int code, give_back;
+    if (sealed == 1) {
+        kill_point(KILL_PUBLISH_SEALED);
+        code = hot_publish(c->hot, slot, gen);
+        give_back = code == STEP_ERROR || code == STEP_QUEUE_FULL;
+    } else { /* unwritten (not the plain case, or refused), or sealed 0: reaped meanwhile */
+        code = sealed < 0 ? STEP_ERROR : STEP_REFUSED;
+        give_back = written != 1 || sealed < 0;
+    }
+    if (give_back)
+        undo(c, args[0], slot, gen, S_WRITING, E_ABORT);
+    collection_back(gc_was);
+    if (code == STEP_DONE)
+        Py_RETURN_TRUE;
+    return code == STEP_ERROR ? NULL : Py_NewRef(Py_None);
 }
 
 /* open_reserved(table, slot, generation) -> WriteSlot | None (not reserved at generation). */
@@ -1840,6 +1902,7 @@ static PyMethodDef core_methods[] = {
     FAST("keep_reserved", core_keep_reserved, "keep_reserved(reservation) -> Lease | None"),
     FAST("take", core_take, "take(table) -> Lease | None"),
     FAST("poll", core_poll, "poll(table, max_n) -> [Lease, ...]"),
+    FAST("send", core_send, "send(table, fields, tag) -> True | None"),
     FAST("claim_n", core_claim_n, "claim_n(table, n, tag) -> [WriteSlot, ...]"),
     FAST("end_all", core_end_all, "end_all(leases, release) -> None | index refused"),
     FAST("publish_all", core_publish_all, "publish_all(write_slots, timeout) -> None | index"),

@@ -602,8 +602,9 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
 {
     if (!slot_in_range(r, slot))
         return -1;
-    Py_ssize_t n = PyDict_GET_SIZE(fields);
-    if (n > MAX_FIELDS)
+    int by_position = PyTuple_CheckExact(fields); /* every field's value, in schema order */
+    Py_ssize_t n = by_position ? PyTuple_GET_SIZE(fields) : PyDict_GET_SIZE(fields);
+    if (n > MAX_FIELDS || (by_position && n != r->nfields))
         return 0;
     /* Strong references first, so nothing the checks run can free a value under us. */
     PyObject *held[MAX_FIELDS];
@@ -611,7 +612,11 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
     Py_ssize_t pos = 0, k = 0;
     PyObject *key, *value;
     int result = 0;
-    while (k < n && PyDict_Next(fields, &pos, &key, &value)) {
+    for (; by_position && k < n; k++) {
+        spec[k] = &r->spec[k];
+        held[k] = Py_NewRef(PyTuple_GET_ITEM(fields, k));
+    }
+    while (!by_position && k < n && PyDict_Next(fields, &pos, &key, &value)) {
         PyObject *i = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(r->index, key) : NULL;
         if (!i) {
             result = PyErr_Occurred() ? -1 : 0;

@@ -1,0 +1,160 @@
+"""`table.send(fields)`: claim, write and publish as one step, whole or not at all."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import SMALL, row_bytes, small_row
+
+from shmslots import (
+    Field,
+    InvalidArgument,
+    SchemaError,
+    ShmSlotsError,
+    SlotsExhausted,
+    SlotTable,
+    TableClosed,
+)
+
+
+def _read(t: SlotTable) -> tuple[int, int | float, list[float], list[float]]:
+    lease = t.take()
+    assert lease is not None
+    with lease:
+        return (
+            lease.tag,
+            lease.item("id"),
+            lease.copy("p").tolist(),
+            lease.copy("h").float().flatten().tolist(),
+        )
+
+
+def test_a_sent_row_is_what_claim_write_publish_delivers(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=4, strict=True) as t:
+        assert t._core.send(t, small_row(3), 9) is True  # the plain case is the compiled step
+        assert t._core.send(t, tuple(small_row(4).values()), 5) is True  # by position too
+        t.send(small_row(4), tag=5)
+        with t.claim(tag=5) as ws:
+            ws.write(**small_row(4))
+            ws.publish()
+        assert _read(t) == (9, 3, [3.0] * 4, [3.0] * 16)
+        assert _read(t) == _read(t) == _read(t) == (5, 4, [4.0] * 4, [4.0] * 16)
+        assert t.take() is None and t.stats().owned == 0 and t.check_consistency() == []
+
+
+def test_a_lease_s_views_are_sent_on_into_another_table(name: str) -> None:
+    """The echo of a round trip: the reply copied from the request's own row."""
+    with (
+        SlotTable.create(name, SMALL, slots=2) as req,
+        SlotTable.create(name + "-r", SMALL, slots=2) as resp,
+    ):
+        req.send(small_row(7))
+        lease = req.take()
+        assert lease is not None
+        names = tuple(req.schema.slots)
+        resp.send(lease.views(names), tag=2)  # by position, in schema order
+        views = dict(zip(names, lease.views(names), strict=True))
+        resp.send(views, tag=3)  # by name
+        del views
+        lease.release()
+        assert _read(resp) == (2, 7, [7.0] * 4, [7.0] * 16)
+        assert _read(resp) == (3, 7, [7.0] * 4, [7.0] * 16)
+        assert resp.stats().owned == req.stats().owned == 0
+
+
+def _bad_rows() -> list[tuple[str, Any, type[ShmSlotsError]]]:
+    wrong_dtype = small_row(1) | {"p": torch.ones(4, dtype=torch.float64)}
+    wrong_shape = small_row(1) | {"p": torch.ones(5)}
+    short = torch.empty(0).set_(torch.ones(4).untyped_storage(), 2, (4,), (1,))
+    short.untyped_storage().resize_(4 * 4)  # offset 2 + 4 elements > the 4 it holds
+    unknown = small_row(1) | {"nope": 1}
+    missing = {k: v for k, v in small_row(1).items() if k != "h"}
+    return [
+        ("dtype", wrong_dtype, SchemaError),
+        ("shape", wrong_shape, SchemaError),
+        ("storage smaller than it claims", small_row(1) | {"p": short}, ShmSlotsError),
+        ("unknown field", unknown, SchemaError),
+        ("a field missing", missing, SchemaError),
+        ("not a mapping or a tuple", list(small_row(1).items()), InvalidArgument),
+        ("a tuple too short", tuple(small_row(1).values())[:2], SchemaError),
+        ("a tuple too long", (*small_row(1).values(), 1), SchemaError),
+        ("a tuple out of order", tuple(small_row(1).values())[::-1], ShmSlotsError),
+        ("a tuple of a wrong dtype", tuple((small_row(1) | wrong_dtype).values()), SchemaError),
+        ("an id out of int64", small_row(1) | {"id": 1 << 70}, ShmSlotsError),
+    ]
+
+
+@pytest.mark.parametrize(("why", "fields", "error"), _bad_rows(), ids=[b[0] for b in _bad_rows()])
+def test_bad_input_is_refused_with_nothing_changed(
+    name: str, why: str, fields: Any, error: type[ShmSlotsError]
+) -> None:
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        t.send(small_row(5))  # a row queued before: still the only one after
+        before = [row_bytes(t, slot) for slot in range(2)], t.stats().states
+        with pytest.raises(error):
+            t.send(fields)
+        assert ([row_bytes(t, slot) for slot in range(2)], t.stats().states) == before
+        assert t.check_consistency() == []
+        assert _read(t)[1] == 5 and t.take() is None
+        t.send(small_row(6))  # both slots claimable: the refused send handed its slot back
+        t.send(small_row(7))
+        assert [_read(t)[1], _read(t)[1]] == [6, 7]
+
+
+@pytest.mark.parametrize("tag", [-1, 1 << 64, "7", None])
+def test_a_bad_tag_is_refused_as_claim_refuses_it(name: str, tag: object) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        with pytest.raises(InvalidArgument):
+            t.send(small_row(1), tag=tag)  # type: ignore[arg-type]
+        assert t.stats().owned == 0 and t.take() is None
+
+
+@pytest.mark.timeout(30)
+def test_a_full_table_waits_up_to_timeout_then_takes_the_freed_slot(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.send(small_row(1))
+        started = time.monotonic()
+        with pytest.raises(SlotsExhausted):
+            t.send(small_row(2), timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < 5
+
+        def consume_later() -> None:
+            time.sleep(0.2)
+            lease = t.take()
+            assert lease is not None
+            lease.release()
+
+        reader = threading.Thread(target=consume_later)
+        reader.start()
+        t.send(small_row(3), timeout=10)  # waits for the reader to free the one slot
+        reader.join(10)
+        assert _read(t)[1] == 3
+
+
+def test_a_closed_table_refuses_send(name: str) -> None:
+    t = SlotTable.create(name, SMALL, slots=1)
+    t.close()
+    t.unlink()
+    with pytest.raises(TableClosed):
+        t.send(small_row(1))
+
+
+def test_a_table_with_a_ref_field_sends_through_the_same_steps(name: str) -> None:
+    schema = (Field("id", "int64"), Field("x", "float32", (None,), kind="ref"))
+    with SlotTable.create(name, schema, slots=2, arena_bytes=1 << 20) as t:
+        payload = torch.arange(1024, dtype=torch.float32)
+        t.send({"id": 4, "x": payload}, tag=3)
+        lease = t.take()
+        assert lease is not None
+        with lease:
+            assert lease.tag == 3 and lease.item("id") == 4
+            got = lease.tensor("x")
+            assert torch.equal(got, payload)
+            del got
+        with pytest.raises(SchemaError):
+            t.send({"id": 5, "x": payload, "y": 1})
+        assert t.stats().owned == 0 and t.take() is None
