@@ -21,18 +21,19 @@ command it runs the full comparison below.  The commands look closer at one thin
 Peers, all real: multiprocessing.Queue, multiprocessing.Pipe, a torch.multiprocessing queue
 passing tensors, iceoryx2 publish-subscribe (busy-polled, and blocking through its event
 service), and a bare busy-polled shared-memory ring with no ownership, checks or schema (the
-floor). shmslots runs busy (take(0), write() of private tensors, views), blocking
+floor). shmslots runs busy (take(0); table.send of private tensors, one compiled claim,
+write and publish; views, the reply sent from the request's views), blocking
 (take(timeout)), in batches of 64 (claim_n, scatter, publish_all; poll, gather,
-release_all), with loaned tensors (ws.alloc) and as a user first writes it (blocking take,
-lease.copy() of every field). Records: the small row (id, int64[5], float32[64]), the EAGLE
-metadata row (output id, cached tokens, top-k p float32[16], top-k index int64[16], hidden
-bf16[4096]), and 1 MiB and 64 MiB CPU tensors (shmslots: a ref field in the table's
-arena, read with lease.tensor).
+release_all), with loaned tensors (ws.alloc) and as a user first writes it (claim, write
+and publish a step each, blocking take, lease.copy() of every field). Records: the small
+row (id, int64[5], float32[64]), the EAGLE metadata row (output id, cached tokens, top-k p
+float32[16], top-k index int64[16], hidden bf16[4096]), and 1 MiB and 64 MiB CPU tensors
+(shmslots: a ref field in the table's arena, read with lease.tensor).
 
 Measured, each repeated (3 runs unless said) and reported as median and lowest-highest:
 
-* round trip between two spawned processes: A claims/writes/publishes into table REQ, B
-  takes/reads/releases and answers through table RESP (busy polling and blocking);
+* round trip between two spawned processes: A sends into table REQ, B takes, reads,
+  answers through table RESP and releases (busy polling and blocking);
 * one-way throughput (rows/s) from A to B, for every record kind;
 * claim+release (claim then abort) in one process, and claims/s with two processes contending;
 * CPU used by a reader blocked in take(timeout=2 s) with nothing published (% of a core);

@@ -281,11 +281,15 @@ def notes() -> list[str]:
         f"{SHM_BATCH}: claim_n + a scatter per field from batch tensors + publish_all out; "
         "poll + gather of the id + release_all in; tables with room for two batches (128 "
         "rows: one filled while the other is read); the round trip flushes a batch of one.",
+        f"{SHM_BUSY} and {SHM_BLOCK} write a row by table.send (claim, write and publish in "
+        "one compiled call); the reply is sent from the request's views (lease.views), "
+        "before its release.",
         f"{SHM_LOAN}: as shmslots busy, but the tensor is filled into ws.alloc (a loaned "
         "arena tensor) by one memmove, the copy the bare ring makes into its cell; shmslots "
-        "busy hands write() a private tensor (one memmove too, made by write).",
-        f"{SHM_COPYING}: code as a user first writes it: blocking take(timeout), "
-        "lease.copy() of every field, release, and write() of those copies for the reply.",
+        "busy hands send() a private tensor (one memmove too, made by send).",
+        f"{SHM_COPYING}: code as a user first writes it: claim, write and publish a step "
+        "each, blocking take(timeout), lease.copy() of every field, release, and write() of "
+        "those copies for the reply.",
         f"CLI: {', '.join(CLI_CALLS)} as fresh processes on a live 64-slot EAGLE table, "
         "each timed from spawn to exit (`python tools/bench.py cli` has every command).",
         "Gather: 64 EAGLE rows' hidden bf16[4096] (512 KiB) into one tensor, one process; "

@@ -158,15 +158,24 @@ class ShmEnd:
         self._out_id = id_field(self._out_kind)
         self._in_id = id_field(self._in_kind)
         self._values = record_values(self._out_kind)
-        self._names = [f.name for f in fields_for(self._in_kind)]
-        self._other_names = [n for n in self._names if n != self._in_id]
+        self._row = {self._out_id: 0, **self._values}  # send copies it: one dict reused
+        self._names = tuple(f.name for f in fields_for(self._in_kind))
+        self._other_names = tuple(n for n in self._names if n != self._in_id)
         self._timeout = timeout
         self._echo_rows = not kind.tensor
+        self._put = getattr(self._out, "send", self._put_in_steps)
+
+    def _put_in_steps(self, fields: dict[str, Any] | tuple[Any, ...], **how: Any) -> None:
+        """table.send for a checkout from before it (`bench.py ab --base` of an older one)."""
+        if isinstance(fields, tuple):
+            fields = dict(zip((f.name for f in fields_for(self._out_kind)), fields, strict=True))
+        ws = self._out.claim(**how)
+        ws.write(**fields)
+        ws.publish()
 
     def send(self, rid: int) -> None:
-        ws = self._out.claim(tag=1, timeout=STALL_S)
-        ws.write(**{self._out_id: rid}, **self._values)
-        ws.publish()
+        self._row[self._out_id] = rid
+        self._put(self._row, tag=1, timeout=STALL_S)
 
     def recv(self) -> int:
         lease = self._take()
@@ -181,13 +190,11 @@ class ShmEnd:
             lease.release()
             self.send(rid)
             return rid
-        views = {name: lease.view(name) for name in self._names}
+        views = lease.views(self._names)  # the schema's order: the reply's row by position
         rid = int(lease.item(self._in_id))
-        ws = self._out.claim(tag=1, timeout=STALL_S)
-        ws.write(**views)  # copies the request row into the reply row
+        self._put(views, tag=1, timeout=STALL_S)  # the request row copied into the reply
         del views
         lease.release()
-        ws.publish()
         return rid
 
     def _take(self) -> Lease:
@@ -205,8 +212,7 @@ class ShmEnd:
         if self._in_kind.tensor:
             touch(lease.tensor("x"))
         else:
-            for name in self._other_names:
-                lease.view(name)
+            lease.views(self._other_names)
         return int(lease.item(self._in_id))
 
     def close(self) -> None:
@@ -244,8 +250,14 @@ def open_loan(names: tuple[str, str], kind: Kind, role: str) -> End:
 
 
 class CopyingEnd(ShmEnd):
-    """Code as a user first writes it: blocking take(timeout), an owned `lease.copy()` of
-    every field (what outlives the lease), and `write()` of those tensors for the reply."""
+    """Code as a user first writes it: claim, write() and publish() a step each, blocking
+    take(timeout), an owned `lease.copy()` of every field (what outlives the lease), and
+    `write()` of those tensors for the reply."""
+
+    def send(self, rid: int) -> None:
+        ws = self._out.claim(tag=1, timeout=STALL_S)
+        ws.write(**{self._out_id: rid}, **self._values)
+        ws.publish()
 
     def recv(self) -> int:
         lease = self._take()

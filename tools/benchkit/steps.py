@@ -82,37 +82,30 @@ def busy_round_trip(rounds: int, kind: Kind) -> Steps:
     """benchkit/shm.py's ShmEnd's send, echo and recv, one step at a time."""
     values, s = record_values(kind), Steps()
     rid_name = id_field(kind)
-    names = [rid_name, *values]
-    n, rest = len(names), len(names) - 1
+    names = (rid_name, *values)
+    rest = names[1:]
+    row = {rid_name: 0, **values}
     with two_tables(kind) as (req, resp):
         for rid in range(rounds):
             s.start()
-            ws = req.claim(tag=1)
-            s.mark("A claim")
-            ws.write(**{rid_name: rid}, **values)
-            s.mark(f"A write (int + {rest} tensors)")
-            ws.publish()
-            s.mark("A publish")
+            row[rid_name] = rid
+            req.send(row, tag=1)
+            s.mark(f"A send (int + {len(rest)} tensors)")
             lease = taken(req)
             s.mark("B take")
-            views = {name: lease.view(name) for name in names}
-            s.mark(f"B {n} views")
+            views = lease.views(names)
+            s.mark(f"B views ({len(names)})")
             lease.item(rid_name)
             s.mark("B item")
-            reply = resp.claim(tag=1)
-            s.mark("B claim")
-            reply.write(**views)
-            s.mark(f"B write ({n} views)")
+            resp.send(views, tag=1)
+            s.mark(f"B send ({len(names)} views)")
             del views
             lease.release()
-            s.mark(f"B release ({n} views checked)")
-            reply.publish()
-            s.mark("B publish")
+            s.mark(f"B release ({len(names)} views checked)")
             back = taken(resp)
             s.mark("A take")
-            for name in values:
-                back.view(name)
-            s.mark(f"A {rest} views")
+            back.views(rest)
+            s.mark(f"A views ({len(rest)})")
             back.item(rid_name)
             s.mark("A item")
             back.release()
