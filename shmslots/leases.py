@@ -281,11 +281,15 @@ class WriteSlot(_Handle, WriteSlotCore):
 
     __slots__ = ()
 
-    def _write_slow(self, fields: dict[str, Any]) -> WriteSlot:
-        """write() for values that are not the plain case, and every error of it."""
+    def _write_slow(
+        self, fields: dict[str, Any], plan: list[tuple[str, Any]] | None = None
+    ) -> WriteSlot:
+        """write() for values that are not the plain case, and every error of it; `plan`:
+        rows.prepare(fields) made already (table.send checks a row before it claims)."""
         self._check_open("write")
         rows = self._parts.rows
-        plan = rows.prepare(fields)
+        if plan is None:
+            plan = rows.prepare(fields)
         if rows.schema.has_refs:
             refs = [i for i, (n, _) in enumerate(plan) if rows.schema.slots[n].field.is_ref]
             plan = self._pin_refs(plan, refs)

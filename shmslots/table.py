@@ -447,15 +447,17 @@ class SlotTable:
     def send(
         self, fields: Mapping[str, Any] | tuple[Any, ...], /, tag: int = 0, timeout: float = 1.0
     ) -> None:
-        """Claim, write and publish a row as one step (iceoryx2's send_copy): one compiled
-        call that no exception can split, with no write slot made.  `fields` is every field
-        by name, or a tuple of their values in schema order (as `lease.views(names)` gives
-        a row to pass on).  Refused input hands the slot back with nothing queued; waits (no
-        slot free, a full ready queue) are claim's and publish's, each up to `timeout` s."""
+        """Claim, write and publish a row (iceoryx2's send_copy), the row checked whole before
+        a slot is claimed: refused input changes nothing.  `fields` is every field by name,
+        or a tuple of their values in schema order (as `lease.views(names)` gives a row to
+        pass on).  Plain tensors and numbers on a table without ref fields go in one
+        compiled call that no exception can split; anything else through claim, write and
+        publish, the slot aborted if one fails.  Waits (no slot free, a full ready queue)
+        are claim's and publish's, each up to `timeout` s."""
         if self._sites is None and self._core.send(self, fields, tag):
             return
         names = self.schema.slots
-        if type(fields) is tuple:
+        if isinstance(fields, tuple):
             if len(fields) != len(names):
                 raise SchemaError(
                     f"send takes {len(names)} values in schema order, got {len(fields)}"
@@ -465,11 +467,14 @@ class SlotTable:
             raise InvalidArgument(
                 f"send takes a mapping or a tuple of field values, got {fields!r}"
             )
+        else:
+            fields = dict(fields)
         missing = names.keys() - fields.keys()
-        if missing:  # refused before a slot is claimed or a byte written
+        if missing:
             raise SchemaError(f"send writes a whole row; fields {sorted(missing)} are missing")
+        plan = self._rows.prepare(fields)  # every value checked before a slot is claimed
         with self.claim(tag, timeout) as ws:  # the same steps, each with its waits and errors
-            ws.write(**fields)
+            ws._write_slow(fields, plan)
             ws.publish(timeout)
 
     def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -88,21 +89,96 @@ def _bad_rows() -> list[tuple[str, Any, type[ShmSlotsError]]]:
     ]
 
 
+def _everything(t: SlotTable) -> tuple[object, ...]:
+    """What a refused send must leave as it was: every row's bytes, every slot's word (its
+    state and generation), the queue, and the counters of claims, aborts and publishes."""
+    stats = t.stats()
+    words = [t._own.word(slot) for slot in range(t.slots)]
+    return [row_bytes(t, slot) for slot in range(t.slots)], words, stats.queued, stats.counters
+
+
 @pytest.mark.parametrize(("why", "fields", "error"), _bad_rows(), ids=[b[0] for b in _bad_rows()])
 def test_bad_input_is_refused_with_nothing_changed(
     name: str, why: str, fields: Any, error: type[ShmSlotsError]
 ) -> None:
     with SlotTable.create(name, SMALL, slots=2) as t:
         t.send(small_row(5))  # a row queued before: still the only one after
-        before = [row_bytes(t, slot) for slot in range(2)], t.stats().states
+        before = _everything(t)
         with pytest.raises(error):
             t.send(fields)
-        assert ([row_bytes(t, slot) for slot in range(2)], t.stats().states) == before
+        assert _everything(t) == before  # not even a slot claimed and aborted
         assert t.check_consistency() == []
         assert _read(t)[1] == 5 and t.take() is None
         t.send(small_row(6))  # both slots claimable: the refused send handed its slot back
         t.send(small_row(7))
         assert [_read(t)[1], _read(t)[1]] == [6, 7]
+
+
+def test_bad_input_into_a_full_table_is_refused_at_once(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        t.send(small_row(1))
+        before = _everything(t)
+        started = time.monotonic()
+        with pytest.raises(SchemaError):  # not SlotsExhausted after the timeout
+            t.send(small_row(2) | {"p": torch.ones(4, dtype=torch.float64)}, timeout=5)
+        assert time.monotonic() - started < 2 and _everything(t) == before
+        assert _read(t)[1] == 1
+
+
+class Row(NamedTuple):
+    id: int
+    p: torch.Tensor
+    h: torch.Tensor
+
+
+def test_values_that_are_not_the_plain_case_take_one_claim(name: str) -> None:
+    """Strided tensors (a slice, an expanded scalar), a namedtuple: each is copied plain,
+    then sent with one claim and one publish, as claim, write and publish would do it."""
+    with SlotTable.create(name, SMALL, slots=2) as t:
+        rows: list[Any] = [
+            small_row(1) | {"p": torch.full((8,), 1.0)[::2]},
+            Row(2, torch.tensor(2.0).expand(4), small_row(2)["h"]),
+        ]
+        for i, row in enumerate(rows, 1):
+            counters = t.stats().counters
+            t.send(row, tag=i)
+            after = t.stats().counters
+            assert [after[k] - counters[k] for k in ("claims", "aborts", "publishes")] == [1, 0, 1]
+            assert _read(t) == (i, i, [float(i)] * 4, [float(i)] * 16)
+
+
+def _close_when(go: threading.Event, table: SlotTable) -> None:
+    go.wait()
+    table.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_table_closed_by_another_thread_during_a_big_copy_raises_table_closed(
+    name: str,
+) -> None:
+    """A copy of 1 MiB or more lets other threads run; one that closes the table then makes
+    the send fail as a closed table does, never with the hot path's own ValueError."""
+    schema = (Field("id", "int64"), Field("x", "float32", (4 << 20,)))
+    x = torch.ones(4 << 20)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # the closer runs only when the copy lets the GIL go
+    try:
+        for attempt in range(4):
+            t = SlotTable.create(f"{name}-{attempt}", schema, slots=1)
+            go = threading.Event()
+            closer = threading.Thread(target=_close_when, args=(go, t))
+            closer.start()
+            go.set()  # the closer wakes, then waits for the GIL: the copy lets it go
+            try:
+                t.send({"id": 1, "x": x})
+            except TableClosed:
+                pass  # closed in the copy, or before the send began
+            finally:
+                closer.join(30)
+                t.close()
+                t.unlink()
+    finally:
+        sys.setswitchinterval(switch)
 
 
 @pytest.mark.parametrize("tag", [-1, 1 << 64, "7", None])

@@ -146,6 +146,14 @@ extern PyTypeObject RowCodecType;
 /* `fields`: a dict of name -> value, or a tuple of every field's value in schema order.
  * 1 every field given written, 0 not the plain case (nothing written), -1 error set. */
 int codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields);
+/* The slot for a write whose values have all passed their checks: 1 (*slot set), 0 none to
+ * be had, -1 (or a STEP_ code below 0) error set. */
+typedef int (*SlotPick)(void *ctx, Py_ssize_t *slot);
+/* codec_write into the slot `pick` gives, asked for only once every value has passed, so a
+ * value refused or not the plain case takes no slot: 1 written into *slot, 0 not the plain
+ * case or no slot to be had (*slot -1), -1 error set (*slot the slot picked, or -1). */
+int codec_write_picked(RowCodec *r, PyObject *fields, SlotPick pick, void *ctx,
+                       Py_ssize_t *slot);
 /* 0 sealed, -1 error set. */
 int codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t gen);
 /* The value (new reference), Py_None (new reference: not the plain case), or NULL. */

@@ -1418,17 +1418,30 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return acquire_one(c, args[0], E_CLAIM, number);
 }
 
+/* send's pick (codec_write_picked): a FREE slot claimed for `tag`, its generation kept. */
+typedef struct {
+    HotPath *hot;
+    uint64_t tag, gen;
+} Claim;
+
+static int
+claim_slot(void *ctx, Py_ssize_t *slot)
+{
+    Claim *claim = ctx;
+    return hot_acquire(claim->hot, E_CLAIM, claim->tag, slot, &claim->gen);
+}
+
 /* send(table, fields, tag) -> True | None: claim, write and publish a row in one call that
- * runs no Python, so no exception can split it: a FREE slot acquired, `fields` (a dict of
- * every field, or a tuple of their values in schema order) copied into its row, the row
- * sealed in the one sealing order (seal_writing) and published, with no write slot made.  A
- * value refused (wrong dtype, shape, a storage smaller than it claims) raises codec_write's
- * error with the slot handed back, nothing queued.  None, with nothing changed, where the
- * compiled case does not apply (ref fields, not exactly the schema's number of fields, a
- * value that is not the plain case, a tag that is not a plain int, no slot FREE, a full
- * ready queue, the slot reaped meanwhile): the table's send then claims, writes and
- * publishes, with their waits and their errors.  Killed between the steps, the slot is a
- * dead writer's WRITING one, which a reaper frees. */
+ * runs no Python, so no exception can split it, and no write slot is made.  `fields` (a dict
+ * of every field, or a tuple of their values in schema order) is checked whole first; only
+ * then is a FREE slot claimed, the row copied into it, sealed in the one sealing order
+ * (seal_writing) and published.  None, with nothing changed (no slot claimed), where the
+ * compiled case does not apply: ref fields, not exactly the schema's number of fields, a
+ * value that is not the plain case or is refused (the slow path words why), a tag that is
+ * not a plain int, no slot FREE.  None too, the slot handed back, for a full ready queue or
+ * a slot reaped meanwhile.  The table's send then claims, writes and publishes, with their
+ * waits and their errors.  Killed between the steps, the slot is a dead writer's WRITING
+ * one, which a reaper frees. */
 static PyObject *
 core_send(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1442,33 +1455,31 @@ core_send(Core *c, PyObject *const *args, Py_ssize_t nargs)
                                                     : -1;
     if (!usable_core(c) || !c->plain_claim || given != c->nfields || !PyLong_CheckExact(tag))
         Py_RETURN_NONE;
-    uint64_t number;
-    if (!tag_arg(tag, &number)) { /* negative or over 64 bits: claim words the error */
+    Claim claim = {c->hot, 0, 0};
+    if (!tag_arg(tag, &claim.tag)) { /* negative or over 64 bits: claim words the error */
         PyErr_Clear();
         Py_RETURN_NONE;
     }
     Py_ssize_t slot;
-    uint64_t gen;
-    int gc_was = hold_collection(); /* from the acquire to the publish: no Python between */
-    int got = hot_acquire(c->hot, E_CLAIM, number, &slot, &gen);
-    if (got <= 0) {
-        collection_back(gc_was);
-        return got < 0 ? NULL : Py_NewRef(Py_None);
-    }
+    int gc_was = hold_collection(); /* from the claim to the publish: no Python between */
     /* every field written: a dict's keys are distinct, each one the codec knows */
-    int written = codec_write(c->codec, slot, fields);
-    int sealed = written == 1 ? seal_writing(c, slot, gen) : written;
+    int written = codec_write_picked(c->codec, fields, claim_slot, &claim, &slot);
+    if (written == 1 && !usable_core(c)) { /* closed by a thread a big copy let run */
+        table_closed();
+        written = -1;
+    }
+    int sealed = written == 1 ? seal_writing(c, slot, claim.gen) : written;
     int code, give_back;
     if (sealed == 1) {
         kill_point(KILL_PUBLISH_SEALED);
-        code = hot_publish(c->hot, slot, gen);
+        code = hot_publish(c->hot, slot, claim.gen);
         give_back = code == STEP_ERROR || code == STEP_QUEUE_FULL;
-    } else { /* unwritten (not the plain case, or refused), or sealed 0: reaped meanwhile */
+    } else { /* not written (no slot, or an error after the claim), or reaped meanwhile */
         code = sealed < 0 ? STEP_ERROR : STEP_REFUSED;
-        give_back = written != 1 || sealed < 0;
+        give_back = slot >= 0 && (written != 1 || sealed < 0);
     }
     if (give_back)
-        undo(c, args[0], slot, gen, S_WRITING, E_ABORT);
+        undo(c, args[0], slot, claim.gen, S_WRITING, E_ABORT);
     collection_back(gc_was);
     if (code == STEP_DONE)
         Py_RETURN_TRUE;

@@ -598,10 +598,9 @@ plain_number(Spec *s, PyObject *v, Copy *c)
 }
 
 int
-codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
+codec_write_picked(RowCodec *r, PyObject *fields, SlotPick pick, void *ctx, Py_ssize_t *slot)
 {
-    if (!slot_in_range(r, slot))
-        return -1;
+    *slot = -1;
     int by_position = PyTuple_CheckExact(fields); /* every field's value, in schema order */
     Py_ssize_t n = by_position ? PyTuple_GET_SIZE(fields) : PyDict_GET_SIZE(fields);
     if (n > MAX_FIELDS || (by_position && n != r->nfields))
@@ -631,7 +630,6 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
     for (Py_ssize_t j = 0; j < k; j++) {
         Spec *s = spec[j];
         Copy *c = &copies[j];
-        c->dst = item_at(r, s, slot);
         c->nbytes = s->nbytes;
         total += s->nbytes;
         PyObject *v = held[j];
@@ -658,6 +656,18 @@ codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
         result = -1;
         goto done;
     }
+    int got = pick(ctx, slot); /* every value passed: only now is a slot asked for */
+    if (got != 1) {
+        *slot = -1;
+        result = got < 0 ? -1 : 0;
+        goto done;
+    }
+    if (!slot_in_range(r, *slot)) {
+        result = -1;
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++)
+        copies[j].dst = item_at(r, spec[j], *slot);
     CopyWindow w;
     if (copy_start(r->buf.obj, total, tensors, k, &w) < 0) {
         result = -1;
@@ -672,6 +682,22 @@ done:
     for (Py_ssize_t j = 0; j < k; j++)
         Py_DECREF(held[j]);
     return result;
+}
+
+/* codec_write's pick: the slot it was given. */
+static int
+given_slot(void *ctx, Py_ssize_t *slot)
+{
+    *slot = *(const Py_ssize_t *)ctx;
+    return 1;
+}
+
+int
+codec_write(RowCodec *r, Py_ssize_t slot, PyObject *fields)
+{
+    Py_ssize_t written_to;
+    return slot_in_range(r, slot) ? codec_write_picked(r, fields, given_slot, &slot, &written_to)
+                                  : -1;
 }
 
 static PyObject *

@@ -3,7 +3,9 @@
     python tools/bench.py ab --base PATH [--rounds 5]
 
 PATH is another checkout of shmslots with its extensions built in place
-(`git worktree add PATH REV && cd PATH && python setup.py build_ext --inplace`).
+(`git worktree add PATH REV && cd PATH && python setup.py build_ext --inplace`), of
+61ad8fc or later (the round trip reads through `Lease.views`; a checkout from before
+`table.send` writes by claim, write and publish).
 Each round runs, for each checkout in turn, in a fresh interpreter that imports
 that checkout first: the one-process cycle (claim -> write -> publish -> take ->
 read -> release of the small row), claim+abort, and the busy small round trip

@@ -165,13 +165,15 @@ class ShmEnd:
         self._echo_rows = not kind.tensor
         self._put = getattr(self._out, "send", self._put_in_steps)
 
-    def _put_in_steps(self, fields: dict[str, Any] | tuple[Any, ...], **how: Any) -> None:
+    def _put_in_steps(
+        self, fields: dict[str, Any] | tuple[Any, ...], tag: int, timeout: float
+    ) -> None:
         """table.send for a checkout from before it (`bench.py ab --base` of an older one)."""
         if isinstance(fields, tuple):
             fields = dict(zip((f.name for f in fields_for(self._out_kind)), fields, strict=True))
-        ws = self._out.claim(**how)
-        ws.write(**fields)
-        ws.publish()
+        with self._out.claim(tag=tag, timeout=timeout) as ws:
+            ws.write(**fields)
+            ws.publish(timeout)
 
     def send(self, rid: int) -> None:
         self._row[self._out_id] = rid
