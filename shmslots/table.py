@@ -447,17 +447,21 @@ class SlotTable:
     def send(
         self, fields: Mapping[str, Any] | tuple[Any, ...], /, tag: int = 0, timeout: float = 1.0
     ) -> None:
-        """Claim, write and publish a row (iceoryx2's send_copy), the row checked whole before
-        a slot is claimed: refused input changes nothing.  `fields` is every field by name,
-        or a tuple of their values in schema order (as `lease.views(names)` gives a row to
-        pass on).  Plain tensors and numbers on a table without ref fields go in one
-        compiled call that no exception can split; anything else through claim, write and
-        publish, the slot aborted if one fails.  Waits (no slot free, a full ready queue)
-        are claim's and publish's, each up to `timeout` s."""
+        """Claim, write and publish a row (iceoryx2's send_copy), every value checked against
+        the schema before a slot is claimed, so refused input changes nothing (a ref field's
+        room in the arena is found after).  `fields` is every field by name (a mapping, or a
+        namedtuple), or a plain tuple of their values in schema order (as
+        `lease.views(names)` gives a row to pass on).  Plain tensors and numbers on a table
+        without ref fields go in one compiled call that no exception can split; anything else
+        through claim, write and publish, the slot aborted if one fails.  Waits (no slot
+        free, a full ready queue) are claim's and publish's, each up to `timeout` s."""
         if self._sites is None and self._core.send(self, fields, tag):
             return
+        self._check_open()
         names = self.schema.slots
-        if isinstance(fields, tuple):
+        if isinstance(fields, tuple) and hasattr(fields, "_fields"):  # a namedtuple: by name
+            fields = dict(zip(fields._fields, fields, strict=True))
+        elif isinstance(fields, tuple):
             if len(fields) != len(names):
                 raise SchemaError(
                     f"send takes {len(names)} values in schema order, got {len(fields)}"

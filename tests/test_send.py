@@ -126,25 +126,43 @@ def test_bad_input_into_a_full_table_is_refused_at_once(name: str) -> None:
 
 
 class Row(NamedTuple):
-    id: int
+    h: torch.Tensor  # not the schema's order: a namedtuple goes by name
     p: torch.Tensor
-    h: torch.Tensor
+    id: int
 
 
 def test_values_that_are_not_the_plain_case_take_one_claim(name: str) -> None:
     """Strided tensors (a slice, an expanded scalar), a namedtuple: each is copied plain,
     then sent with one claim and one publish, as claim, write and publish would do it."""
     with SlotTable.create(name, SMALL, slots=2) as t:
+        h = torch.arange(16, dtype=torch.bfloat16)
         rows: list[Any] = [
-            small_row(1) | {"p": torch.full((8,), 1.0)[::2]},
-            Row(2, torch.tensor(2.0).expand(4), small_row(2)["h"]),
+            {"id": 1, "p": torch.arange(8.0)[::2], "h": h.reshape(8, 2).t()},
+            Row(h=h.reshape(2, 8).flip(1), p=torch.tensor(2.0).expand(4), id=2),
         ]
-        for i, row in enumerate(rows, 1):
+        expected = [
+            (1, 1, [0.0, 2.0, 4.0, 6.0], [*range(0, 16, 2), *range(1, 16, 2)]),
+            (2, 2, [2.0] * 4, [*range(7, -1, -1), *range(15, 7, -1)]),
+        ]
+        for i, (row, want) in enumerate(zip(rows, expected, strict=True), 1):
             counters = t.stats().counters
             t.send(row, tag=i)
             after = t.stats().counters
             assert [after[k] - counters[k] for k in ("claims", "aborts", "publishes")] == [1, 0, 1]
-            assert _read(t) == (i, i, [float(i)] * 4, [float(i)] * 16)
+            assert _read(t) == want
+
+
+class Reordered(NamedTuple):
+    h: torch.Tensor
+    p: torch.Tensor
+    id: int
+
+
+def test_a_namedtuple_is_taken_by_name_whatever_its_order(name: str) -> None:
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        row = small_row(3)
+        t.send(Reordered(h=row["h"], p=row["p"], id=3), tag=1)
+        assert _read(t) == (1, 3, [3.0] * 4, [3.0] * 16)
 
 
 def _close_when(go: threading.Event, table: SlotTable) -> None:
@@ -162,6 +180,7 @@ def test_a_table_closed_by_another_thread_during_a_big_copy_raises_table_closed(
     x = torch.ones(4 << 20)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(5.0)  # the closer runs only when the copy lets the GIL go
+    closed_in_send = 0
     try:
         for attempt in range(4):
             t = SlotTable.create(f"{name}-{attempt}", schema, slots=1)
@@ -172,13 +191,14 @@ def test_a_table_closed_by_another_thread_during_a_big_copy_raises_table_closed(
             try:
                 t.send({"id": 1, "x": x})
             except TableClosed:
-                pass  # closed in the copy, or before the send began
+                closed_in_send += 1  # the closer ran while the copy let it
             finally:
                 closer.join(30)
                 t.close()
                 t.unlink()
     finally:
         sys.setswitchinterval(switch)
+    assert closed_in_send, "the closer never ran inside a send: the race was not tried"
 
 
 @pytest.mark.parametrize("tag", [-1, 1 << 64, "7", None])
@@ -217,6 +237,8 @@ def test_a_closed_table_refuses_send(name: str) -> None:
     t.unlink()
     with pytest.raises(TableClosed):
         t.send(small_row(1))
+    with pytest.raises(TableClosed):  # the table's state first, then the values
+        t.send(small_row(1) | {"p": torch.ones(4, dtype=torch.float64)})
 
 
 def test_a_table_with_a_ref_field_sends_through_the_same_steps(name: str) -> None:

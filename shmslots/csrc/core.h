@@ -84,6 +84,8 @@ enum { STEP_DONE = 0, STEP_REFUSED = -1, STEP_QUEUE_FULL = -2, STEP_ERROR = -3 }
 typedef struct HotPath HotPath;
 extern PyTypeObject HotPathType;
 
+/* Whether this participant may still act (it has not left: its slots are its own). */
+int hot_member(HotPath *h);
 /* 1 acquired (*slot, *gen set), 0 none FREE, STEP_ERROR. */
 int hot_acquire(HotPath *h, int event, uint64_t tag, Py_ssize_t *slot, uint64_t *gen);
 /* 1 opened (*tag set), 0 not reserved at `gen`, STEP_ERROR. */
@@ -217,5 +219,8 @@ int leases_add(PyObject *m);
 
 /* PyModule_AddObjectRef, taking `value`'s reference whatever happens (3.13's PyModule_Add). */
 int add_owned(PyObject *m, const char *name, PyObject *value);
+/* shmslots.errors.TableClosed (a ValueError) set as the error, with `message`; ValueError if
+ * it cannot be had.  Looked up when raised: a closed table is no hot path. */
+void table_closed_error(const char *message);
 
 #endif

@@ -478,13 +478,14 @@ expire_quarantined(HotPath *h, uint64_t now)
 
 /* -- argument checks -------------------------------------------------------------------- */
 
-/* Whether this participant may act through `h`; error set if not. */
+/* Whether this participant may act through `h`; TableClosed set if not: a participant that
+ * has left is a closed table to every call of it, the ones racing its close included. */
 static int
 acting(HotPath *h)
 {
     if (!h->held || h->left) {
-        PyErr_SetString(PyExc_ValueError,
-                        h->left ? "this participant has left the table" : "HotPath is released");
+        table_closed_error(h->left ? "this participant has left the table (it was closed)"
+                                   : "the table is closed (its hot path released)");
         return 0;
     }
     return 1;
@@ -809,6 +810,12 @@ hp_expire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!need(h, nargs, 0, "expire")) return NULL;
     return PyLong_FromLong(expire_quarantined(h, now_ns()));
+}
+
+int
+hot_member(HotPath *h)
+{
+    return h->held && !h->left;
 }
 
 /* Whether the slot is this participant's WRITING one at `gen`: the proof the one sealing

@@ -446,17 +446,10 @@ typedef struct {
 static PyTypeObject CoreType, HandleType, WriteSlotType, LeaseType;
 static int usable_core(Core *c);
 
-/* shmslots.errors.TableClosed (a ValueError), set as the error; ValueError if it cannot be
- * had.  Looked up when raised: a closed table is no hot path. */
 static void
 table_closed(void)
 {
-    PyObject *errors = PyImport_ImportModule("shmslots.errors");
-    PyObject *type = errors ? PyObject_GetAttrString(errors, "TableClosed") : NULL;
-    Py_XDECREF(errors);
-    PyErr_Clear();
-    PyErr_SetString(type ? type : PyExc_ValueError, "the table is closed");
-    Py_XDECREF(type);
+    table_closed_error("the table is closed");
 }
 static void undo(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state, int event);
 
@@ -1307,11 +1300,12 @@ lease_abort(Handle *h, PyObject *unused)
 /* Undo a transition whose handle could not be made, or whose next step failed: hand the slot
  * (in `state`) back through a handle-less step, `event` E_ABORT or E_REDELIVER (a taken lease,
  * unread), keeping the error that got us here; a failure of the step itself is reported as
- * `culprit`'s.  On a table closed meanwhile (by what an allocation ran) its close did it. */
+ * `culprit`'s.  On a table closed meanwhile (by what an allocation ran, or by another thread
+ * while a copy let it run) its close did it. */
 static void
 undo(Core *c, PyObject *culprit, Py_ssize_t slot, uint64_t gen, int state, int event)
 {
-    if (!usable_core(c))
+    if (!usable_core(c) || !hot_member(c->hot)) /* left: its leave handed every slot back */
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);

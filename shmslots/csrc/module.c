@@ -86,6 +86,17 @@ add_kill_points(PyObject *m)
 }
 #endif
 
+void
+table_closed_error(const char *message)
+{
+    PyObject *errors = PyImport_ImportModule("shmslots.errors");
+    PyObject *type = errors ? PyObject_GetAttrString(errors, "TableClosed") : NULL;
+    Py_XDECREF(errors);
+    PyErr_Clear();
+    PyErr_SetString(type ? type : PyExc_ValueError, message);
+    Py_XDECREF(type);
+}
+
 int
 add_owned(PyObject *m, const char *name, PyObject *value)
 {
