@@ -478,12 +478,18 @@ expire_quarantined(HotPath *h, uint64_t now)
 
 /* -- argument checks -------------------------------------------------------------------- */
 
+int
+hot_member(HotPath *h)
+{
+    return h->held && !h->left;
+}
+
 /* Whether this participant may act through `h`; TableClosed set if not: a participant that
  * has left is a closed table to every call of it, the ones racing its close included. */
 static int
 acting(HotPath *h)
 {
-    if (!h->held || h->left) {
+    if (!hot_member(h)) {
         table_closed_error(h->left ? "this participant has left the table (it was closed)"
                                    : "the table is closed (its hot path released)");
         return 0;
@@ -810,12 +816,6 @@ hp_expire(HotPath *h, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!need(h, nargs, 0, "expire")) return NULL;
     return PyLong_FromLong(expire_quarantined(h, now_ns()));
-}
-
-int
-hot_member(HotPath *h)
-{
-    return h->held && !h->left;
 }
 
 /* Whether the slot is this participant's WRITING one at `gen`: the proof the one sealing
