@@ -185,9 +185,7 @@ def _kv_args(
         args.state_data_ptrs = [[t.data_ptr() for t in state]]
         args.state_data_lens = [[t.numel() for t in state]]
         tp = shape.tp(mode)  # Mamba's dims tell SGLang how to split its rows between TP sizes
-        args.state_dim_per_tensor = (
-            [[d // tp for d in MAMBA_DIMS]] if shape.state == "mamba" else []
-        )
+        args.state_dim_per_tensor = [_mamba_dims(tp)] if shape.state == "mamba" else []
         args.state_types = [StateType(shape.state)]
         args.state_item_lens = [list(_state_item_lens(shape, tp))]
         # Mamba's tensors and DSA's layers are paired by id; SWA's K and V by position
@@ -252,13 +250,18 @@ def _pool(n: int, shape: Shape) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=shape.device)
 
 
+def _mamba_dims(tp: int) -> list[int]:
+    """A rank's share of each Mamba state tensor's TP-split dimension, at attention TP `tp`."""
+    return [d // tp for d in MAMBA_DIMS]
+
+
 def _state_item_lens(shape: Shape, tp: int = 1) -> tuple[int, ...]:
     """Bytes of one index's item in each tensor of the state group, on a rank of attention
     TP `tp`: Mamba's conv and temporal rows (their dims split between ranks), SWA's K and V
     pages of its layers (their heads split, as the KV's), DSA's indexer-key page of each
     layer (fp8 keys and a float32 scale per token, DeepSeek-V3.2's 128 + 4 bytes)."""
     if shape.state == "mamba":
-        return tuple(d // tp * MAMBA_DIM_BYTES for d in MAMBA_DIMS)
+        return tuple(d * MAMBA_DIM_BYTES for d in _mamba_dims(tp))
     if shape.state == "swa":
         return (shape.item_len // tp,) * (2 * SWA_LAYERS)
     if shape.state == "dsa":
