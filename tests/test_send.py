@@ -182,7 +182,9 @@ def test_a_table_closed_by_another_thread_during_a_big_copy_raises_table_closed(
     sys.setswitchinterval(5.0)  # the closer runs only when the copy lets the GIL go
     closed_in_send = 0
     try:
-        for attempt in range(4):
+        for attempt in range(20):  # until the closer has run inside one send
+            if closed_in_send:
+                break
             t = SlotTable.create(f"{name}-{attempt}", schema, slots=1)
             go = threading.Event()
             closer = threading.Thread(target=_close_when, args=(go, t))
