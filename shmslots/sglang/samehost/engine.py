@@ -208,7 +208,8 @@ class SameHostEngine:
             reg.refresh()
         planned = plan(self._own, reg.table, reg.name, sources, targets, lengths)
         try:
-            self._run(self._jobs(peer, planned))
+            parts = COPY_THREADS if int(planned.n.sum()) >= PARALLEL_BYTES else 1
+            self._run(self._jobs(peer, planned, parts), parallel=parts > 1)
         except (OSError, cuda_kv.DeviceError) as exc:
             alive = _still_alive(reg)
             self._drop(session, peer)
@@ -219,40 +220,51 @@ class SameHostEngine:
             raise PeerGone(f"the peer of session {session!r} died during the transfer")
 
     @staticmethod
-    def _jobs(peer: Peer, plan: Plan) -> list[Callable[[], None]]:
+    def _jobs(peer: Peer, plan: Plan, parts: int) -> list[Callable[[], None]]:
         """The plan's copies as jobs: host blocks into the peer's mapped files by memmove
-        and into its anonymous memory by process_vm_writev, split over the copy threads;
+        and into its anonymous memory by process_vm_writev, each split into up to `parts`;
         GPU blocks one job per source GPU, on a stream of it (cuda_kv)."""
         regions = plan.regions
         jobs: list[Callable[[], None]] = []
         for route, gpu in enumerate(plan.routes):
-            mine = plan.route == route
-            src, dst, n, held = plan.src[mine], plan.dst[mine], plan.n[mine], plan.region[mine]
-            used = np.unique(held)
+            src, dst, n, held = plan.src, plan.dst, plan.n, plan.region
+            if len(plan.routes) > 1:
+                mine = plan.route == route
+                src, dst, n, held = src[mine], dst[mine], n[mine], held[mine]
+            used = set(held.tolist())
             delta = np.zeros(len(regions), dtype=np.int64)  # target address - region's base
             if gpu is not None:
-                for i in used.tolist():
+                for i in used:
                     delta[i] = peer.device_mapping(regions[i], gpu) - regions[i].base
                 drv = cuda_kv.driver()
                 assert drv is not None  # device_mapping opened the targets through it
                 jobs.append(functools.partial(drv.copy, gpu, src, dst + delta[held], n))
                 continue
             files = np.zeros(len(regions), dtype=bool)
-            for i in used.tolist():
+            for i in used:
                 at = peer.mapping(regions[i]) if regions[i].mapped else None
                 if at:
                     files[i], delta[i] = True, at - regions[i].base
             into = files[held]
             target = dst + delta[held]
-            copies = _triples(src[into], target[into], n[into])
-            writes = _triples(src[~into], dst[~into], n[~into])
-            jobs += [functools.partial(_copy, part) for part in _split(copies, COPY_THREADS)]
-            jobs += [functools.partial(peer.write, part) for part in _split(writes, COPY_THREADS)]
+            if into.all():  # all into mapped files (SGLang's pools, moved onto memfds)
+                copies, writes = _triples(src, target, n), []
+            else:
+                copies = _triples(src[into], target[into], n[into])
+                writes = _triples(src[~into], dst[~into], n[~into])
+            jobs += [functools.partial(_copy, part) for part in _split(copies, parts)]
+            jobs += [functools.partial(peer.write, part) for part in _split(writes, parts)]
         return jobs
 
-    def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run `jobs`, all but the first on the engine's copy threads, and return (or raise
-        the first failure) only once every one has ended: no write may land after."""
+    def _run(self, jobs: Sequence[Callable[[], None]], parallel: bool = True) -> None:
+        """Run `jobs`, all but the first on the engine's copy threads (or, not `parallel`,
+        all on this one: a copy thread's wake-up costs more than a small call's copies),
+        and return (or raise the first failure) only once every one has ended: no write may
+        land after."""
+        if not parallel:
+            for job in jobs:
+                job()
+            return
         futures: list[Future[None]] = []
         failure: BaseException | None = None
         try:
@@ -470,10 +482,10 @@ def _triples(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[int,
 
 def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
     """`blocks` cut into up to `parts` runs of about equal bytes (cut at 4 KiB multiples),
-    in order; [] for none, and one run for a call too small to be worth threads."""
-    total = sum(n for _, _, n in blocks)
-    if not blocks or parts < 2 or total < PARALLEL_BYTES:
+    in order; [] for none."""
+    if not blocks or parts < 2:
         return [blocks] if blocks else []
+    total = sum(n for _, _, n in blocks)
     share = -(-total // parts // 4096) * 4096  # ceil(total / parts), up to 4 KiB
     runs: list[list[tuple[int, int, int]]] = [[]]
     room = share

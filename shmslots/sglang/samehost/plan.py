@@ -54,22 +54,15 @@ def plan(
         sources, targets, lengths = list(sources), list(targets), list(lengths)
         arrays = [np.full(len(sources), -1, dtype=np.int64)] * 3
     src, dst, n = (a for a in arrays if a is not None)
-    plain = (src >= 0) & (dst >= 0) & (n > 0) & (src < ADDRESS_LIMIT) & (dst < ADDRESS_LIMIT)
-    plain &= n < ADDRESS_LIMIT
-    mine, their = _holder(own, src, n, plain), _holder(theirs, dst, n, plain)
+    # looked up by arrays: lengths and addresses below 2**62, so no sum wraps (a negative
+    # address lies below every region)
+    plain = (n > 0) & (n < ADDRESS_LIMIT) & (src < ADDRESS_LIMIT) & (dst < ADDRESS_LIMIT)
+    mine, their = _holder(own, src, n), _holder(theirs, dst, n)
     whole = plain & (mine >= 0) & (their >= 0)
     routes: list[str | None] = []
-    placed = np.flatnonzero(whole)
-    # all that `_route` reads of a block inside one region on each side: the source's
-    # device, and whether the target is a GPU's (a kind or two per transfer, not a region
-    # pair per layer)
-    kinds = own.device[mine[placed]] * 2 + (theirs.device[their[placed]] >= 0)
-    _, first, which = np.unique(kinds, return_index=True, return_inverse=True)
-    codes = []
-    for k in placed[first].tolist():  # the first block of each kind
-        held, into = own.regions[mine[k]], theirs.regions[their[k]]
-        codes.append(_index(routes, _route([held], [into], int(src[k]), int(dst[k]), int(n[k]))))
-    route = np.array(codes, dtype=np.int64)[which.reshape(-1)]
+    route = _routes(own, theirs, src, dst, n, mine, their, whole, routes)
+    if whole.all():  # SGLang's calls: nothing to place piece by piece, the call's order kept
+        return Plan(src, dst, n, their, route, routes, theirs.regions)
     extra: list[list[int]] = [[], [], [], [], [], []]  # src, dst, n, region, route, block
     for k in np.flatnonzero(~whole & (n != 0)).tolist():
         try:
@@ -113,10 +106,43 @@ def plan(
         np.concatenate([dst[whole], more[1]])[order],
         np.concatenate([n[whole], more[2]])[order],
         np.concatenate([their[whole], more[3]])[order],
-        np.concatenate([route, more[4]])[order],
+        np.concatenate([route[whole], more[4]])[order],
         routes,
         theirs.regions,
     )
+
+
+def _routes(
+    own: RegionTable,
+    theirs: RegionTable,
+    src: np.ndarray,
+    dst: np.ndarray,
+    n: np.ndarray,
+    mine: np.ndarray,
+    their: np.ndarray,
+    whole: np.ndarray,
+    routes: list[str | None],
+) -> np.ndarray:
+    """Per block, its index into `routes` (appended to), for the blocks one region holds on
+    each side (`whole`; any other gets 0, unread).  All that `_route` reads of such a block
+    is the source's device and whether the target is a GPU's: a kind or two per transfer,
+    so `_route` runs once per kind, not once per block."""
+    placed = np.flatnonzero(whole)
+    which = np.zeros(len(src), dtype=np.int64)
+    if not len(placed):
+        return which
+    if own.one_device and theirs.one_device:  # one kind (SGLang's calls): one route
+        first = placed[:1]
+    else:
+        kinds = own.device[mine[placed]] * 2 + (theirs.device[their[placed]] >= 0)
+        _, first_of_kind, inverse = np.unique(kinds, return_index=True, return_inverse=True)
+        first = placed[first_of_kind]
+        which[placed] = inverse.reshape(-1)
+    codes = []
+    for k in first.tolist():  # the first block of each kind
+        held, into = own.regions[mine[k]], theirs.regions[their[k]]
+        codes.append(_index(routes, _route([held], [into], int(src[k]), int(dst[k]), int(n[k]))))
+    return np.array(codes, dtype=np.int64)[which]
 
 
 def _int64(values: Sequence[int]) -> np.ndarray | None:
@@ -155,17 +181,11 @@ def _route(mine: list[Region], theirs: list[Region], src: int, dst: int, n: int)
     return gpus.pop()
 
 
-def _holder(
-    table: RegionTable, address: np.ndarray, n: np.ndarray, plain: np.ndarray
-) -> np.ndarray:
+def _holder(table: RegionTable, address: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Per block, the index in `table` of the one region that holds all its `n` bytes at
-    `address`, or -1 (none does, or the block is not `plain`)."""
-    if not table.regions or not len(address):
-        return np.full(len(address), -1, dtype=np.int64)
+    `address`, or -1 (read only for `plain` blocks: any other may have wrapped)."""
     i = np.searchsorted(table.bases, address, side="right") - 1
-    ends = table.ends[np.maximum(i, 0)]
-    inside = plain & (i >= 0) & (address + np.where(plain, n, 0) <= ends)
-    return np.where(inside, i, -1)
+    return np.where(address + n <= table.ends[i], i, -1)  # i == -1: below every base
 
 
 def _cover(table: RegionTable, address: int, length: int) -> list[tuple[int, int, int]]:

@@ -53,8 +53,10 @@ class RegionTable:
 
     regions: tuple[Region, ...]
     bases: np.ndarray  # int64, for a transfer's blocks at once (searchsorted)
-    ends: np.ndarray  # int64, each capped below 2**63
+    ends: np.ndarray  # int64, each capped below 2**63, then a -1 (so `ends[-1]`, read for
+    # an address below every base, is there in an empty table too)
     device: np.ndarray  # int64: one number per GPU (same GPU, same number), -1 for host
+    one_device: bool  # all host memory, or all one GPU's: a transfer's blocks take one route
 
     @classmethod
     def of(cls, regions: Iterable[Region]) -> RegionTable:
@@ -62,12 +64,12 @@ class RegionTable:
         gpus = {uuid: i for i, uuid in enumerate(sorted({r.device for r in ordered if r.device}))}
         arrays = (
             np.array([r.base for r in ordered], dtype=np.int64),
-            np.array([min(r.end, ADDRESS_END - 1) for r in ordered], dtype=np.int64),
+            np.array([*(min(r.end, ADDRESS_END - 1) for r in ordered), -1], dtype=np.int64),
             np.array([gpus.get(r.device or "", -1) for r in ordered], dtype=np.int64),
         )
         for array in arrays:
             array.setflags(write=False)
-        return cls(ordered, *arrays)
+        return cls(ordered, *arrays, one_device=len({r.device for r in ordered}) <= 1)
 
 
 EMPTY = RegionTable.of([])
