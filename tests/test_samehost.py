@@ -5,6 +5,7 @@ user owns; anything else is refused before a byte moves."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing as mp
@@ -50,9 +51,9 @@ def _victim(conn: Connection) -> None:
     with SameHostEngine(f"{NAME}-victim-{os.getpid()}") as engine:
         engine.batch_register([shown.data_ptr()], [shown.numel()])
         conn.send((engine.get_session_id(), shown.data_ptr(), hidden.data_ptr()))
-        conn.recv()
-        conn.send((shown.tolist(), hidden.tolist()))
-        conn.recv()
+        if conn.recv() == "report":  # else "bye": a test that asked for no report
+            conn.send((shown.tolist(), hidden.tolist()))
+            conn.recv()
 
 
 @contextlib.contextmanager
@@ -512,20 +513,49 @@ def test_memory_pinned_by_another_holder_stays_where_it_is() -> None:
 
 
 def test_a_transfer_returns_only_once_every_copy_thread_has_ended() -> None:
-    """A failing run must not leave the others writing after the call has failed."""
+    """A failing run must not leave the others writing after the call has failed, nor start
+    any job after it."""
+    started: list[int] = []
     ended: list[int] = []
+    one_began = threading.Event()
 
     def fail() -> None:
+        assert one_began.wait(10)
         raise OSError("first run failed")
 
     def slow(i: int) -> None:
+        started.append(i)
+        one_began.set()
         time.sleep(0.2)
         ended.append(i)
 
     with SameHostEngine(f"{NAME}-runs-{os.getpid()}") as engine:
         with pytest.raises(OSError, match="first run failed"):
-            engine._run([fail, lambda: slow(1), lambda: slow(2), lambda: slow(3)])
-        assert sorted(ended) == [1, 2, 3]
+            engine._run([fail, *(functools.partial(slow, i) for i in range(1, 9))])
+        assert 1 in ended and sorted(ended) == sorted(started)
+        assert len(started) < 8  # the copy threads, busy with the first, began no other
+        time.sleep(0.3)
+        assert sorted(ended) == sorted(started)
+
+
+def test_jobs_no_copy_thread_takes_run_on_the_calling_thread() -> None:
+    """Copy threads held by another call's jobs do not hold this call up: it runs its jobs
+    itself."""
+    release = threading.Event()
+    ran_on: list[int] = []
+    with SameHostEngine(f"{NAME}-steal-{os.getpid()}") as engine:
+        engine._run([lambda: None, lambda: None])  # makes the copy threads
+        assert engine._threads is not None
+        blockers = [
+            engine._threads.submit(release.wait, 10) for _ in range(engine_code.COPY_THREADS)
+        ]
+        try:
+            engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
+            assert ran_on == [threading.get_ident()] * 4
+        finally:
+            release.set()
+            for blocker in blockers:
+                blocker.result(10)
 
 
 def _lock_sharer(conn: Connection) -> None:

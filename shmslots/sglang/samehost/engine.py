@@ -257,32 +257,36 @@ class SameHostEngine:
         return jobs
 
     def _run(self, jobs: Sequence[Callable[[], None]], parallel: bool = True) -> None:
-        """Run `jobs`, all but the first on the engine's copy threads (or, not `parallel`,
-        all on this one: a copy thread's wake-up costs more than a small call's copies),
-        and return (or raise the first failure) only once every one has ended: no write may
-        land after."""
-        if not parallel:
+        """Run `jobs`: this thread runs the first, then each that no copy thread has begun
+        (the copy threads are offered all but the first, and are busy at times with other
+        calls' jobs: SGLang transfers on several threads at once); not `parallel`, all on this
+        thread (a copy thread's wake-up costs more than a small call's copies).  Return, or
+        raise the first failure, only once every job begun has ended and no other can begin:
+        no write may land after, and none starts after a failure."""
+        if not parallel or len(jobs) < 2:
             for job in jobs:
                 job()
             return
         futures: list[Future[None]] = []
         failure: BaseException | None = None
         try:
-            if len(jobs) > 1:
-                with self._lock:
-                    if self._threads is None:
-                        self._threads = ThreadPoolExecutor(
-                            max(1, COPY_THREADS - 1), "shmslots-copy"
-                        )
-                    threads = self._threads
-                for job in jobs[1:]:  # each kept as made: close() may refuse the next
-                    futures.append(threads.submit(job))
-            if jobs:
-                jobs[0]()
+            with self._lock:
+                if self._threads is None:
+                    self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
+                threads = self._threads
+            for job in jobs[1:]:  # each kept as made: close() may refuse the next
+                futures.append(threads.submit(job))
+            jobs[0]()
+            for job, future in zip(jobs[1:], futures, strict=False):
+                if future.cancel():  # no copy thread took it: this one runs it
+                    job()
         except BaseException as exc:
             failure = exc
-        wait(futures)
-        for future in futures:
+            for future in futures:
+                future.cancel()
+        begun = [future for future in futures if not future.cancelled()]
+        wait(begun)  # (a cancelled one counts as done only once a copy thread reaches it)
+        for future in begun:
             failure = failure or future.exception()
         if failure is not None:
             raise failure
