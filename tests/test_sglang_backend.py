@@ -521,10 +521,11 @@ def test_decode_sigkilled_mid_transfer_prefill_fails_its_rooms_and_serves_a_new_
 
 @pytest.mark.timeout(240)  # five processes started one after another
 def test_one_decode_rank_of_two_sigkilled_mid_transfer_fails_its_rooms_on_both_sides() -> None:
-    """Decode at attention TP 2, its rank 1 SIGKILLed while the prefill writes both ranks'
-    halves of each room: the prefill's write into the dead rank fails, and so does the
-    room, on the prefill and on the live rank 0 (told so even if its own half landed: SGLang
-    concludes a room only with every rank's), which releases it at the prefill's ACK, not
+    """Decode at attention TP 2, its rank 1 SIGKILLed while the prefill (paused) has rooms
+    whose halves it has yet to write: the prefill's write into the dead rank fails, and so
+    does the room, on the prefill and on the live rank 0 (told so even if its own half
+    landed: SGLang concludes a room only with every rank's), which releases it at the
+    prefill's ACK, not
     SGLang's 30 s timeout; nothing lands in rank 0's released pages after.  Then the decode
     server comes back whole (SGLang's launcher takes it down when a rank dies) and is
     served."""
@@ -533,7 +534,18 @@ def test_one_decode_rank_of_two_sigkilled_mid_transfer_fails_its_rooms_on_both_s
         pair.start_prefill()
         pair.start_decode()
         pair.submit(list(range(1, 2001)), pages=4, window=6)
-        killed = _kill_mid_transfer(pair, "decode", rank=1)
+        # the prefill paused around the kill, so that the rooms whose page indices rank 1
+        # sent before it died are written after (a transfer here takes about a millisecond:
+        # a kill alone may land between them)
+        pair.wait_until(pair.sent, 20)
+        prefill = pair.prefill_procs[0].pid
+        assert prefill is not None
+        os.kill(prefill, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # the decode ranks send their page indices for rooms in flight
+            killed = _kill_mid_transfer(pair, "decode", rank=1)
+        finally:
+            os.kill(prefill, signal.SIGCONT)
         _, sent, refused, sent_at = pair.reply(pair.prefill)
         assert refused == 0
         # sent, then failed: the writes into the dead rank (the rooms never sent failed at

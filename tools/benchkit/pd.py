@@ -17,7 +17,9 @@ Reported per backend and request size (1k and 8k tokens): GB/s of KV moved, requ
 and p99 from the prefill's send to the decode's Success; then, with a prefill SIGKILLed
 mid-transfer, the time from the kill until decode has its pages and slots back (SGLang's
 heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page runs copied
-by one process (`torch` copies of each entry's page runs).  For NIXL the harness enters the
+by one process (`torch` copies of each entry's page runs); beside it, the engine alone: the
+same page runs moved by the same-host engine, as many calls at once as requests in flight,
+with no SGLang manager, harness or decode taking CPU beside it.  For NIXL the harness enters the
 `nixl-cu12` wheel under the `nixl` name SGLang imports, and labels the KV pools "DRAM", as
 SGLang labels a host pool (it says "VRAM" for every other pool, which UCX without CUDA
 refuses at registration).  NIXL's UCX backend asks UCX for peer failure handling by default,
@@ -33,6 +35,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,8 @@ from . import command_parser
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import pd_env
 import sglang_env
+
+from shmslots.sglang import samehost
 
 TOKENS = (1024, 8192)
 
@@ -120,6 +125,48 @@ def _floor(shape: pd_env.Shape, runs: int) -> float:
     return statistics.median(rates)
 
 
+def _engine_alone(shape: pd_env.Shape, callers: int, runs: int) -> float:
+    """GB/s of the same page runs moved by the same-host engine alone, `callers` threads
+    calling at once (as SGLang's transfer queues do, each call a request's pages of every
+    entry): the backend's own rate, with no SGLang manager, harness or decode beside it.
+    Sender and receiver engines share this process; the copy is the same memmove into the
+    receiver's memfd through a mapping of its own."""
+    pages = shape.pages // (callers + 1)
+    n = pages * shape.item_len
+    size = n * callers + (1 << 20)  # the first MiB stays clear of the pool's unshared head
+    src = [torch.ones(size, dtype=torch.uint8) for _ in range(shape.entries)]
+    dst = [torch.zeros(size, dtype=torch.uint8) for _ in range(shape.entries)]
+    tag = f"{samehost.PREFIX}bench-{os.getpid()}"
+    rates = []
+    with (
+        samehost.SameHostEngine(tag + "-d") as decode,
+        samehost.SameHostEngine(tag + "-p", receives=False) as prefill,
+    ):
+        decode.batch_register([t.data_ptr() for t in dst], [size] * len(dst))
+        prefill.batch_register([t.data_ptr() for t in src], [size] * len(src))
+        session = decode.get_session_id()
+        calls = [
+            [(s.data_ptr() + (1 << 20) + c * n, d.data_ptr() + (1 << 20) + c * n, n)
+             for s, d in zip(src, dst, strict=True)]
+            for c in range(callers)
+        ]  # fmt: skip
+
+        def call(blocks: list[tuple[int, int, int]], times: int) -> None:
+            sources, targets, lengths = zip(*blocks, strict=True)
+            for _ in range(times):
+                prefill.transfer(session, sources, targets, lengths)
+
+        for _ in range(runs * 5):
+            threads = [threading.Thread(target=call, args=(c, 4)) for c in calls]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            rates.append(4 * n * shape.entries * callers / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
 def _missing(backend: str) -> str | None:
     """Why SGLang's `backend` manager cannot run here, or None."""
     try:
@@ -151,14 +198,20 @@ def main(argv: list[str]) -> int:
             print(f"{peer}: skipped: {missing}")
     print(
         f"KV: {args.layers} layers x K,V x 8 heads x 128 dim, bf16, page 64; "
-        f"{args.window} requests in flight; {args.runs} runs; median (lowest-highest)"
+        f"{args.window} requests in flight for {TOKENS[0]} tokens, 1 for {TOKENS[1]}; "
+        f"{args.runs} runs; median (lowest-highest)"
     )
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     floors: dict[int, float] = {}
+    alone: dict[int, float] = {}
+    windows = {TOKENS[0]: args.window, TOKENS[1]: 1}
     for tokens in TOKENS:
-        window = args.window if tokens == TOKENS[0] else 1
+        window = windows[tokens]
         requests = args.requests if tokens == TOKENS[0] else max(4, args.requests // 6)
         floors[tokens] = _floor(_shape("shmslots", args.layers, tokens, 1), args.runs)
+        alone[tokens] = _engine_alone(
+            _shape("shmslots", args.layers, tokens, window), window, args.runs
+        )
         for _ in range(args.runs):  # backends alternate within each run
             for backend in backends:
                 shape = _shape(backend, args.layers, tokens, window)
@@ -182,6 +235,11 @@ def main(argv: list[str]) -> int:
                 theirs = statistics.median(r["GB/s"] for r in results[(peer, tokens)])
                 line += f"; {ours / theirs:.1f}x {name} (target >= {target}x)"
         print(line)
+        print(
+            f"{tokens} tokens: the engine alone, {windows[tokens]} "
+            f"call(s) at once: {alone[tokens]:.2f} GB/s, {floors[tokens] / alone[tokens]:.2f}x "
+            "the floor"
+        )
     for backend in backends:
         shape = _shape(backend, args.layers, TOKENS[0], args.window)
         print(
