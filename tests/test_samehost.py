@@ -558,6 +558,61 @@ def test_jobs_no_copy_thread_takes_run_on_the_calling_thread() -> None:
                 blocker.result(10)
 
 
+def test_a_job_failing_on_a_copy_thread_stops_the_call_starting_more() -> None:
+    started: list[float] = []
+    failed_at: list[float] = []
+
+    def first() -> None:
+        time.sleep(0.3)  # while the copy thread's job fails
+
+    def fail() -> None:
+        time.sleep(0.05)
+        failed_at.append(time.monotonic())
+        raise OSError("a copy thread's job failed")
+
+    def other() -> None:
+        started.append(time.monotonic())
+
+    with SameHostEngine(f"{NAME}-cfail-{os.getpid()}") as engine:
+        with pytest.raises(OSError, match="copy thread's job failed"):
+            engine._run([first, fail, *[other] * 8])
+        assert failed_at and all(t < failed_at[0] for t in started)
+
+
+def test_jobs_offered_to_copy_threads_shut_down_by_close_run_on_the_calling_thread() -> None:
+    """close() shuts the copy threads down once it has waited long enough for a transfer
+    begun before it; that transfer's jobs then all run on its own thread."""
+    ran_on: list[int] = []
+    with SameHostEngine(f"{NAME}-shut-{os.getpid()}") as engine:
+        engine._run([lambda: None, lambda: None])  # makes the copy threads
+        assert engine._threads is not None
+        engine._threads.shutdown()
+        engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
+        assert ran_on == [threading.get_ident()] * 4
+
+
+def test_overlapping_targets_of_a_call_big_enough_for_copy_threads_land_in_call_order() -> None:
+    """A call of PARALLEL_BYTES or more is cut over the copy threads unless its targets
+    overlap: then the later block lands last, as in a small call."""
+    size = engine_code.PARALLEL_BYTES * 3 // 4
+    src = torch.cat(
+        [torch.full((size,), 1, dtype=torch.uint8), torch.full((size,), 2, dtype=torch.uint8)]
+    )
+    target = torch.zeros(size, dtype=torch.uint8)
+    with (
+        SameHostEngine(f"{NAME}-ordw-{os.getpid()}") as writer,
+        SameHostEngine(f"{NAME}-ordr-{os.getpid()}") as peer,
+    ):
+        writer.batch_register([src.data_ptr()], [src.numel()])
+        peer.registry.publish([Region(target.data_ptr(), size)])  # written by process_vm_writev
+        session = peer.get_session_id()
+        s, t = src.data_ptr(), target.data_ptr()
+        for _ in range(10):
+            target.zero_()
+            writer.transfer(session, [s, s + size], [t, t], [size, size])
+            assert bool((target == 2).all())
+
+
 def _lock_sharer(conn: Connection) -> None:
     """An engine whose lock's open file is shared with a process that outlives it (a child
     that kept the descriptor): its lock says alive after its death; its threads do not."""
@@ -818,6 +873,7 @@ def test_every_block_is_placed_before_any_is_written_one_region_or_across_two() 
             ([s, "x"], [base, base + 8], [8, 8]),  # not a number
             ([[s, s]], [[base, base + 8]], [[8, 8]]),  # not flat
             (np.array([np.nan, s]), [base, base + 8], np.array([0.0, 8.0])),  # NaN, if empty
+            ([s, s], [base], [8, 8]),  # columns of different lengths
         ]
         for sources, targets, lengths in bad:
             with pytest.raises(TransferError):  # refused in words, not by an accident

@@ -59,6 +59,10 @@ def test_a_host_only_call_is_one_route_and_keeps_its_order() -> None:
         ((1 * MiB, 8 * MiB, -8), "negative length"),
         ((1 * MiB, 8 * MiB, 1 << 63), "run past any address"),
         ((1 << 62, 8 * MiB, 8), "not registered here"),  # past the array lookup's limit
+        # sums that would wrap in int64: each refused in Python ints
+        (((1 << 63) - 4, 8 * MiB, 8), "run past any address"),
+        ((1 * MiB, (1 << 63) - 4, 8), "run past any address"),
+        ((1 * MiB, 8 * MiB, (1 << 63) - 1), "run past any address"),
     ],
 )
 def test_a_block_outside_the_rule_is_refused_whole(block: tuple[int, int, int], why: str) -> None:
@@ -82,3 +86,32 @@ def test_a_block_over_two_adjacent_regions_is_placed_in_pieces() -> None:
     assert got.n.tolist() == [16, 16, 4]
     assert got.src.tolist() == [1 * MiB, 1 * MiB + 16, 1 * MiB]
     assert np.array_equal(got.region, [0, 1, 0])
+
+
+GPU_ONLY = RegionTable.of([Region(64 * MiB, MiB, device=GPU, handle="h")])
+PEER_HOST_ONLY = RegionTable.of([Region(8 * MiB, MiB)])
+
+
+@pytest.mark.parametrize(
+    ("own", "theirs", "first", "crossing"),
+    [
+        (HOST_ONLY, THEIRS, (1 * MiB, 8 * MiB, 8), (1 * MiB, 128 * MiB, 8)),
+        (GPU_ONLY, THEIRS, (64 * MiB, 128 * MiB, 8), (64 * MiB, 8 * MiB, 8)),
+        (OWN, PEER_HOST_ONLY, (1 * MiB, 8 * MiB, 8), (64 * MiB, 8 * MiB, 8)),
+    ],
+)
+def test_a_table_of_one_kind_beside_a_mixed_one_still_routes_every_block(
+    own: RegionTable,
+    theirs: RegionTable,
+    first: tuple[int, int, int],
+    crossing: tuple[int, int, int],
+) -> None:
+    """A good block first, then one crossing between host and GPU memory: refused, whichever
+    side's table holds one kind only."""
+    with pytest.raises(TransferError, match="cross between host and GPU"):
+        _plan(own, theirs, [first, crossing])
+
+
+def test_columns_of_different_lengths_are_refused() -> None:
+    with pytest.raises(TransferError, match="as many"):
+        plan(OWN, THEIRS, "peer", [1 * MiB], [8 * MiB, 8 * MiB + 8], [8, 8])

@@ -295,7 +295,7 @@ class Driver:
         )
         # a batch's copies run in no set order: blocks whose targets overlap go one by one,
         # in order, so the later lands last (SGLang's never overlap)
-        batch = self.batched and not _overlapping(dsts, sizes)
+        batch = self.batched and not overlapping(dsts, sizes)
         queue = self._queue_batch if batch else self._queue_each
         with self.current(dev), self._stream(dev) as stream:
             failure: DeviceError | None = None
@@ -382,8 +382,10 @@ class Driver:
                 self._idle[dev].append(stream)
 
 
-def _overlapping(targets: np.ndarray, lengths: np.ndarray) -> bool:
-    """Whether any two of the blocks at `targets` share a byte."""
+def overlapping(targets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether any two of the blocks at `targets` share a byte (such blocks must land in
+    their call's order, so they are not copied side by side: here, and by the same-host
+    engine's copy threads)."""
     order = np.argsort(targets, kind="stable")
     ends = (targets + lengths)[order]
     return bool(np.any(ends[:-1] > targets[order][1:]))

@@ -184,8 +184,6 @@ class SameHostEngine:
     ) -> None:
         """Write each `lengths[i]` bytes at `sources[i]` (registered here) to `targets[i]`
         (registered by the peer).  Every block is checked before the first is written."""
-        if not len(sources) == len(targets) == len(lengths):
-            raise InvalidArgument("sources, targets and lengths must be as many")
         peer = self._acquire(session)
         try:
             self._transfer(session, peer, sources, targets, lengths)
@@ -207,8 +205,10 @@ class SameHostEngine:
         with peer.lock:
             reg.refresh()
         planned = plan(self._own, reg.table, reg.name, sources, targets, lengths)
+        parts = 1  # overlapping targets land in call order, the later last: not side by side
+        if planned.n.sum() >= PARALLEL_BYTES and not cuda_kv.overlapping(planned.dst, planned.n):
+            parts = COPY_THREADS
         try:
-            parts = COPY_THREADS if int(planned.n.sum()) >= PARALLEL_BYTES else 1
             self._run(self._jobs(peer, planned, parts), parallel=parts > 1)
         except (OSError, cuda_kv.DeviceError) as exc:
             alive = _still_alive(reg)
@@ -260,26 +260,38 @@ class SameHostEngine:
         """Run `jobs`: this thread runs the first, then each that no copy thread has begun
         (the copy threads are offered all but the first, and are busy at times with other
         calls' jobs: SGLang transfers on several threads at once); not `parallel`, all on this
-        thread (a copy thread's wake-up costs more than a small call's copies).  Return, or
-        raise the first failure, only once every job begun has ended and no other can begin:
-        no write may land after, and none starts after a failure."""
+        thread (a copy thread's wake-up costs more than a small call's copies).  Once a job
+        fails no other starts; the call returns, or raises a failure, only once every job
+        begun has ended and no other can begin: no write may land after."""
         if not parallel or len(jobs) < 2:
             for job in jobs:
                 job()
             return
+        failed = threading.Event()
+
+        def guarded(job: Callable[[], None]) -> None:
+            if failed.is_set():
+                return
+            try:
+                job()
+            except BaseException:
+                failed.set()
+                raise
+
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
+            threads = self._threads
         futures: list[Future[None]] = []
+        with contextlib.suppress(RuntimeError):  # close() shut the copy threads: all run here
+            for job in jobs[1:]:
+                futures.append(threads.submit(guarded, job))
         failure: BaseException | None = None
         try:
-            with self._lock:
-                if self._threads is None:
-                    self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
-                threads = self._threads
-            for job in jobs[1:]:  # each kept as made: close() may refuse the next
-                futures.append(threads.submit(job))
-            jobs[0]()
-            for job, future in zip(jobs[1:], futures, strict=False):
-                if future.cancel():  # no copy thread took it: this one runs it
-                    job()
+            guarded(jobs[0])
+            for i, job in enumerate(jobs[1:]):
+                if i >= len(futures) or futures[i].cancel():  # no copy thread took it
+                    guarded(job)
         except BaseException as exc:
             failure = exc
             for future in futures:

@@ -49,6 +49,8 @@ def plan(
     holds on each side (SGLang's, always) are placed by array lookups and routed once per
     kind (source device, target on a GPU or not); any other, across adjacent regions or odd,
     goes through `_cover` alone (the same rule, block by block)."""
+    if not len(sources) == len(targets) == len(lengths):
+        raise TransferError("sources, targets and lengths must be as many")
     arrays = [_int64(a) for a in (sources, targets, lengths)]
     if any(a is None for a in arrays):  # each block is then read as a Python int below
         sources, targets, lengths = list(sources), list(targets), list(lengths)
