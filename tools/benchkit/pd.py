@@ -19,7 +19,8 @@ mid-transfer, the time from the kill until decode has its pages and slots back (
 heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page runs copied
 by one process (`torch` copies of each entry's page runs); beside it, the engine alone: the
 same page runs moved by the same-host engine, as many calls at once as requests in flight,
-with no SGLang manager, harness or decode taking CPU beside it.  For NIXL the harness enters the
+with no SGLang manager, harness or decode taking CPU beside it; and the engine's own cost
+of a call, one 64-byte block at a time.  For NIXL the harness enters the
 `nixl-cu12` wheel under the `nixl` name SGLang imports, and labels the KV pools "DRAM", as
 SGLang labels a host pool (it says "VRAM" for every other pool, which UCX without CUDA
 refuses at registration).  NIXL's UCX backend asks UCX for peer failure handling by default,
@@ -167,6 +168,29 @@ def _engine_alone(shape: pd_env.Shape, callers: int, runs: int) -> float:
     return statistics.median(rates)
 
 
+def _call_us(runs: int) -> float:
+    """Microseconds a transfer call of one 64-byte block takes: the engine's own cost of a
+    call (the peer's liveness, planning, dispatch), apart from its bytes."""
+    src = torch.ones(1 << 20, dtype=torch.uint8)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    tag = f"{samehost.PREFIX}bench-call-{os.getpid()}"
+    times = []
+    with (
+        samehost.SameHostEngine(tag + "-d") as decode,
+        samehost.SameHostEngine(tag + "-p", receives=False) as prefill,
+    ):
+        decode.batch_register([dst.data_ptr()], [dst.numel()])
+        prefill.batch_register([src.data_ptr()], [src.numel()])
+        session = decode.get_session_id()
+        block = ([src.data_ptr() + 65536], [dst.data_ptr() + 65536], [64])  # on the memfd
+        for _ in range(runs * 5):
+            start = time.perf_counter()
+            for _ in range(1000):
+                prefill.transfer(session, *block)
+            times.append((time.perf_counter() - start) * 1e3)  # us a call
+    return statistics.median(times)
+
+
 def _missing(backend: str) -> str | None:
     """Why SGLang's `backend` manager cannot run here, or None."""
     try:
@@ -240,6 +264,7 @@ def main(argv: list[str]) -> int:
             f"call(s) at once: {alone[tokens]:.2f} GB/s, {floors[tokens] / alone[tokens]:.2f}x "
             "the floor"
         )
+    print(f"the engine's own cost of a call (one 64-byte block): {_call_us(args.runs):.1f} us")
     for backend in backends:
         shape = _shape(backend, args.layers, TOKENS[0], args.window)
         print(
