@@ -591,6 +591,25 @@ def test_jobs_offered_to_copy_threads_shut_down_by_close_run_on_the_calling_thre
         assert ran_on == [threading.get_ident()] * 4
 
 
+def test_a_copy_thread_that_cannot_start_fails_the_call_before_any_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only close()'s shutdown sends a call's jobs to its own thread; any other refusal to
+    queue a job (a thread that cannot start) fails the call, with nothing run."""
+    ran: list[int] = []
+    with SameHostEngine(f"{NAME}-nothread-{os.getpid()}") as engine:
+        engine._run([lambda: None, lambda: None])  # makes the copy threads
+        assert engine._threads is not None
+
+        def refuse(*args: object) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(engine._threads, "submit", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            engine._run([lambda: ran.append(0), lambda: ran.append(1)])
+        assert ran == []
+
+
 def test_overlapping_targets_of_a_call_big_enough_for_copy_threads_land_in_call_order() -> None:
     """A call of PARALLEL_BYTES or more is cut over the copy threads unless its targets
     overlap: then the later block lands last, as in a small call."""

@@ -260,9 +260,9 @@ class SameHostEngine:
         """Run `jobs`: this thread runs the first, then each that no copy thread has begun
         (the copy threads are offered all but the first, and are busy at times with other
         calls' jobs: SGLang transfers on several threads at once); not `parallel`, all on this
-        thread (a copy thread's wake-up costs more than a small call's copies).  Once a job
-        fails no other starts; the call returns, or raises a failure, only once every job
-        begun has ended and no other can begin: no write may land after."""
+        thread (a copy thread's wake-up costs more than a small call's copies).  No job
+        begins once a failure is seen; the call returns, or raises a failure, only once
+        every job begun has ended and no other can begin: no write may land after."""
         if not parallel or len(jobs) < 2:
             for job in jobs:
                 job()
@@ -283,21 +283,32 @@ class SameHostEngine:
                 self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
             threads = self._threads
         futures: list[Future[None]] = []
-        with contextlib.suppress(RuntimeError):  # close() shut the copy threads: all run here
-            for job in jobs[1:]:
-                futures.append(threads.submit(guarded, job))
         failure: BaseException | None = None
         try:
+            for job in jobs[1:]:
+                try:
+                    futures.append(threads.submit(guarded, job))
+                except RuntimeError as exc:  # close() shut the copy threads: the rest run here
+                    if not str(exc).startswith("cannot schedule new futures"):
+                        raise
+                    break
             guarded(jobs[0])
             for i, job in enumerate(jobs[1:]):
                 if i >= len(futures) or futures[i].cancel():  # no copy thread took it
                     guarded(job)
         except BaseException as exc:
             failure = exc
+            failed.set()  # a job queued but not offered (a failed submit) stays undone
             for future in futures:
                 future.cancel()
         begun = [future for future in futures if not future.cancelled()]
-        wait(begun)  # (a cancelled one counts as done only once a copy thread reaches it)
+        while True:  # (a cancelled one counts as done only once a copy thread reaches it)
+            try:
+                wait(begun)
+                break
+            except BaseException as exc:  # an interrupt: still no return while one writes
+                failure = failure or exc
+                failed.set()
         for future in begun:
             failure = failure or future.exception()
         if failure is not None:
