@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -538,17 +539,21 @@ def test_a_transfer_returns_only_once_every_copy_thread_has_ended() -> None:
         assert sorted(ended) == sorted(started)
 
 
+def _copy_threads(engine: SameHostEngine) -> ThreadPoolExecutor:
+    """The engine's copy threads, made by a parallel run of two jobs that do nothing."""
+    engine._run([lambda: None, lambda: None])
+    assert engine._threads is not None
+    return engine._threads
+
+
 def test_jobs_no_copy_thread_takes_run_on_the_calling_thread() -> None:
     """Copy threads held by another call's jobs do not hold this call up: it runs its jobs
     itself."""
     release = threading.Event()
     ran_on: list[int] = []
     with SameHostEngine(f"{NAME}-steal-{os.getpid()}") as engine:
-        engine._run([lambda: None, lambda: None])  # makes the copy threads
-        assert engine._threads is not None
-        blockers = [
-            engine._threads.submit(release.wait, 10) for _ in range(engine_code.COPY_THREADS)
-        ]
+        threads = _copy_threads(engine)
+        blockers = [threads.submit(release.wait, 10) for _ in range(engine_code.COPY_THREADS)]
         try:
             engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
             assert ran_on == [threading.get_ident()] * 4
@@ -584,9 +589,7 @@ def test_jobs_offered_to_copy_threads_shut_down_by_close_run_on_the_calling_thre
     begun before it; that transfer's jobs then all run on its own thread."""
     ran_on: list[int] = []
     with SameHostEngine(f"{NAME}-shut-{os.getpid()}") as engine:
-        engine._run([lambda: None, lambda: None])  # makes the copy threads
-        assert engine._threads is not None
-        engine._threads.shutdown()
+        _copy_threads(engine).shutdown()
         engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
         assert ran_on == [threading.get_ident()] * 4
 
@@ -598,13 +601,12 @@ def test_a_copy_thread_that_cannot_start_fails_the_call_before_any_job(
     queue a job (a thread that cannot start) fails the call, with nothing run."""
     ran: list[int] = []
     with SameHostEngine(f"{NAME}-nothread-{os.getpid()}") as engine:
-        engine._run([lambda: None, lambda: None])  # makes the copy threads
-        assert engine._threads is not None
+        threads = _copy_threads(engine)
 
         def refuse(*args: object) -> None:
             raise RuntimeError("can't start new thread")
 
-        monkeypatch.setattr(engine._threads, "submit", refuse)
+        monkeypatch.setattr(threads, "submit", refuse)
         with pytest.raises(RuntimeError, match="can't start new thread"):
             engine._run([lambda: ran.append(0), lambda: ran.append(1)])
         assert ran == []

@@ -32,12 +32,14 @@ lets UCX pick shared memory and CMA (and gives up its detection of a dead peer).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,26 +128,34 @@ def _floor(shape: pd_env.Shape, runs: int) -> float:
     return statistics.median(rates)
 
 
+@contextlib.contextmanager
+def _engine_pair(
+    name: str, sources: list[torch.Tensor], targets: list[torch.Tensor]
+) -> Iterator[tuple[samehost.SameHostEngine, str]]:
+    """A prefill's engine with `sources` registered and the session of a decode's engine
+    with `targets` registered (moved onto its memfds), both in this process: the copy is the
+    same memmove into the decode's memfd through a mapping of the prefill's own."""
+    tag = f"{samehost.PREFIX}bench-{name}-{os.getpid()}"
+    with (
+        samehost.SameHostEngine(tag + "-d") as decode,
+        samehost.SameHostEngine(tag + "-p", receives=False) as prefill,
+    ):
+        decode.batch_register([t.data_ptr() for t in targets], [t.numel() for t in targets])
+        prefill.batch_register([t.data_ptr() for t in sources], [t.numel() for t in sources])
+        yield prefill, decode.get_session_id()
+
+
 def _engine_alone(shape: pd_env.Shape, callers: int, runs: int) -> float:
     """GB/s of the same page runs moved by the same-host engine alone, `callers` threads
     calling at once (as SGLang's transfer queues do, each call a request's pages of every
-    entry): the backend's own rate, with no SGLang manager, harness or decode beside it.
-    Sender and receiver engines share this process; the copy is the same memmove into the
-    receiver's memfd through a mapping of its own."""
+    entry): the backend's own rate, with no SGLang manager, harness or decode beside it."""
     pages = shape.pages // (callers + 1)
     n = pages * shape.item_len
     size = n * callers + (1 << 20)  # the first MiB stays clear of the pool's unshared head
     src = [torch.ones(size, dtype=torch.uint8) for _ in range(shape.entries)]
     dst = [torch.zeros(size, dtype=torch.uint8) for _ in range(shape.entries)]
-    tag = f"{samehost.PREFIX}bench-{os.getpid()}"
     rates = []
-    with (
-        samehost.SameHostEngine(tag + "-d") as decode,
-        samehost.SameHostEngine(tag + "-p", receives=False) as prefill,
-    ):
-        decode.batch_register([t.data_ptr() for t in dst], [size] * len(dst))
-        prefill.batch_register([t.data_ptr() for t in src], [size] * len(src))
-        session = decode.get_session_id()
+    with _engine_pair("alone", src, dst) as (prefill, session):
         calls = [
             [(s.data_ptr() + (1 << 20) + c * n, d.data_ptr() + (1 << 20) + c * n, n)
              for s, d in zip(src, dst, strict=True)]
@@ -173,15 +183,8 @@ def _call_us(runs: int) -> float:
     call (the peer's liveness, planning, dispatch), apart from its bytes."""
     src = torch.ones(1 << 20, dtype=torch.uint8)
     dst = torch.zeros(1 << 20, dtype=torch.uint8)
-    tag = f"{samehost.PREFIX}bench-call-{os.getpid()}"
     times = []
-    with (
-        samehost.SameHostEngine(tag + "-d") as decode,
-        samehost.SameHostEngine(tag + "-p", receives=False) as prefill,
-    ):
-        decode.batch_register([dst.data_ptr()], [dst.numel()])
-        prefill.batch_register([src.data_ptr()], [src.numel()])
-        session = decode.get_session_id()
+    with _engine_pair("call", [src], [dst]) as (prefill, session):
         block = ([src.data_ptr() + 65536], [dst.data_ptr() + 65536], [64])  # on the memfd
         for _ in range(runs * 5):
             start = time.perf_counter()
