@@ -100,12 +100,16 @@ def test_writes_land_only_inside_what_the_peer_registered(victim, writer) -> Non
     engine, src = writer
     assert engine.batch_transfer_sync(session, [src.data_ptr()], [shown + 8], [16]) == 0
     # another buffer of the peer's, an overrun of its region, a source not registered here,
-    # and a good block beside a bad one: each refused whole, nothing written
-    bad = [
+    # and a good block beside a bad one, and lengths that are not integers (16.9 bytes, a
+    # bool, a string): each refused whole, nothing written
+    bad: list[tuple[list[Any], list[Any], list[Any]]] = [
         ([src.data_ptr()], [hidden], [16]),
         ([src.data_ptr()], [shown + 4090], [16]),
         ([src.data_ptr() + 4090], [shown], [16]),
         ([src.data_ptr(), src.data_ptr()], [shown + 100, hidden], [4, 4]),
+        ([src.data_ptr()], [shown + 100], [16.9]),
+        ([src.data_ptr()], [shown + 100], [True]),
+        ([src.data_ptr()], [shown + 100], ["16"]),
     ]
     for sources, targets, lengths in bad:
         assert engine.batch_transfer_sync(session, sources, targets, lengths) == -1
@@ -281,6 +285,67 @@ def test_a_registry_that_is_not_this_users_0600_is_refused(writer) -> None:  # t
             with pytest.raises(TransferError, match="owned by uid 65534"):
                 engine.transfer(other.get_session_id(), [], [], [])
             os.chown(path, 0, 0)
+
+
+def test_bad_registrations_and_an_empty_file_region_are_clear_errors(writer) -> None:  # type: ignore[no-untyped-def]
+    """Registering unequal lists, or on a closed engine, and a peer's region in a file too
+    short to hold it (an empty /dev/shm file here) are this package's errors, nothing
+    registered or written."""
+    engine, src = writer
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    name = f"{NAME}-empty-{os.getpid()}"
+    with SameHostEngine(f"{NAME}-short-{os.getpid()}") as peer:
+        with pytest.raises(TransferError, match="2 addresses and 1 lengths"):
+            peer.batch_register([buf.data_ptr(), buf.data_ptr() + 64], [64])
+        assert peer._own.regions == ()
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            region = Region(1 << 40, 4096, name, os.fstat(fd).st_ino, 0)
+            peer.registry.publish([region])
+            with pytest.raises(TransferError, match="lies past its end"):
+                engine.transfer(peer.get_session_id(), [src.data_ptr()], [1 << 40], [64])
+            assert os.fstat(fd).st_size == 0
+        finally:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name))
+    with pytest.raises(EngineClosed):
+        peer.batch_register([buf.data_ptr()], [64])
+    with pytest.raises(EngineClosed):
+        peer.batch_deregister([0])
+
+
+def _republisher(conn: Connection) -> None:
+    """A peer that rewrites its region list without pause, one region and forty in turn,
+    until told to stop; then says how many times it did."""
+    lists = [[Region(1 << 30, 4096)], [Region((1 << 30) + i * 8192, 4096) for i in range(40)]]
+    with SameHostEngine(f"{NAME}-republish-{os.getpid()}") as engine:
+        conn.send(engine.get_session_id())
+        n = 0
+        while not conn.poll():
+            engine.registry.publish(lists[n % 2])
+            n += 1
+        conn.send(n)
+
+
+def test_a_registry_read_while_its_owner_rewrites_it_is_read_whole() -> None:
+    """A peer rewriting its registry in a loop: every read gives one of the lists it wrote,
+    whole, and none fails (a read that meets a rewrite is read again).  Before, the header's
+    bulk rewrite zeroed the sequence word: reads saw it even and the magic blank, and failed."""
+    from shmslots.sglang.samehost.registry import PeerRegistry, parse_session
+
+    with peer_process(_republisher) as (conn, session, _):
+        reg = PeerRegistry(*parse_session(session))
+        try:
+            sizes: set[int] = set()
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                reg.refresh()
+                sizes.add(len(reg.table.regions))
+        finally:
+            reg.close()
+        conn.send("stop")
+        assert conn.recv() > 100
+    assert {1, 40} <= sizes <= {0, 1, 40}, sizes  # 0: the empty list an engine starts with
 
 
 def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> None:
@@ -475,6 +540,88 @@ def _forging_victim(conn: Connection) -> None:
             conn.recv()
         conn.send(bool(view.any()))
         conn.recv()
+
+
+def _named(pid: int) -> tuple[int, int, int, int]:
+    """A registry's owner identity naming process `pid`."""
+    from shmslots.participants import process_start_ticks
+    from shmslots.sglang.samehost.registry import this_pidns
+
+    return (pid, process_start_ticks(pid), this_pidns(), os.geteuid())
+
+
+def _forger(conn: Connection, pid: int, target: int) -> None:
+    """A peer whose registry names process `pid` as its owner, and `target` in it."""
+    with SameHostEngine(f"{NAME}-forger-{os.getpid()}") as engine:
+        engine.registry._identity = _named(pid)
+        engine.registry.publish([Region(target, 4096)])
+        conn.send(engine.get_session_id())
+        conn.recv()
+
+
+def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
+    victim: Any, writer: Any
+) -> None:
+    """A registry's header is its owner's word: one that names another process (a peer's,
+    or the writer's own) is refused before any write, since that process does not hold the
+    registry's lock; so is one vouched for and then rewritten to name another."""
+    conn, (_, _, hidden), proc = victim
+    engine, src = writer
+    mine = torch.zeros(4096, dtype=torch.uint8)  # the writer's, registered by no engine
+    with SameHostEngine(f"{NAME}-liar-{os.getpid()}") as liar:
+        liar.registry._identity = _named(proc.pid)
+        liar.registry.publish([Region(hidden, 4096)])
+        with pytest.raises(TransferError, match=f"names pid {proc.pid}, which does not hold"):
+            engine.transfer(liar.get_session_id(), [src.data_ptr()], [hidden], [64])
+    with peer_process(_forger, os.getpid(), mine.data_ptr()) as (forger, session, _):
+        with pytest.raises(TransferError, match=f"names pid {os.getpid()}, which does not hold"):
+            engine.transfer(session, [src.data_ptr()], [mine.data_ptr()], [64])
+        forger.send("bye")
+    own = torch.zeros(4096, dtype=torch.uint8)
+    with SameHostEngine(f"{NAME}-turncoat-{os.getpid()}") as turncoat:
+        turncoat.batch_register([own.data_ptr()], [own.numel()])  # truthful: its own memory
+        session = turncoat.get_session_id()
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [own.data_ptr()], [64]) == 0
+        turncoat.registry._identity = _named(proc.pid)
+        turncoat.registry.publish([Region(hidden, 4096)])
+        with pytest.raises(TransferError, match="now names another owner process"):
+            engine.transfer(session, [src.data_ptr()], [hidden], [64])
+    assert not mine.any()
+    conn.send("report")
+    assert not any(conn.recv()[1])  # the victim's unregistered buffer: untouched
+
+
+def test_a_transfer_that_meets_a_deregistration_fails_rather_than_lose_its_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer deregisters a pool (its pages go back to private memory, the memfd is let go)
+    and registers it again between a transfer's plan and its copies: the copies land in the
+    old memfd, which the pool no longer uses, so the call must fail, not report them landed."""
+    pool = np.zeros(1 << 20, dtype=np.uint8)  # page-aligned: moved onto a memfd
+    src = np.full(1 << 16, 7, dtype=np.uint8)
+    with (
+        SameHostEngine(f"{NAME}-rereg-d-{os.getpid()}") as decode,
+        SameHostEngine(f"{NAME}-rereg-p-{os.getpid()}", receives=False) as prefill,
+    ):
+        base = pool.ctypes.data
+        decode.batch_register([base], [pool.nbytes])
+        prefill.batch_register([src.ctypes.data], [src.nbytes])
+        session = decode.get_session_id()
+        assert prefill.batch_transfer_sync(session, [src.ctypes.data], [base], [4096]) == 0
+        planned = engine_code.plan  # type: ignore[attr-defined]
+
+        def then_reregistered(*args: Any) -> Any:
+            got = planned(*args)
+            decode.batch_deregister([base])
+            decode.batch_register([base], [pool.nbytes])
+            return got
+
+        monkeypatch.setattr(engine_code, "plan", then_reregistered)
+        with pytest.raises(TransferError, match="deregistered the region"):
+            prefill.transfer(session, [src.ctypes.data], [base + 8192], [4096])
+        monkeypatch.setattr(engine_code, "plan", planned)
+        assert prefill.batch_transfer_sync(session, [src.ctypes.data], [base + 8192], [4096]) == 0
+    assert set(pool[:4096].tolist()) == {7} and set(pool[8192 : 8192 + 4096].tolist()) == {7}
 
 
 def test_a_memfd_the_peer_could_shrink_or_did_not_register_is_refused(writer) -> None:  # type: ignore[no-untyped-def]

@@ -92,12 +92,16 @@ class SameHostEngine:
         """Publish the ranges (anonymous ones moved onto memfds first: memfd.py says how and
         why), or where this engine only sends, keep them as sources; a range overlapping one
         registered is refused, and a refused call publishes nothing of itself."""
+        if len(ptrs) != len(lens):
+            raise TransferError(f"{len(ptrs)} addresses and {len(lens)} lengths to register")
+        self._check_open()
         new = [
             classify(int(p), int(n), shared=self.receives)
             for p, n in zip(ptrs, lens, strict=True)
             if n
         ]
         with self._lock:
+            self._check_open()
             regions = sorted([*self._own.regions, *(r for r, _ in new)], key=lambda r: r.base)
             for a, b in itertools.pairwise(regions):
                 if a.end > b.base:
@@ -132,12 +136,17 @@ class SameHostEngine:
         """Withdraw the ranges registered at `ptrs`; a moved range goes back onto private
         pages, its bytes kept."""
         with self._lock:
+            self._check_open()
             gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
             table = RegionTable.of(itertools.chain(*self._parts.values()))
             self._publish(table)
             self._own = table
         unshare([gone])
         return 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("this same-host engine is closed")
 
     def _publish(self, table: RegionTable) -> None:
         """What peers may write into: all this engine registered, or nothing if it only sends."""
@@ -218,6 +227,7 @@ class SameHostEngine:
         if not reg.alive():  # it died meanwhile: its shared pages or GPU memory took the bytes
             self._drop(session, peer)
             raise PeerGone(f"the peer of session {session!r} died during the transfer")
+        _check_still_listed(peer, planned)
 
     @staticmethod
     def _jobs(peer: Peer, plan: Plan, parts: int) -> list[Callable[[], None]]:
@@ -525,3 +535,23 @@ def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[in
                 runs.append([])
                 room = share
     return [run for run in runs if run]
+
+
+def _check_still_listed(peer: Peer, planned: Plan) -> None:
+    """Fail a call if a file region it wrote was deregistered meanwhile: the peer moved
+    that range back onto private pages and let go of the file, so bytes copied into the file
+    after that never reach it.  The peer lists the range no more before it moves the pages,
+    so a list read after the copies that still names every file region written means each
+    copy landed while the file still held the range (and moved back with it)."""
+    reg = peer.registry
+    with peer.lock:
+        if not reg.refresh():
+            return
+    listed = {(r.shm or r.memfd, r.inode) for r in reg.table.regions if r.mapped}
+    written = (planned.regions[i] for i in set(planned.region.tolist()))
+    gone = [r for r in written if r.mapped and (r.shm or r.memfd, r.inode) not in listed]
+    if gone:
+        raise TransferError(
+            f"{reg.name!r} deregistered the region at {gone[0].base:#x} during the transfer: "
+            "its bytes may not have reached it"
+        )

@@ -5,11 +5,13 @@
   checked to be the inode the peer registered and owned by this user, and a memfd to be
   sealed against shrinking;
 - into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
-  system call (IOV_MAX a call).  The pid comes from the registry; a pidfd of it, opened once
-  and confirmed by the registry's lock and the start time after opening, says before each
-  call that the peer has not been reaped, so its pid number is not yet anyone else's (what
-  remains is the microseconds between that check and the call, in which the peer would have
-  to die, be reaped and have its number handed to another process of this user);
+  system call (IOV_MAX a call).  The pid comes from the registry, and is written to only once
+  the kernel says that process holds the registry's lock (`holds_lock`: a registry cannot
+  name another process, this one included); a pidfd of it, opened before that check and
+  confirmed by the start time after it, says before each call that the peer has not been
+  reaped, so its pid number is not yet anyone else's (what remains is the microseconds
+  between that check and the call, in which the peer would have to die, be reaped and have
+  its number handed to another process of this user);
 - into a GPU region (CUDA memory, registered by IPC handle, never moved): through the peer's
   allocation, opened here once by its handle (cuda_kv).
 """
@@ -33,7 +35,7 @@ from .. import cuda_kv
 from .errors import PeerGone, TransferError
 from .memfd import SEALS
 from .regions import Region
-from .registry import PeerRegistry, this_pidns
+from .registry import PeerRegistry, holds_lock, this_pidns
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class Peer:
     def __init__(self, registry: PeerRegistry) -> None:
         self.registry = registry
         self.pidfd = -1
+        self.pid = self._start = 0  # the owner's, as the kernel vouched for it (the pidfd's)
         self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
         self.devices: dict[tuple[str, str], DeviceMapping] = {}  # by (IPC handle, our GPU)
         self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
@@ -84,7 +87,8 @@ class Peer:
         process_vm_writev, IOV_MAX blocks a call.  The pid is the one the registry lock
         vouched for when the pidfd was opened, and the pidfd says, just before each call,
         that this process has not been reaped, so its pid number is not yet anyone else's."""
-        pid = self.registry.pid
+        self._pidfd()
+        pid = self.pid
         for at in range(0, len(blocks), IOV_MAX):
             chunk = blocks[at : at + IOV_MAX]
             local, remote = (_iovec * len(chunk))(), (_iovec * len(chunk))()
@@ -105,27 +109,43 @@ class Peer:
                 raise OSError(errno.EFAULT, "a partial write into the peer's memory")
 
     def _pidfd(self) -> int:
-        """A pidfd of the registry's owner, confirmed by its lock and start time after it
-        is opened (so it is the owner's, not a later holder's of the pid number)."""
+        """A pidfd of the registry's owner, opened once: see `_open_pidfd`."""
         with self.lock:
             return self._open_pidfd()
 
     def _open_pidfd(self) -> int:
-        if self.pidfd < 0:
-            reg = self.registry
-            if reg.pidns != this_pidns():
-                raise TransferError(
-                    f"peer {reg.name!r} runs in another pid namespace: only its /dev/shm "
-                    "regions can be written from here"
-                )
-            try:
-                fd = os.pidfd_open(reg.pid)
-            except ProcessLookupError:
-                raise PeerGone(f"peer {reg.name!r} died") from None
-            if not reg.alive() or process_start_ticks(reg.pid) != reg.start_ticks:
-                os.close(fd)
+        """A pidfd of the process holding the registry's lock, the pid the registry names:
+        opened, then that process is seen to hold the lock and to have the start time the
+        registry gives (so the pidfd is the owner's, not a later holder's of the number).
+        A registry naming a process that does not hold its lock is refused: forged, or its
+        owner's pid rewritten since (the pid is vouched for once, and kept)."""
+        reg = self.registry
+        if self.pidfd >= 0:
+            if (reg.pid, reg.start_ticks) != (self.pid, self._start):
+                raise TransferError(f"registry {reg.name!r} now names another owner process")
+            return self.pidfd
+        if reg.pidns != this_pidns():
+            raise TransferError(
+                f"peer {reg.name!r} runs in another pid namespace: only its /dev/shm "
+                "regions can be written from here"
+            )
+        pid, start = reg.pid, reg.start_ticks
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise PeerGone(f"peer {reg.name!r} died") from None
+        try:
+            if not reg.alive() or process_start_ticks(pid) != start:
                 raise PeerGone(f"peer {reg.name!r} died")
-            self.pidfd = fd
+            if not holds_lock(pid, reg.lock_fd, reg.inode):
+                raise TransferError(
+                    f"registry {reg.name!r} names pid {pid}, which does not hold its lock: "
+                    "a registry may name only its own process's memory"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self.pidfd, self.pid, self._start = fd, pid, start
         return self.pidfd
 
     def mapping(self, region: Region) -> int | None:
@@ -152,6 +172,8 @@ class Peer:
                     raise TransferError(
                         f"{self._file(region)} may shrink under this mapping (not sealed)"
                     )
+                if region.offset + region.length > st.st_size:
+                    raise TransferError(f"region of {self._file(region)} lies past its end")
                 mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             finally:
                 os.close(fd)
@@ -185,9 +207,11 @@ class Peer:
         context of our GPU `gpu`, which copies into it (a peer in this very process: the
         region's own address, as CUDA opens no handle in the process that made it)."""
         assert region.handle is not None
-        if self.registry.pid == os.getpid() and self.registry.pidns == this_pidns():
-            return region.base
         with self.lock:
+            if self.registry.pidns == this_pidns():
+                self._open_pidfd()
+                if self.pid == os.getpid():  # vouched for by the lock: a registry of ours
+                    return region.base
             got = self.devices.get((region.handle, gpu))
             if got is None:
                 drv = cuda_kv.driver()

@@ -7,6 +7,7 @@ piece."""
 from __future__ import annotations
 
 import bisect
+import operator
 import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,8 +69,8 @@ def plan(
     extra: list[list[int]] = [[], [], [], [], [], []]  # src, dst, n, region, route, block
     for k in np.flatnonzero(~whole & (n != 0)).tolist():
         try:
-            s, d, length = int(sources[k]), int(targets[k]), int(lengths[k])
-        except (TypeError, ValueError, OverflowError):  # NaN, a string, a nested list
+            s, d, length = (_integer(v) for v in (sources[k], targets[k], lengths[k]))
+        except TypeError:  # a float (16.9 bytes is no length), a bool, a string, a list
             raise TransferError(
                 f"block {k} {reprlib.repr((sources[k], targets[k], lengths[k]))} is not three "
                 "integers"
@@ -150,7 +151,7 @@ def _routes(
 def _int64(values: Sequence[int]) -> np.ndarray | None:
     """`values` as a flat int64 array where they are integers (uint64 past 2**63 wraps
     negative: such a block is planned alone), else None (floats, bools, anything odd: read
-    one by one as Python ints, as always)."""
+    one by one, `_integer`)."""
     try:
         array = np.asarray(values)
     except Exception:
@@ -158,6 +159,13 @@ def _int64(values: Sequence[int]) -> np.ndarray | None:
     if array.ndim != 1 or array.dtype.kind not in "iu":
         return None
     return array.astype(np.int64)
+
+
+def _integer(value: object) -> int:
+    """`value` as a Python int if it is an integer (numpy's included) and not a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a bool is not an address or a length")
+    return operator.index(value)  # type: ignore[arg-type]
 
 
 def _index(items: list[str | None], item: str | None) -> int:

@@ -2,7 +2,8 @@
 write into, and whether its owner lives.
 
 - a header: magic, format, a sequence number (odd while the owner rewrites it), the owner's
-  pid, start time and pid namespace, and the length of the region list;
+  pid, start time and pid namespace, the length of the region list, and the number of the
+  owner's descriptor that holds the liveness lock;
 - the region list (JSON): every range registered to be written (none, for an engine that
   only sends), and for a range mapped shared from a file
   (a shmslots table's columns in `/dev/shm`, or a sealed memfd) how to map that file: its
@@ -10,9 +11,12 @@ write into, and whether its owner lives.
 
 The owner holds an OFD write lock on the registry's first byte for its whole life, so a peer
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
-number.  A session id names the registry *and* its inode (`<name>#<inode>:<port>`), so a
-restarted peer, which makes a new registry under the same name, is another session: every
-mapping of the old one is dropped.
+number.  Whatever the header says of its owner is the owner's word; before a peer writes a
+process's memory by its pid, the kernel's `/proc/<pid>/fdinfo` must show that process's
+descriptor holding this very lock (`holds_lock`): a registry cannot name another process.
+A session id names the registry *and* its inode (`<name>#<inode>:<port>`), so a restarted
+peer, which makes a new registry under the same name, is another session: every mapping of
+the old one is dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 
+from ..._core import load_acquire, store_release
 from ...errors import InvalidArgument, ShmSlotsError, TableExists
 from ...participants import _lock_request, process_start_ticks, stat_fields
 from ...segment import SHM_DIR, Segment, unlink, validate_name
@@ -34,10 +39,12 @@ from .errors import PeerGone, TransferError
 from .regions import EMPTY, Region, RegionTable
 
 MAGIC = b"SHMSLPD1"
-FORMAT = 3
+FORMAT = 4
 REGISTRY_BYTES = 256 * 1024
-# magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length
-_HEADER = struct.Struct("<8sIIQQQQII")
+# magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length,
+# the owner's descriptor of the liveness lock
+_HEADER = struct.Struct("<8sIIQQQQIII")
+SEQ_AT = 16
 PAYLOAD_AT = 64
 MAX_REGIONS = 4096
 LIVENESS_BYTE = 0
@@ -122,6 +129,7 @@ class Registry:
         pid = os.getpid()
         self._seq = 0
         self._identity = (pid, process_start_ticks(pid), this_pidns(), os.geteuid())
+        self._lock_fd = self.ownership.lock_fd
         self.publish([])
 
     @staticmethod
@@ -146,7 +154,8 @@ class Registry:
             return Segment.create(name, REGISTRY_BYTES)
 
     def publish(self, regions: Sequence[Region]) -> None:
-        """Rewrite the region list under the sequence number (odd while writing)."""
+        """Rewrite the region list under the sequence number: odd while writing, and stored
+        alone (one atomic word, never inside a bulk write of the header) before and after."""
         payload = json.dumps(
             [
                 [r.base, r.length, r.shm, r.inode, r.offset, r.memfd, r.device, r.handle]
@@ -157,11 +166,14 @@ class Registry:
             raise TransferError(f"{len(regions)} regions do not fit in a registry")
         mm = self.segment.mm
         self._seq += 1
-        struct.pack_into("<Q", mm, 16, self._seq)
-        mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
+        store_release(mm, SEQ_AT, self._seq)
         pid, start, ns, uid = self._identity
+        header = _HEADER.pack(MAGIC, FORMAT, 0, 0, pid, start, ns, uid, len(payload), self._lock_fd)
+        mm[:SEQ_AT] = header[:SEQ_AT]
+        mm[SEQ_AT + 8 : _HEADER.size] = header[SEQ_AT + 8 :]
+        mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
         self._seq += 1
-        _HEADER.pack_into(mm, 0, MAGIC, FORMAT, 0, self._seq, pid, start, ns, uid, len(payload))
+        store_release(mm, SEQ_AT, self._seq)
 
     def close(self) -> None:
         if self._end.detach():  # a finalizer does nothing once the one at exit has run
@@ -247,7 +259,7 @@ class PeerRegistry:
         self._seq = -1
         # swapped whole: transfers on other threads read it unlocked
         self.table: RegionTable = EMPTY
-        self.pid = self.start_ticks = self.pidns = 0
+        self.pid = self.start_ticks = self.pidns = self.lock_fd = 0
 
     def named(self) -> bool:
         """Whether its name still refers to this registry (not removed, nor made anew)."""
@@ -286,29 +298,54 @@ class PeerRegistry:
             return False  # not known (out of descriptors, say): alive until known otherwise
 
     def refresh(self) -> bool:
-        """Re-read the region list if the owner changed it; True if it did."""
+        """Re-read the region list if the owner changed it; True if it did.  A copy read
+        while the owner rewrites it is read again, yielding, for up to REREAD_S."""
         mm = self.segment.mm
-        for _ in range(100):
-            (seq,) = struct.unpack_from("<Q", mm, 16)
+        give_up = time.monotonic() + REREAD_S
+        while True:
+            seq = load_acquire(mm, SEQ_AT)
             if seq == self._seq:
                 return False
-            if seq % 2:
-                continue
-            magic, fmt, _, _, pid, start, ns, _, size = _HEADER.unpack_from(mm, 0)
-            payload = bytes(mm[PAYLOAD_AT : PAYLOAD_AT + min(size, REGISTRY_BYTES - PAYLOAD_AT)])
-            if struct.unpack_from("<Q", mm, 16)[0] != seq:
-                continue
-            if magic != MAGIC or fmt != FORMAT:
-                raise TransferError(f"{self.name!r} is not a same-host engine registry")
-            table = parse_regions(self.name, payload)
-            self.pid, self.start_ticks, self.pidns = pid, start, ns
-            self.table = table
-            self._seq = seq
-            return True
-        raise TransferError(f"registry {self.name!r} is being rewritten without end")
+            if not seq % 2:
+                magic, fmt, _, _, pid, start, ns, _, size, lock_fd = _HEADER.unpack_from(mm, 0)
+                payload = bytes(
+                    mm[PAYLOAD_AT : PAYLOAD_AT + min(size, REGISTRY_BYTES - PAYLOAD_AT)]
+                )
+                if load_acquire(mm, SEQ_AT) == seq:  # a whole copy: what it says stands
+                    if magic != MAGIC or fmt != FORMAT:
+                        raise TransferError(f"{self.name!r} is not a same-host engine registry")
+                    self.table = parse_regions(self.name, payload)
+                    self.pid, self.start_ticks, self.pidns = pid, start, ns
+                    self.lock_fd = lock_fd
+                    self._seq = seq
+                    return True
+            if time.monotonic() > give_up:
+                raise TransferError(f"registry {self.name!r} is being rewritten without end")
+            time.sleep(0)
 
     def close(self) -> None:
         self.segment.close()
+
+
+REREAD_S = 0.1  # how long a registry being rewritten is read again before giving up
+
+
+def holds_lock(pid: int, fd: int, inode: int) -> bool:
+    """Whether process `pid`'s descriptor `fd` is the registry file of `inode` and holds its
+    liveness lock, by the kernel's own account (`/proc/<pid>/fdinfo`, readable for a process
+    of this user): only one descriptor can hold that write lock, so this ties the pid a
+    registry names to the process that owns the registry."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            info = f.read()
+    except OSError:
+        return False
+    if st.st_ino != inode or st.st_dev != os.stat(SHM_DIR).st_dev:
+        return False
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{inode}"
+    lock = ["OFDLCK", "ADVISORY", "WRITE", "-1", file, str(LIVENESS_BYTE), str(LIVENESS_BYTE)]
+    return any(line.split()[2:] == lock for line in info.splitlines() if line.startswith("lock:"))
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
