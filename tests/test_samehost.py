@@ -783,34 +783,46 @@ def test_overlapping_targets_of_a_call_big_enough_for_copy_threads_land_in_call_
 
 def _lock_sharer(conn: Connection) -> None:
     """An engine whose lock's open file is shared with a process that outlives it (a child
-    that kept the descriptor): its lock says alive after its death; its threads do not."""
+    that kept the descriptor): its lock says alive after its death; its threads do not.  It
+    registers a pool, whose whole pages move onto a memfd (a writer's mapping of that outlives
+    it too), and gives an address among them."""
     import subprocess
 
+    pool = torch.zeros(1 << 20, dtype=torch.uint8)
     with SameHostEngine(f"{NAME}-sharer-{os.getpid()}") as engine:
+        engine.batch_register([pool.data_ptr()], [pool.numel()])
         fd = engine.registry.ownership.lock_fd
         keeper = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=[fd]
         )
         threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
-        conn.send((engine.registry.name, keeper.pid))
+        conn.send((engine.get_session_id(), keeper.pid, pool.data_ptr() + (64 << 10)))
         conn.recv()
 
 
-def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes() -> None:
-    with peer_process(_lock_sharer) as (_, (name, keeper), proc):
-        reg = samehost.PeerRegistry(name, None)
+def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes(writer) -> None:  # type: ignore[no-untyped-def]
+    """A SIGKILLed process keeps its lock until its memory is torn down (100s of ms with
+    GiBs mapped): its threads' exit flags say it is gone before that, and a transfer that
+    ends then fails (PeerGone) rather than report bytes landed in a dying process's pool."""
+    engine, src = writer
+    with peer_process(_lock_sharer) as (_, (session, keeper, pool), proc):
+        reg = samehost.PeerRegistry(*samehost.parse_session(session))
         try:
             reg.refresh()
-            assert reg.alive() and not reg.owner_gone()  # alive, two threads running
+            assert reg.alive() and not reg.owner_gone() and not reg.exiting()
+            assert engine.batch_transfer_sync(session, [src.data_ptr()], [pool], [64]) == 0
             assert proc.pid is not None
             os.kill(proc.pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
             while not reg.owner_gone():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            assert reg.alive()  # the keeper holds the lock's open file: only the threads tell
+            assert reg.alive() and reg.exiting()  # the keeper holds the lock: threads tell
+            with pytest.raises(PeerGone, match="died during the transfer"):
+                engine.transfer(session, [src.data_ptr()], [pool], [64])
+            assert engine.send_probe(session) == -1  # as SGLang's blacklist asks it
             proc.join(10)
-            assert reg.owner_gone()  # reaped
+            assert reg.owner_gone() and reg.exiting()  # reaped
         finally:
             os.kill(keeper, signal.SIGKILL)
         deadline = time.monotonic() + 10

@@ -41,7 +41,7 @@ def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
     """Whether the peer lives, once a write into it failed: a dying process loses its address
     space before its descriptors (and so its lock), so wait a moment before saying it lives."""
     deadline = time.monotonic() + grace_s
-    while reg.alive():
+    while reg.alive() and not reg.exiting():
         if time.monotonic() > deadline:
             return True
         time.sleep(0.005)
@@ -158,10 +158,15 @@ class SameHostEngine:
             peer = self._acquire(session)
         except TransferError:
             return -1
+        reg = peer.registry
         try:
-            if peer.registry.alive():
+            with peer.lock:
+                reg.refresh()  # its owner's pid, for `exiting`
+            if reg.alive() and not reg.exiting():
                 return 0
             self._drop(session, peer)
+            return -1
+        except TransferError:  # its registry is malformed
             return -1
         finally:
             self._release(peer)
@@ -224,7 +229,9 @@ class SameHostEngine:
             self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
-        if not reg.alive():  # it died meanwhile: its shared pages or GPU memory took the bytes
+        if not reg.alive() or reg.exiting():  # it died meanwhile: its shared pages or GPU
+            # memory took the bytes (its lock goes only once its memory is torn down, which
+            # takes 100s of ms for GiBs; its threads' exit flags are set at once)
             self._drop(session, peer)
             raise PeerGone(f"the peer of session {session!r} died during the transfer")
         _check_still_listed(peer, planned)

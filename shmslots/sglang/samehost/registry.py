@@ -297,6 +297,22 @@ class PeerRegistry:
         except OSError:
             return False  # not known (out of descriptors, say): alive until known otherwise
 
+    def exiting(self) -> bool:
+        """`owner_gone`, at the cost of one read where the owner is well: its leader's stat
+        (start time, exit flag), and the whole look only once the leader exits (a leader
+        may end before the process's other threads)."""
+        if not self.pid or self.pidns != this_pidns():
+            return False
+        try:
+            fields = stat_fields(f"/proc/{self.pid}/stat")
+        except (FileNotFoundError, ProcessLookupError):
+            return True  # reaped
+        except OSError:
+            return False  # not known: alive until known otherwise
+        if int(fields[19]) != self.start_ticks:
+            return True
+        return bool(int(fields[6]) & PF_EXITING) and self.owner_gone()
+
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did.  A copy read
         while the owner rewrites it is read again, yielding, for up to REREAD_S."""
