@@ -15,7 +15,10 @@ as its scheduler names them (the plugin's), `Req`.  What stands in, and why:
 - the runtime context (no launcher): SGLang's `override_server_args` and the parallel ranks of
   each process (`get_parallel().override_permanently`): a prefill of `Shape.prefill_tp` ranks
   and a decode of `Shape.decode_tp`, a process each, the prefill's bootstrap server in its
-  rank 0's.
+  rank 0's;
+- a PD role switch's scheduler (`Shape.role_switch`): `_tear_down_role` hands SGLang's
+  `teardown_disaggregation` the parts of one it reads, and `switching_main` then builds the
+  other role in the same process over the same pools.
 
 Every KV byte is a function of (room, entry, page, offset), every aux row of the room, so the
 decode side checks all it receives; a failed room's pages and slot are filled with a canary
@@ -71,6 +74,7 @@ class Shape:
     prefill_tp: int = 1  # prefill ranks (attention TP), each a process with its share of heads
     decode_tp: int = 1  # decode ranks, the same way
     rank: int = 0  # this process's rank within its side (Pair sets it)
+    role_switch: bool = False  # SGLang's --enable-pd-role-switch (`switching_main`)
 
     @property
     def entries(self) -> int:
@@ -105,18 +109,37 @@ def pattern(room: int, entry: int, page: int, item_len: int) -> torch.Tensor:
 
 
 def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
+    if _INSTANCE.role:  # a role switch: SGLang's flip of the one setting (role_switch.py)
+        from sglang.srt.runtime_context import get_context
+
+        get_context().override("role_switch.flip", disaggregation_mode=mode)
+        _INSTANCE.role = mode
+        return
+    _INSTANCE.role = mode
     faulthandler.register(signal.SIGUSR1)  # Pair.reply asks for stacks when a side hangs
+    faulthandler.enable()  # and a side that aborts (libzmq's asserts) prints its threads'
     env.load_sglang(plugin=True)
     from sglang.srt.runtime_context import get_context, get_parallel
 
-    get_context().override_server_args(
-        disaggregation_mode=mode,
-        disaggregation_transfer_backend=shape.backend,
-        disaggregation_bootstrap_port=bootstrap_port,
-        host="127.0.0.1",
-        page_size=shape.page_size,
-        tp_size=shape.tp(mode),
-    ).install()
+    server_args = (
+        get_context()
+        .override_server_args(
+            disaggregation_mode=mode,
+            disaggregation_transfer_backend=shape.backend,
+            disaggregation_bootstrap_port=bootstrap_port,
+            enable_pd_role_switch=shape.role_switch,
+            host="127.0.0.1",
+            page_size=shape.page_size,
+            tp_size=shape.tp(mode),
+        )
+        .install()
+    )
+    if shape.role_switch:  # the flag as launch's parser leaves it on the record, where the
+        # managers read it (`_make_worker_recv`: receiving threads that poll, which teardown
+        # can stop); the override above reaches only the resolved view (`get_disagg()`)
+        import msgspec  # SGLang's
+
+        msgspec.Struct.__setattr__(server_args, "enable_pd_role_switch", True)
     if shape.backend == "nixl":
         _nixl_under_its_import_name()
         if shape.nixl_params:
@@ -132,6 +155,21 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         tp_rank=rank, attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
         pp_rank=0, dp_rank=0, moe_ep_rank=0, moe_tp_rank=0, moe_dp_rank=0, pp_group=None,
     )  # fmt: skip
+    if shape.role_switch:  # SGLang then starts one on every instance, kept across flips
+        _, cls = _classes(shape)  # (disagg_service.py:26-32)
+        _INSTANCE.server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
+
+
+@dataclass
+class _Instance:
+    """This process's SGLang instance: its role once it has one, and under role switching
+    the bootstrap server SGLang starts on every instance."""
+
+    role: str = ""
+    server: Any = None
+
+
+_INSTANCE = _Instance()
 
 
 def _nixl_under_its_import_name() -> None:
@@ -330,22 +368,28 @@ class Outcome:
     given_up: bool = False  # aborted by the test's "give_up", still waiting then
 
 
-def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any) -> None:
+Pools = tuple[list[torch.Tensor], list[torch.Tensor]]  # a side's KV and state pools
+
+
+def prefill_main(
+    conn: Connection, shape: Shape, bootstrap_port: int, sent: Any, pools: Pools | None = None
+) -> Pools | None:
     """The prefill side: a bootstrap server and a manager; for each room it is told of, a
     sender that fills its own pages with the room's pattern and sends them.  It says, when
     up, whether CUDA IPC could share its pools (None on the CPU) and whether its engine
-    receives (None but for shmslots')."""
+    receives (None but for shmslots').  Told to switch, it tears its role down as SGLang's
+    PD role switch does and returns its pools (given `pools`, it took them over so)."""
     _runtime("prefill", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    kv, states = _kv(shape, "prefill"), _state(shape, "prefill")
+    kv, states = pools or (_kv(shape, "prefill"), _state(shape, "prefill"))
     buffers = env.SGLANG_CLASSES["buffers"](
         shape.slots, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16,
     )  # fmt: skip
     _, cls = _classes(shape)
     server = None  # a server's one bootstrap server, its first rank's here
-    if shape.rank == 0:
+    if shape.rank == 0 and not shape.role_switch:  # else the instance's (`_runtime`)
         server = cls("BOOTSTRAP_SERVER")(host="127.0.0.1", port=bootstrap_port)
     manager = _manager(shape, "prefill", kv, buffers.get_buf_infos(), states)
     shareable = _shareable(kv[0]) if shape.device == "cuda" else None
@@ -356,7 +400,7 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
     free_slots = list(range(shape.slots))
     while True:
         msg = conn.recv()
-        if msg[0] == "stop":
+        if msg[0] in ("stop", "switch"):
             break
         _, rooms, pages_per_room, window = msg
         todo = list(rooms)
@@ -409,9 +453,33 @@ def prefill_main(conn: Connection, shape: Shape, bootstrap_port: int, sent: Any)
                     progress = time.monotonic()
             time.sleep(0.0005)
         conn.send(("done", done, _refused(manager), sent_at))
+    if msg[0] == "switch":
+        _tear_down_role("prefill", manager, buffers)
+        return kv, states
     getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     if server is not None:
         server.close()
+    return None
+
+
+def _tear_down_role(mode: str, manager: Any, buffers: Any, allocator: Any = None) -> None:
+    """This side's role torn down by SGLang's own `teardown_disaggregation`, as its PD role
+    switch does, over the scheduler's parts it reads (its queue's manager, the metadata
+    buffers and allocator; no prefix cache here)."""
+    from sglang.srt.disaggregation import role_switch
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    queue = SimpleNamespace(kv_manager=manager)
+    role_switch.teardown_disaggregation(
+        SimpleNamespace(
+            disaggregation_mode=DisaggregationMode(mode),
+            disagg_prefill_bootstrap_queue=queue,
+            disagg_decode_prealloc_queue=queue,
+            disagg_metadata_buffers=buffers,
+            req_to_metadata_buffer_idx_allocator=allocator,
+            disable_radix_cache=True,
+        )
+    )
 
 
 def _refused(manager: Any) -> int:
@@ -419,15 +487,19 @@ def _refused(manager: Any) -> int:
     return int(getattr(getattr(manager, "engine", None), "refused", 0))  # NIXL: no engine
 
 
-def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any) -> None:
+def decode_main(
+    conn: Connection, shape: Shape, bootstrap_port: int, landed: Any, pools: Pools | None = None
+) -> Pools | None:
     """The decode side: the plugin's allocator and metadata buffers (a shmslots table), a
-    manager and, for each room it is told of, a receiver over free pages and a free slot."""
+    manager and, for each room it is told of, a receiver over free pages and a free slot.
+    Told to switch, it tears its role down as SGLang's PD role switch does and returns its
+    pools (given `pools`, it took them over so)."""
     _runtime("decode", shape, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.managers import scheduler
 
-    kv, states = _kv(shape, "decode"), _state(shape, "decode")
+    kv, states = pools or (_kv(shape, "decode"), _state(shape, "decode"))
     allocator = scheduler.ReqToMetadataIdxAllocator(
         shape.slots, late_write_window_s=shape.late_write_window_s
     )
@@ -443,7 +515,7 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
     released: list[Outcome] = []
     while True:
         msg = conn.recv()
-        if msg[0] == "stop":
+        if msg[0] in ("stop", "switch"):
             break
         if msg[0] == "give_up":  # came after the run it was for had ended
             continue
@@ -549,8 +621,33 @@ def decode_main(conn: Connection, shape: Shape, bootstrap_port: int, landed: Any
         conn.send(("done", outcomes if len(addrs) > 1 else {k[0]: o for k, o in outcomes.items()}))
         if msg[0] == "stop":  # it came during the run
             break
+    if msg[0] == "switch":
+        _tear_down_role("decode", manager, buffers, allocator)
+        return kv, states
     getattr(manager, "close_engine", lambda: None)()  # the same-host engine's registry
     buffers.close()
+    return None
+
+
+def switching_main(conn: Connection, shape: Shape, bootstrap_port: int, counters: Any) -> None:
+    """One SGLang instance taking both roles in turn over its one set of pools, as SGLang's
+    PD role switch flips an idle server, with its one bootstrap server at `bootstrap_port`
+    throughout: `counters` is (its first role, the prefill's sent count, the decode's landed
+    count)."""
+    role, sent, landed = counters
+    pools: Pools | None = None
+    try:
+        while True:
+            if role == "prefill":
+                pools = prefill_main(conn, shape, bootstrap_port, sent, pools)
+            else:
+                pools = decode_main(conn, shape, bootstrap_port, landed, pools)
+            if pools is None:
+                return
+            role = "decode" if role == "prefill" else "prefill"
+    finally:
+        if _INSTANCE.server is not None:
+            _INSTANCE.server.close()
 
 
 def _bare_decode(conn: Connection, shape: Shape, bootstrap_port: int) -> tuple[Any, Any, Any]:
@@ -806,6 +903,7 @@ class Pair:
         self.decode: Connection | None = None  # rank 0's, of `decodes`
         self.decodes: list[Connection] = []
         self.decode_table = ""
+        self.other_port = 0  # under role switching, the decode instance's bootstrap port
         self.prefill_shareable: bool | None = None  # what the prefill said when up
         self.prefill_receives: bool | None = None
 
@@ -841,6 +939,33 @@ class Pair:
                 self.prefill_procs.append(proc)
         self.prefill = self.prefills[0]
         self.prefill_shareable, self.prefill_receives = up[2], up[3]
+
+    def start_switching(self) -> None:
+        """Two instances under SGLang's PD role switch, a prefill and a decode, each with
+        its own bootstrap server and able to take the other's role (`switch_roles`)."""
+        assert self.shape.role_switch
+        self.prefill, proc, up = self._start(switching_main, ("prefill", self.sent, self.landed))
+        self.prefills, self.prefill_procs = [self.prefill], [proc]
+        self.prefill_shareable, self.prefill_receives = up[2], up[3]
+        self.other_port = env.free_port()  # the decode's bootstrap server, idle until it flips
+        self.decode, proc, up = self._start(
+            switching_main, ("decode", self.sent, self.landed), port=self.other_port
+        )
+        self.decodes, self.decode_procs, self.decode_table = [self.decode], [proc], up[2]
+
+    def switch_roles(self) -> None:
+        """Each instance takes the other's role in its own process, as SGLang's PD role
+        switch flips idle servers; rooms then go to the new prefill's bootstrap server."""
+        assert self.prefill is not None and self.decode is not None
+        self.prefill.send(("switch",))
+        table = self.reply(self.prefill)[2]
+        self.decode.send(("switch",))
+        up = self.reply(self.decode)
+        self.prefill_shareable, self.prefill_receives = up[2], up[3]
+        self.prefill, self.decode = self.decode, self.prefill
+        self.prefills, self.decodes, self.decode_table = [self.prefill], [self.decode], table
+        self.prefill_procs, self.decode_procs = self.decode_procs, self.prefill_procs
+        self.port, self.other_port = self.other_port, self.port
 
     def start_second_prefill(self) -> None:
         """Another prefill server (one rank) at its own bootstrap port, beside the first."""

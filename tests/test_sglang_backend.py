@@ -584,6 +584,57 @@ def test_one_decode_rank_of_two_sigkilled_mid_transfer_fails_its_rooms_on_both_s
             assert all(o.status == "Success" and o.verified for o in outcomes.values())
 
 
+def _registries_held(procs: list[Any]) -> set[str]:
+    """The same-host registries `procs` hold open: each engine its own (its lock), and the
+    peers' it watches."""
+    from shmslots.segment import SHM_DIR
+    from shmslots.sglang.samehost import PREFIX
+
+    held = set()
+    for proc in procs:
+        fds = f"/proc/{proc.pid}/fd"
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                path = os.readlink(os.path.join(fds, fd))
+                if path.startswith(os.path.join(SHM_DIR, PREFIX)):
+                    held.add(os.path.basename(path))
+    return held
+
+
+def test_a_pd_role_switch_serves_the_other_way_over_the_same_pools() -> None:
+    """SGLang's PD role switch (`--enable-pd-role-switch`) flips an idle instance in place:
+    `teardown_disaggregation` drops its manager, metadata buffers and allocator, and the other
+    role is built over the same KV pools; each instance keeps its own bootstrap server, and its
+    managers' receiving threads poll, so the teardown can stop them.  Here two instances swap
+    roles, each in its own process: the old decode's table is unlinked, both old registries
+    are removed and each side has a new one, and rooms go the other way, every byte checked
+    (the new decode's pools moved onto memfds, its old ones back onto private pages with
+    their bytes)."""
+    from shmslots.segment import SHM_DIR
+
+    shape = Shape(state="mamba", role_switch=True)
+    with Pair(shape) as pair:
+        pair.start_switching()
+        for first in (1000, 2000):
+            rooms = list(range(first, first + 30))
+            pair.submit(rooms, pages=3, window=4)
+            _, sent, refused, _ = pair.reply(pair.prefill)
+            _, outcomes = pair.reply(pair.decode)
+            assert set(sent.values()) == {"Success"} and refused == 0
+            assert sorted(outcomes) == rooms
+            assert all(o.status == "Success" and o.verified for o in outcomes.values())
+            assert pair.settle() == (True, shape.pages, shape.slots)
+            if first == 1000:
+                table, before = pair.decode_table, _registries_held(pair.procs)
+                pair.switch_roles()
+                assert not os.path.exists(os.path.join(SHM_DIR, table))
+                assert pair.prefill_receives is False  # the new prefill's engine only sends
+                assert len(before) == 2, before
+                assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in before)
+        after = _registries_held(pair.procs)
+        assert len(after) == 2 and after.isdisjoint(before), (before, after)
+
+
 def test_decode_abort_mid_transfer_is_acknowledged_at_once() -> None:
     with Pair(BIG) as pair:
         pair.start_prefill()
