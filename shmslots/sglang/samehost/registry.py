@@ -260,6 +260,9 @@ class PeerRegistry:
         # swapped whole: transfers on other threads read it unlocked
         self.table: RegionTable = EMPTY
         self.pid = self.start_ticks = self.pidns = self.lock_fd = 0
+        # the first owner's /proc stat, kept open (`exiting` reads it with one pread): its
+        # reads fail once that process is reaped, whoever has its pid number next
+        self._stat_pid, self._stat_fd = 0, -1
 
     def named(self) -> bool:
         """Whether its name still refers to this registry (not removed, nor made anew)."""
@@ -304,7 +307,11 @@ class PeerRegistry:
         if not self.pid or self.pidns != this_pidns():
             return False
         try:
-            fields = stat_fields(f"/proc/{self.pid}/stat")
+            if self.pid == self._stat_pid:
+                stat = os.pread(self._stat_fd, 4096, 0)
+                fields = stat[stat.rindex(b")") + 2 :].split()
+            else:  # an owner not the first (its registry rewritten): read afresh
+                fields = stat_fields(f"/proc/{self.pid}/stat")
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped
         except OSError:
@@ -333,6 +340,10 @@ class PeerRegistry:
                     self.table = parse_regions(self.name, payload)
                     self.pid, self.start_ticks, self.pidns = pid, start, ns
                     self.lock_fd = lock_fd
+                    if self._stat_fd < 0 and ns == this_pidns():  # its first owner's
+                        with contextlib.suppress(OSError):  # gone: `exiting` reads afresh
+                            self._stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+                            self._stat_pid = pid
                     self._seq = seq
                     return True
             if time.monotonic() > give_up:
@@ -341,6 +352,9 @@ class PeerRegistry:
 
     def close(self) -> None:
         self.segment.close()
+        if self._stat_fd >= 0:
+            os.close(self._stat_fd)
+            self._stat_fd, self._stat_pid = -1, 0
 
 
 REREAD_S = 0.1  # how long a registry being rewritten is read again before giving up
