@@ -101,14 +101,13 @@ def test_writes_land_only_inside_what_the_peer_registered(victim, writer) -> Non
     assert engine.batch_transfer_sync(session, [src.data_ptr()], [shown + 8], [16]) == 0
     # another buffer of the peer's, an overrun of its region, a source not registered here,
     # and a good block beside a bad one, and lengths that are not integers (16.9 bytes, a
-    # bool, a string): each refused whole, nothing written
+    # string): each refused whole, nothing written
     bad: list[tuple[list[Any], list[Any], list[Any]]] = [
         ([src.data_ptr()], [hidden], [16]),
         ([src.data_ptr()], [shown + 4090], [16]),
         ([src.data_ptr() + 4090], [shown], [16]),
         ([src.data_ptr(), src.data_ptr()], [shown + 100, hidden], [4, 4]),
         ([src.data_ptr()], [shown + 100], [16.9]),
-        ([src.data_ptr()], [shown + 100], [True]),
         ([src.data_ptr()], [shown + 100], ["16"]),
     ]
     for sources, targets, lengths in bad:
@@ -591,6 +590,42 @@ def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
     assert not any(conn.recv()[1])  # the victim's unregistered buffer: untouched
 
 
+def _rewriter(conn: Connection, name: str, target: int) -> None:
+    """Another process of this user rewriting registry `name`'s region list in its file (it
+    is 0600, this user's) to list `target`, its header left as it was."""
+    import json
+
+    from shmslots.sglang.samehost import registry
+
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(registry.PAYLOAD_AT))
+        payload = json.dumps([[target, 4096, None, 0, 0, -1, None, None]]).encode()
+        size_at = registry._HEADER.size - 8  # payload length, then the lock's descriptor
+        header[size_at : size_at + 4] = len(payload).to_bytes(4, "little")
+        seq = int.from_bytes(header[16:24], "little") + 2
+        header[16:24] = seq.to_bytes(8, "little")
+        f.seek(0)
+        f.write(bytes(header) + payload)
+    conn.send("rewritten")
+    conn.recv()
+
+
+def test_an_engines_own_registry_rewritten_by_another_process_is_not_believed(writer) -> None:  # type: ignore[no-untyped-def]
+    """Any process of this user may rewrite an engine's registry file.  Rewritten to list the
+    engine's own private memory, with its true owner (this process, which holds the lock)
+    left in the header, the engine's transfer to its own session would write itself: the
+    list of a registry of this process is read from memory, so the block is refused."""
+    engine, src = writer
+    mine = torch.zeros(4096, dtype=torch.uint8)
+    with peer_process(_rewriter, engine.registry.name, mine.data_ptr()) as (conn, _, _):
+        session = engine.get_session_id()
+        with pytest.raises(TransferError, match="not inside memory the peer"):
+            engine.transfer(session, [src.data_ptr()], [mine.data_ptr()], [64])
+        conn.send("bye")
+    assert not mine.any()
+
+
 def test_a_transfer_that_meets_a_deregistration_fails_rather_than_lose_its_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -617,6 +652,17 @@ def test_a_transfer_that_meets_a_deregistration_fails_rather_than_lose_its_bytes
             return got
 
         monkeypatch.setattr(engine_code, "plan", then_reregistered)
+        with pytest.raises(TransferError, match="deregistered the region"):
+            prefill.transfer(session, [src.ctypes.data], [base + 8192], [4096])
+
+        def then_reregistered_and_read(*args: Any) -> Any:  # by another of its threads
+            got = then_reregistered(*args)
+            assert prefill.send_probe(session) == 0
+            return got
+
+        monkeypatch.setattr(engine_code, "plan", planned)  # the new memfd mapped, then again
+        assert prefill.batch_transfer_sync(session, [src.ctypes.data], [base], [4096]) == 0
+        monkeypatch.setattr(engine_code, "plan", then_reregistered_and_read)
         with pytest.raises(TransferError, match="deregistered the region"):
             prefill.transfer(session, [src.ctypes.data], [base + 8192], [4096])
         monkeypatch.setattr(engine_code, "plan", planned)

@@ -607,9 +607,9 @@ def test_a_pd_role_switch_serves_the_other_way_over_the_same_pools() -> None:
     role is built over the same KV pools; each instance keeps its own bootstrap server, and its
     managers' receiving threads poll, so the teardown can stop them.  Here two instances swap
     roles, each in its own process: the old decode's table is unlinked, both old registries
-    are removed and each side has a new one, and rooms go the other way, every byte checked
-    (the new decode's pools moved onto memfds, its old ones back onto private pages with
-    their bytes)."""
+    are removed and each side has a new one, and rooms go the other way, every byte checked.
+    The harness calls `teardown_disaggregation` itself, as SGLang's `handle_pd_role_switch`
+    does once its checks pass (its checks and its scheduler rebuild need a model)."""
     from shmslots.segment import SHM_DIR
 
     shape = Shape(state="mamba", role_switch=True)

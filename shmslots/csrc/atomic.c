@@ -331,7 +331,18 @@ mod_store_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* fence(): a full memory barrier, for the orders acquire and release do not give: a
+ * seqlock's writer's stores after its odd sequence number, its reader's loads before the
+ * re-check, and a store followed by a load of another word (store buffering). */
+static PyObject *
+mod_fence(PyObject *module, PyObject *unused)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"fence", (PyCFunction)mod_fence, METH_NOARGS, "fence(): a full memory barrier"},
     {"load_acquire", (PyCFunction)(void (*)(void))mod_load_acquire, METH_FASTCALL,
      "load_acquire(buffer, off) -> u64, an acquire load"},
     {"store_release", (PyCFunction)(void (*)(void))mod_store_release, METH_FASTCALL,

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from ..._core import fence
 from ...errors import InvalidArgument, ShmSlotsError
 from .. import cuda_kv
 from .errors import EngineClosed, PeerGone, TransferError
@@ -218,7 +219,8 @@ class SameHostEngine:
             raise PeerGone(f"the peer of session {session!r} is dead")
         with peer.lock:
             reg.refresh()
-        planned = plan(self._own, reg.table, reg.name, sources, targets, lengths)
+            table, seq = reg.table, reg.seq
+        planned = plan(self._own, table, reg.name, sources, targets, lengths)
         parts = 1  # overlapping targets land in call order, the later last: not side by side
         if planned.n.sum() >= PARALLEL_BYTES and not cuda_kv.overlapping(planned.dst, planned.n):
             parts = COPY_THREADS
@@ -234,7 +236,7 @@ class SameHostEngine:
             # takes 100s of ms for GiBs; its threads' exit flags are set at once)
             self._drop(session, peer)
             raise PeerGone(f"the peer of session {session!r} died during the transfer")
-        _check_still_listed(peer, planned)
+        _check_still_listed(peer, planned, seq)
 
     @staticmethod
     def _jobs(peer: Peer, plan: Plan, parts: int) -> list[Callable[[], None]]:
@@ -544,15 +546,19 @@ def _split(blocks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[in
     return [run for run in runs if run]
 
 
-def _check_still_listed(peer: Peer, planned: Plan) -> None:
+def _check_still_listed(peer: Peer, planned: Plan, seq: int) -> None:
     """Fail a call if a file region it wrote was deregistered meanwhile: the peer moved
     that range back onto private pages and let go of the file, so bytes copied into the file
-    after that never reach it.  The peer lists the range no more before it moves the pages,
-    so a list read after the copies that still names every file region written means each
-    copy landed while the file still held the range (and moved back with it)."""
+    after that never reach it.  The peer lists the range no more before it moves the pages
+    (with a full fence between, as here between the copies and the look), so a list read
+    after the copies that still names every file region written means each copy landed
+    while the file still held the range (and moved back with it).  `seq` is the list's the
+    plan was made from: any other thread may have read a newer one since."""
     reg = peer.registry
+    fence()
     with peer.lock:
-        if not reg.refresh():
+        reg.refresh()
+        if reg.seq == seq:
             return
     listed = {(r.shm or r.memfd, r.inode) for r in reg.table.regions if r.mapped}
     written = (planned.regions[i] for i in set(planned.region.tolist()))

@@ -7,7 +7,8 @@
 - into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
   system call (IOV_MAX a call).  The pid comes from the registry, and is written to only once
   the kernel says that process holds the registry's lock (`holds_lock`: a registry cannot
-  name another process, this one included); a pidfd of it, opened before that check and
+  name a process but its owner; one of this very process is read from memory, not from its
+  file, which any process of this user may rewrite); a pidfd of it, opened before that check and
   confirmed by the start time after it, says before each call that the peer has not been
   reaped, so its pid number is not yet anyone else's (what remains is the microseconds
   between that check and the call, in which the peer would have to die, be reaped and have
@@ -137,7 +138,14 @@ class Peer:
         try:
             if not reg.alive() or process_start_ticks(pid) != start:
                 raise PeerGone(f"peer {reg.name!r} died")
-            if not holds_lock(pid, reg.lock_fd, reg.inode):
+            try:
+                held = holds_lock(pid, reg.lock_fd, reg.inode)
+            except PermissionError as exc:
+                raise TransferError(
+                    f"cannot see whether pid {pid} owns registry {reg.name!r} ({exc}): that "
+                    "needs the same user, a dumpable process and its /proc entries visible"
+                ) from None
+            if not held:
                 raise TransferError(
                     f"registry {reg.name!r} names pid {pid}, which does not hold its lock: "
                     "a registry may name only its own process's memory"
@@ -207,11 +215,9 @@ class Peer:
         context of our GPU `gpu`, which copies into it (a peer in this very process: the
         region's own address, as CUDA opens no handle in the process that made it)."""
         assert region.handle is not None
+        if self.registry.own:  # this process's: its list read from memory, not the file
+            return region.base
         with self.lock:
-            if self.registry.pidns == this_pidns():
-                self._open_pidfd()
-                if self.pid == os.getpid():  # vouched for by the lock: a registry of ours
-                    return region.base
             got = self.devices.get((region.handle, gpu))
             if got is None:
                 drv = cuda_kv.driver()

@@ -70,7 +70,7 @@ def plan(
     for k in np.flatnonzero(~whole & (n != 0)).tolist():
         try:
             s, d, length = (_integer(v) for v in (sources[k], targets[k], lengths[k]))
-        except TypeError:  # a float (16.9 bytes is no length), a bool, a string, a list
+        except TypeError:  # a float (16.9 bytes is no length), a string, a list
             raise TransferError(
                 f"block {k} {reprlib.repr((sources[k], targets[k], lengths[k]))} is not three "
                 "integers"
@@ -162,9 +162,8 @@ def _int64(values: Sequence[int]) -> np.ndarray | None:
 
 
 def _integer(value: object) -> int:
-    """`value` as a Python int if it is an integer (numpy's included) and not a bool."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError("a bool is not an address or a length")
+    """`value` as a Python int if it is an integer (numpy's included; a bool is one, to
+    Python and to numpy's arrays alike), never a float or a string cut down to one."""
     return operator.index(value)  # type: ignore[arg-type]
 
 

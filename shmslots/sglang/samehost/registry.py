@@ -13,7 +13,9 @@ The owner holds an OFD write lock on the registry's first byte for its whole lif
 learns that it died (or was stopped by SIGKILL) from the kernel, at once, never from a pid
 number.  Whatever the header says of its owner is the owner's word; before a peer writes a
 process's memory by its pid, the kernel's `/proc/<pid>/fdinfo` must show that process's
-descriptor holding this very lock (`holds_lock`): a registry cannot name another process.
+descriptor holding this very lock (`holds_lock`): a registry cannot name a process that
+does not hold its lock's open file.  A registry of this very process is read from memory,
+never from its file, which any process of this user may rewrite.
 A session id names the registry *and* its inode (`<name>#<inode>:<port>`), so a restarted
 peer, which makes a new registry under the same name, is another session: every mapping of
 the old one is dropped.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import itertools
 import json
 import os
@@ -31,7 +34,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 
-from ..._core import load_acquire, store_release
+from ..._core import fence, load_acquire, store_release
 from ...errors import InvalidArgument, ShmSlotsError, TableExists
 from ...participants import _lock_request, process_start_ticks, stat_fields
 from ...segment import SHM_DIR, Segment, unlink, validate_name
@@ -50,9 +53,15 @@ MAX_REGIONS = 4096
 LIVENESS_BYTE = 0
 
 
+@functools.cache
 def this_pidns() -> int:
-    """The inode of this process's pid namespace: pids are compared only within one."""
+    """The inode of this process's pid namespace: pids are compared only within one.  A
+    process's own never changes (a child made after `unshare` may be in another: forgotten
+    at fork)."""
     return os.stat("/proc/self/ns/pid").st_ino
+
+
+os.register_at_fork(after_in_child=this_pidns.cache_clear)
 
 
 PREFIX = "shmslots-pd-"
@@ -130,7 +139,9 @@ class Registry:
         self._seq = 0
         self._identity = (pid, process_start_ticks(pid), this_pidns(), os.geteuid())
         self._lock_fd = self.ownership.lock_fd
+        self.published: RegionTable = EMPTY  # what the file says, as this process knows it
         self.publish([])
+        _mine[self.inode] = self
 
     @staticmethod
     def _create(name: str) -> Segment:
@@ -167,13 +178,20 @@ class Registry:
         mm = self.segment.mm
         self._seq += 1
         store_release(mm, SEQ_AT, self._seq)
+        fence()  # no store below is seen before the odd number (release orders only before)
         pid, start, ns, uid = self._identity
         header = _HEADER.pack(MAGIC, FORMAT, 0, 0, pid, start, ns, uid, len(payload), self._lock_fd)
         mm[:SEQ_AT] = header[:SEQ_AT]
         mm[SEQ_AT + 8 : _HEADER.size] = header[SEQ_AT + 8 :]
         mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
+        self.published = RegionTable.of(regions)  # before the sequence number: see `_take`
         self._seq += 1
         store_release(mm, SEQ_AT, self._seq)
+        fence()  # the list is out before the caller's next load (a deregistration's moves)
+
+    @property
+    def seq(self) -> int:
+        return self._seq
 
     def close(self) -> None:
         if self._end.detach():  # a finalizer does nothing once the one at exit has run
@@ -215,6 +233,7 @@ def _names(name: str, inode: int) -> bool:
 
 
 _owned: weakref.WeakSet[Ownership] = weakref.WeakSet()
+_mine: weakref.WeakValueDictionary[int, Registry] = weakref.WeakValueDictionary()  # by inode
 
 
 def _close_locks_in_child() -> None:
@@ -260,6 +279,7 @@ class PeerRegistry:
         # swapped whole: transfers on other threads read it unlocked
         self.table: RegionTable = EMPTY
         self.pid = self.start_ticks = self.pidns = self.lock_fd = 0
+        self.own = False  # a registry of this very process, read from memory (`refresh`)
         # the first owner's /proc stat, kept open (`exiting` reads it with one pread): its
         # reads fail once that process is reaped, whoever has its pid number next
         self._stat_pid, self._stat_fd = 0, -1
@@ -304,7 +324,7 @@ class PeerRegistry:
         """`owner_gone`, at the cost of one read where the owner is well: its leader's stat
         (start time, exit flag), and the whole look only once the leader exits (a leader
         may end before the process's other threads)."""
-        if not self.pid or self.pidns != this_pidns():
+        if not self.pid or self.own or self.pidns != this_pidns():
             return False
         try:
             if self.pid == self._stat_pid:
@@ -322,7 +342,12 @@ class PeerRegistry:
 
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did.  A copy read
-        while the owner rewrites it is read again, yielding, for up to REREAD_S."""
+        while the owner rewrites it is read again, yielding, for up to REREAD_S.  A registry
+        of this very process (one it still owns: not a forked child's copy) is read from
+        memory: its file could be rewritten by any process of this user."""
+        own = _mine.get(self.inode)
+        if own is not None and own.ownership.lock_fd >= 0:
+            return self._take(own)
         mm = self.segment.mm
         give_up = time.monotonic() + REREAD_S
         while True:
@@ -334,6 +359,7 @@ class PeerRegistry:
                 payload = bytes(
                     mm[PAYLOAD_AT : PAYLOAD_AT + min(size, REGISTRY_BYTES - PAYLOAD_AT)]
                 )
+                fence()  # every load of the copy done before the re-check
                 if load_acquire(mm, SEQ_AT) == seq:  # a whole copy: what it says stands
                     if magic != MAGIC or fmt != FORMAT:
                         raise TransferError(f"{self.name!r} is not a same-host engine registry")
@@ -350,6 +376,22 @@ class PeerRegistry:
                 raise TransferError(f"registry {self.name!r} is being rewritten without end")
             time.sleep(0)
 
+    def _take(self, own: Registry) -> bool:
+        """What this process published in `own`, if new.  `publish` sets the list before the
+        sequence number: a list newer than the number read is read again next time."""
+        seq = own.seq
+        if seq == self._seq:
+            return False
+        self.table = own.published
+        self.pid, self.start_ticks, self.pidns, _ = own._identity
+        self.lock_fd, self.own, self._seq = own._lock_fd, True, seq
+        return True
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the list last read (even)."""
+        return self._seq
+
     def close(self) -> None:
         self.segment.close()
         if self._stat_fd >= 0:
@@ -364,11 +406,15 @@ def holds_lock(pid: int, fd: int, inode: int) -> bool:
     """Whether process `pid`'s descriptor `fd` is the registry file of `inode` and holds its
     liveness lock, by the kernel's own account (`/proc/<pid>/fdinfo`, readable for a process
     of this user): only one descriptor can hold that write lock, so this ties the pid a
-    registry names to the process that owns the registry."""
+    registry names to the process that owns the registry (or shares that lock's open file
+    with it, as only the owner can arrange).  PermissionError where this process may not
+    look (another user's, a process made undumpable, a /proc mounted with hidepid)."""
     try:
         st = os.stat(f"/proc/{pid}/fd/{fd}")
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             info = f.read()
+    except PermissionError:
+        raise
     except OSError:
         return False
     if st.st_ino != inode or st.st_dev != os.stat(SHM_DIR).st_dev:
