@@ -347,6 +347,39 @@ def test_a_registry_read_while_its_owner_rewrites_it_is_read_whole() -> None:
     assert {1, 40} <= sizes <= {0, 1, 40}, sizes  # 0: the empty list an engine starts with
 
 
+def test_a_publish_that_fails_leaves_the_registry_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish interrupted while the sequence number is odd makes it even again: peers
+    read the registry after, and the next publish, instead of failing every read."""
+    from shmslots.sglang.samehost import registry as registry_code
+    from shmslots.sglang.samehost.registry import PeerRegistry, parse_session
+
+    with SameHostEngine(f"{NAME}-parity-{os.getpid()}") as engine:
+        reg = PeerRegistry(*parse_session(engine.get_session_id()))
+        try:
+            failing = engine.registry
+            real_fence = registry_code.fence  # type: ignore[attr-defined]
+            calls = []
+
+            def fence_then_fail() -> None:  # the first fence: just after the odd store
+                real_fence()
+                calls.append(1)
+                if len(calls) == 1:
+                    raise MemoryError
+
+            monkeypatch.setattr(registry_code, "fence", fence_then_fail)
+            with pytest.raises(MemoryError):
+                failing.publish([Region(1 << 30, 4096)])
+            monkeypatch.setattr(registry_code, "fence", real_fence)
+            assert failing.seq % 2 == 0
+            reg.own = False  # read as another process reads it: from the file
+            registry_code._mine.pop(reg.inode)
+            reg.refresh()
+            failing.publish([Region(1 << 31, 4096)])
+            assert reg.refresh() and [r.base for r in reg.table.regions] == [1 << 31]
+        finally:
+            reg.close()
+
+
 def test_registering_memory_that_is_not_writable_host_memory_is_refused() -> None:
     with SameHostEngine(f"{NAME}-reg-{os.getpid()}") as engine:
         with pytest.raises(TransferError, match="host memory"):

@@ -560,9 +560,10 @@ def _check_still_listed(peer: Peer, planned: Plan, seq: int) -> None:
         reg.refresh()
         if reg.seq == seq:
             return
-    listed = {(r.shm or r.memfd, r.inode) for r in reg.table.regions if r.mapped}
+    listed = {(r.memfd, r.inode) for r in reg.table.regions if r.memfd >= 0}
     written = (planned.regions[i] for i in set(planned.region.tolist()))
-    gone = [r for r in written if r.mapped and (r.shm or r.memfd, r.inode) not in listed]
+    # a /dev/shm file's range is never moved: bytes written there reached the peer anyway
+    gone = [r for r in written if r.memfd >= 0 and (r.memfd, r.inode) not in listed]
     if gone:
         raise TransferError(
             f"{reg.name!r} deregistered the region at {gone[0].base:#x} during the transfer: "

@@ -166,7 +166,9 @@ class Registry:
 
     def publish(self, regions: Sequence[Region]) -> None:
         """Rewrite the region list under the sequence number: odd while writing, and stored
-        alone (one atomic word, never inside a bulk write of the header) before and after."""
+        alone (one atomic word, never inside a bulk write of the header) before and after.
+        Everything that could fail is made first: only copies run while it is odd, and it
+        is even again whatever they meet."""
         payload = json.dumps(
             [
                 [r.base, r.length, r.shm, r.inode, r.offset, r.memfd, r.device, r.handle]
@@ -175,19 +177,22 @@ class Registry:
         ).encode()
         if len(payload) > REGISTRY_BYTES - PAYLOAD_AT or len(regions) > MAX_REGIONS:
             raise TransferError(f"{len(regions)} regions do not fit in a registry")
-        mm = self.segment.mm
-        self._seq += 1
-        store_release(mm, SEQ_AT, self._seq)
-        fence()  # no store below is seen before the odd number (release orders only before)
+        table = RegionTable.of(regions)
         pid, start, ns, uid = self._identity
         header = _HEADER.pack(MAGIC, FORMAT, 0, 0, pid, start, ns, uid, len(payload), self._lock_fd)
-        mm[:SEQ_AT] = header[:SEQ_AT]
-        mm[SEQ_AT + 8 : _HEADER.size] = header[SEQ_AT + 8 :]
-        mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
-        self.published = RegionTable.of(regions)  # before the sequence number: see `_take`
+        mm = self.segment.mm
         self._seq += 1
-        store_release(mm, SEQ_AT, self._seq)
-        fence()  # the list is out before the caller's next load (a deregistration's moves)
+        try:
+            store_release(mm, SEQ_AT, self._seq)
+            fence()  # no store below is seen before the odd number (release orders only before)
+            mm[:SEQ_AT] = header[:SEQ_AT]
+            mm[SEQ_AT + 8 : _HEADER.size] = header[SEQ_AT + 8 :]
+            mm[PAYLOAD_AT : PAYLOAD_AT + len(payload)] = payload
+            self.published = table  # before the sequence number: see `_take`
+        finally:
+            self._seq += 1
+            store_release(mm, SEQ_AT, self._seq)
+            fence()  # the list is out before the caller's next load (a deregistration's moves)
 
     @property
     def seq(self) -> int:
@@ -332,16 +337,18 @@ class PeerRegistry:
                 fields = stat[stat.rindex(b")") + 2 :].split()
             else:  # an owner not the first (its registry rewritten): read afresh
                 fields = stat_fields(f"/proc/{self.pid}/stat")
+            started, flags = int(fields[19]), int(fields[6])
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped
-        except OSError:
-            return False  # not known: alive until known otherwise
-        if int(fields[19]) != self.start_ticks:
+        except (OSError, ValueError, IndexError):
+            return False  # not known (no descriptors left, say): alive until known otherwise
+        if started != self.start_ticks:
             return True
-        return bool(int(fields[6]) & PF_EXITING) and self.owner_gone()
+        return bool(flags & PF_EXITING) and self.owner_gone()
 
     def refresh(self) -> bool:
-        """Re-read the region list if the owner changed it; True if it did.  A copy read
+        """Re-read the region list if the owner changed it; True if it did (one thread at a
+        time: the engine calls it under its peer's lock).  A copy read
         while the owner rewrites it is read again, yielding, for up to REREAD_S.  A registry
         of this very process (one it still owns: not a forked child's copy) is read from
         memory: its file could be rewritten by any process of this user."""
@@ -389,7 +396,8 @@ class PeerRegistry:
 
     @property
     def seq(self) -> int:
-        """The sequence number of the list last read (even)."""
+        """The sequence number of the list last read (read from memory, perhaps one its
+        owner was publishing then: a later list then reads as changed, which is safe)."""
         return self._seq
 
     def close(self) -> None:
