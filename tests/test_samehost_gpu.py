@@ -244,30 +244,45 @@ HANDLE = "ab" * 64
 UUID = "cd" * 16
 
 
+def _gpu_forger(conn: Connection) -> None:
+    """A peer in its own process (a registry's list is read from its file only by other
+    processes) publishing a GPU region over host memory of its own, then each forged GPU
+    entry in turn; at the end it says whether that memory was written."""
+    target = torch.zeros(PAGE, dtype=torch.uint8)
+    base = target.data_ptr()
+    lists = [
+        Region(base, PAGE, offset=0, device=UUID, handle=HANDLE),
+        Region(base, PAGE, device=UUID, handle="ab" * 8),  # a short handle
+        Region(base, PAGE, device=UUID.upper(), handle=HANDLE),  # not as written here
+        Region(base, PAGE, handle=HANDLE),  # a handle without its GPU
+        Region(base, PAGE, memfd=3, device=UUID, handle=HANDLE),  # GPU memory in a memfd
+    ]
+    with SameHostEngine(f"{NAME}-gpur-{os.getpid()}") as engine:
+        for region in lists:
+            engine.registry.publish([region])
+            conn.send((engine.get_session_id(), base))
+            conn.recv()
+        conn.send(bool(target.any()))
+        conn.recv()
+
+
 def test_a_gpu_region_takes_no_host_bytes_and_forged_gpu_regions_are_refused() -> None:
     """A peer's GPU region is written only from GPU memory registered here (a host source is
     refused before anything moves), and a region list with a malformed GPU entry is refused
     whole.  Runs without CUDA: the refusals come before any CUDA call."""
     src = torch.ones(PAGE, dtype=torch.uint8)
-    target = torch.zeros(PAGE, dtype=torch.uint8)
     with (
         SameHostEngine(f"{NAME}-gpuw-{os.getpid()}") as writer,
-        SameHostEngine(f"{NAME}-gpur-{os.getpid()}") as peer,
+        peer_process(_gpu_forger) as (conn, (session, base), _),
     ):
         writer.batch_register([src.data_ptr()], [src.numel()])
-        base = target.data_ptr()
-        peer.registry.publish([Region(base, PAGE, offset=0, device=UUID, handle=HANDLE)])
-        session = peer.get_session_id()
         with pytest.raises(TransferError, match="between host and GPU"):
             writer.transfer(session, [src.data_ptr()], [base], [PAGE])
-        forged = [
-            Region(base, PAGE, device=UUID, handle="ab" * 8),  # a short handle
-            Region(base, PAGE, device=UUID.upper(), handle=HANDLE),  # not as written here
-            Region(base, PAGE, handle=HANDLE),  # a handle without its GPU
-            Region(base, PAGE, memfd=3, device=UUID, handle=HANDLE),  # GPU memory in a memfd
-        ]
-        for region in forged:
-            peer.registry.publish([region])
+        for _ in range(4):
+            conn.send("next")
+            session, base = conn.recv()
             with pytest.raises(TransferError, match="malformed region"):
                 writer.transfer(session, [src.data_ptr()], [base], [PAGE])
-        assert not target.any()  # nothing was written
+        conn.send("next")
+        assert conn.recv() is False  # nothing was written
+        conn.send("bye")
