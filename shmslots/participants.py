@@ -92,10 +92,14 @@ def close_gate(fd: int) -> bool:
 
 
 def stat_fields(path: str) -> list[bytes]:
-    """The fields of a /proc stat file from the third (state) on; OSError as it came.  The
-    command name before them may hold spaces and parentheses: split after the last ')'."""
+    """The fields of a /proc stat file from the third (state) on; OSError as it came."""
     with open(path, "rb") as f:
-        stat = f.read()
+        return split_stat(f.read())
+
+
+def split_stat(stat: bytes) -> list[bytes]:
+    """The fields of a /proc stat file's text from the third (state) on.  The command name
+    before them may hold spaces and parentheses: split after the last ')'."""
     return stat[stat.rindex(b")") + 2 :].split()
 
 

@@ -42,7 +42,7 @@ def _still_alive(reg: PeerRegistry, grace_s: float = 0.2) -> bool:
     """Whether the peer lives, once a write into it failed: a dying process loses its address
     space before its descriptors (and so its lock), so wait a moment before saying it lives."""
     deadline = time.monotonic() + grace_s
-    while reg.alive() and not reg.exiting():
+    while reg.lives():
         if time.monotonic() > deadline:
             return True
         time.sleep(0.005)
@@ -95,7 +95,6 @@ class SameHostEngine:
         registered is refused, and a refused call publishes nothing of itself."""
         if len(ptrs) != len(lens):
             raise TransferError(f"{len(ptrs)} addresses and {len(lens)} lengths to register")
-        self._check_open()
         new = [
             classify(int(p), int(n), shared=self.receives)
             for p, n in zip(ptrs, lens, strict=True)
@@ -163,7 +162,7 @@ class SameHostEngine:
         try:
             with peer.lock:
                 reg.refresh()  # its owner's pid, for `exiting`
-            if reg.alive() and not reg.exiting():
+            if reg.lives():
                 return 0
             self._drop(session, peer)
             return -1
@@ -231,7 +230,7 @@ class SameHostEngine:
             self._drop(session, peer)
             kind = TransferError if alive else PeerGone
             raise kind(f"write into {reg.name!r} failed: {exc}") from None
-        if not reg.alive() or reg.exiting():  # it died meanwhile: its shared pages or GPU
+        if not reg.lives():  # it died meanwhile: its shared pages or GPU
             # memory took the bytes (its lock goes only once its memory is torn down, which
             # takes 100s of ms for GiBs; its threads' exit flags are set at once)
             self._drop(session, peer)

@@ -4,8 +4,8 @@
   once: a `/dev/shm` file by its name, a memfd by `pidfd_getfd` from the peer; either is
   checked to be the inode the peer registered and owned by this user, and a memfd to be
   sealed against shrinking;
-- into any other (anonymous) region: by `process_vm_writev`, every block of a call in one
-  system call (IOV_MAX a call).  The pid comes from the registry, and is written to only once
+- into any other (anonymous) region: by `process_vm_writev`, up to IOV_MAX blocks of a call
+  in one system call.  The pid comes from the registry, and is written to only once
   the kernel says that process holds the registry's lock (`holds_lock`: a registry cannot
   name a process but its owner; one of this very process is read from memory, not from its
   file, which any process of this user may rewrite); a pidfd of it, opened before that check and

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 
 from ..._core import fence, load_acquire, store_release
 from ...errors import InvalidArgument, ShmSlotsError, TableExists
-from ...participants import _lock_request, process_start_ticks, stat_fields
+from ...participants import _lock_request, process_start_ticks, split_stat, stat_fields
 from ...segment import SHM_DIR, Segment, unlink, validate_name
 from .errors import PeerGone, TransferError
 from .regions import EMPTY, Region, RegionTable
@@ -325,6 +325,11 @@ class PeerRegistry:
         except OSError:
             return False  # not known (out of descriptors, say): alive until known otherwise
 
+    def lives(self) -> bool:
+        """Its owner holds the lock and has not begun to exit: the one test of a peer's
+        life before, during and after a transfer."""
+        return self.alive() and not self.exiting()
+
     def exiting(self) -> bool:
         """`owner_gone`, at the cost of one read where the owner is well: its leader's stat
         (start time, exit flag), and the whole look only once the leader exits (a leader
@@ -333,11 +338,10 @@ class PeerRegistry:
             return False
         try:
             if self.pid == self._stat_pid:
-                stat = os.pread(self._stat_fd, 4096, 0)
-                fields = stat[stat.rindex(b")") + 2 :].split()
+                fields = split_stat(os.pread(self._stat_fd, 4096, 0))
             else:  # an owner not the first (its registry rewritten): read afresh
                 fields = stat_fields(f"/proc/{self.pid}/stat")
-            started, flags = int(fields[19]), int(fields[6])
+            started, flags = int(fields[START_FIELD]), int(fields[FLAGS_FIELD])
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped
         except (OSError, ValueError, IndexError):
@@ -433,18 +437,19 @@ def holds_lock(pid: int, fd: int, inode: int) -> bool:
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: set as a thread enters do_exit
+FLAGS_FIELD, START_FIELD = 6, 19  # field 9 (flags) and 22 (start time), as `split_stat` counts
 
 
 def _start_ticks(pid: int) -> int:
     """`pid`'s start time (field 22 of its stat); FileNotFoundError once it is reaped, and
     any other OSError as it came (not a sign of death)."""
-    return int(stat_fields(f"/proc/{pid}/stat")[19])
+    return int(stat_fields(f"/proc/{pid}/stat")[START_FIELD])
 
 
 def _exiting(stat_path: str) -> bool:
     """Whether the thread of this /proc stat file has begun to exit (its flags, field 9)."""
     try:
-        return bool(int(stat_fields(stat_path)[6]) & PF_EXITING)
+        return bool(int(stat_fields(stat_path)[FLAGS_FIELD]) & PF_EXITING)
     except FileNotFoundError:
         return True  # reaped since the listing
 
