@@ -594,9 +594,10 @@ def _forger(conn: Connection, pid: int, target: int) -> None:
 def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
     victim: Any, writer: Any
 ) -> None:
-    """A registry's header is its owner's word: one that names another process (a peer's,
-    or the writer's own) is refused before any write, since that process does not hold the
-    registry's lock; so is one vouched for and then rewritten to name another."""
+    """A registry's header is its owner's word: one that names another process (a peer's)
+    is refused before any write, since that process does not hold the registry's lock; one
+    that names the writer's own process, since it is not one of the writer's registries; so
+    is one vouched for and then rewritten to name another."""
     conn, (_, _, hidden), proc = victim
     engine, src = writer
     mine = torch.zeros(4096, dtype=torch.uint8)  # the writer's, registered by no engine
@@ -606,7 +607,7 @@ def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
         with pytest.raises(TransferError, match=f"names pid {proc.pid}, which does not hold"):
             engine.transfer(liar.get_session_id(), [src.data_ptr()], [hidden], [64])
     with peer_process(_forger, os.getpid(), mine.data_ptr()) as (forger, session, _):
-        with pytest.raises(TransferError, match=f"names pid {os.getpid()}, which does not hold"):
+        with pytest.raises(TransferError, match="names this very process"):
             engine.transfer(session, [src.data_ptr()], [mine.data_ptr()], [64])
         forger.send("bye")
     own = torch.zeros(4096, dtype=torch.uint8)
@@ -621,6 +622,45 @@ def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
     assert not mine.any()
     conn.send("report")
     assert not any(conn.recv()[1])  # the victim's unregistered buffer: untouched
+
+
+def _self_namer(conn: Connection, target: int) -> None:
+    """A peer whose registry, once the writer holds a copy of its lock's descriptor (as a
+    writer does for a moment when a forged registry lists that descriptor as a memfd),
+    names the writer's process and that copy as its owner, and `target` in it."""
+    with SameHostEngine(f"{NAME}-self-namer-{os.getpid()}") as engine:
+        conn.send((engine.get_session_id(), engine.registry._lock_fd))
+        pid, fd = conn.recv()
+        engine.registry._identity = _named(pid)
+        engine.registry._lock_fd = fd
+        engine.registry.publish([Region(target, 4096)])
+        conn.send("named")
+        conn.recv()
+
+
+def test_a_registry_naming_the_writers_own_process_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
+    """While a writer holds a copy of a peer's lock descriptor (it takes a listed memfd by
+    pidfd_getfd before checking what it is), the kernel says that the writer's process
+    holds the peer's lock.  A registry naming the writer and that copy is still refused: a
+    registry may name this very process only if it is one of this process's own, which are
+    read from memory."""
+    from shmslots.sglang.samehost.peer import _getfd
+
+    engine, src = writer
+    mine = torch.zeros(4096, dtype=torch.uint8)  # the writer's, registered by no engine
+    with peer_process(_self_namer, mine.data_ptr()) as (conn, (session, lock_fd), proc):
+        assert proc.pid is not None
+        pidfd = os.pidfd_open(proc.pid)
+        copy = _getfd(pidfd, lock_fd)  # the same open file: the lock is held through it too
+        try:
+            conn.send((os.getpid(), copy))
+            assert conn.recv() == "named"
+            with pytest.raises(TransferError, match="names this very process"):
+                engine.transfer(session, [src.data_ptr()], [mine.data_ptr()], [64])
+        finally:
+            os.close(copy)
+            os.close(pidfd)
+    assert not mine.any()
 
 
 def _rewriter(conn: Connection, name: str, target: int) -> None:

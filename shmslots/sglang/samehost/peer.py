@@ -131,6 +131,13 @@ class Peer:
                 "regions can be written from here"
             )
         pid, start = reg.pid, reg.start_ticks
+        if pid == os.getpid() and not reg.own:
+            # this process holds, for a moment, copies of descriptors it takes from peers
+            # (a listed "memfd" that is a peer's lock): the lock check cannot vouch for it
+            raise TransferError(
+                f"registry {reg.name!r} names this very process (pid {pid}) and is not one of "
+                "its own: a registry may name only its owner's memory"
+            )
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
