@@ -550,6 +550,37 @@ def test_registered_anonymous_memory_moves_onto_a_sealed_memfd_in_place(writer) 
     assert after == bytes(expected)
 
 
+def test_a_forked_child_lets_go_of_its_parents_peers(writer) -> None:  # type: ignore[no-untyped-def]
+    """A child forked from a prefill gets its parent's engines closed, and its copies of
+    their peers' pidfds, registries and mappings closed with them: a child that lived on
+    would otherwise keep a dead decode's memory mapped, and its pidfd open."""
+    engine, src = writer
+    with peer_process(_moved_victim) as (conn, (session, start, *_), _):
+        start += 5 * os.sysconf("SC_PAGESIZE")  # on its memfd, mapped here by the first write
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [start], [64]) == 0
+        peer = engine._peers[session]
+        inodes = {inode for _, inode in peer.maps}
+        fds = [peer.pidfd, peer.registry.segment.fd]
+        assert inodes and all(fd >= 0 for fd in fds)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave at once
+            try:
+                mapped = inodes & {m[4] for m in mappings()}
+                still_open = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+                os.write(write, repr((sorted(mapped), still_open)).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            report = f.read()
+        os.waitpid(pid, 0)
+        assert report == "([], [])"
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [start], [64]) == 0
+        conn.send("report")  # the parent's engine still writes it
+        assert conn.recv()[5 * os.sysconf("SC_PAGESIZE") :][:64] == src.numpy().tobytes()[:64]
+
+
 def _forging_victim(conn: Connection) -> None:
     """A peer whose registry names memfds a writer must refuse: one that could shrink under
     the writer's mapping (a SIGBUS there), one whose inode is not the file's, one not open."""

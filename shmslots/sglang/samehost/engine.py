@@ -461,12 +461,18 @@ _engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
 
 def _close_engines_in_child() -> None:
     """A child made by fork() gets its parent's engines closed: they are its parent's, and
-    so are their memfds, whose ranges are not mapped here (MADV_DONTFORK)."""
+    so are their memfds, whose ranges are not mapped here (MADV_DONTFORK).  Its copies of
+    their peers' descriptors and mappings go too (a peer's memory stays mapped while any
+    process maps it), all but GPU mappings (no CUDA call in a forked child)."""
     for engine in list(_engines):
         # a lock the pruner held at the fork stays held here: new ones
         engine._lock = threading.Lock()
         engine._idle = threading.Condition(engine._lock)
+        peers = set(engine._peers.values()) | engine._busy
         engine._closed, engine._peers, engine._busy = True, {}, set()
+        for peer in peers:
+            with contextlib.suppress(Exception):  # never raised into the child's fork()
+                peer.close(devices=False)
         parts, engine._parts = engine._parts, {}
         engine._own = EMPTY
         for region in itertools.chain(*parts.values()):

@@ -258,12 +258,16 @@ class Peer:
             self.devices.pop(k) for k in [k for k in self.devices if k[0] not in handles]
         ]
 
-    def close(self) -> None:
+    def close(self, devices: bool = True) -> None:
+        """Let go of the peer: its pidfd, mappings and registry; its GPU mappings only with
+        `devices` (a forked child may not call CUDA: it leaves them to the parent)."""
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
-        close_all([mm for mm, _ in self.maps.values()] + list(self.devices.values()))
+        close_all([mm for mm, _ in self.maps.values()])
         self.maps.clear()
+        if devices:
+            close_all(list(self.devices.values()))
         self.devices.clear()
         self.registry.close()
 
