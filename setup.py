@@ -28,7 +28,17 @@ KILL_POINTS = (
 )
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"]
 HIDDEN = "-fvisibility=hidden"  # one exported symbol per module, its PyInit
-CORE_FILES = ["module", "atomic", "arena", "hotpath", "rowcodec", "rowhash", "refcodec", "leases"]
+CORE_FILES = [
+    "module",
+    "atomic",
+    "arena",
+    "hotpath",
+    "rowcodec",
+    "rowhash",
+    "refcodec",
+    "leases",
+    "blockcopy",
+]
 
 setup(
     install_requires=[

@@ -11,6 +11,9 @@ from .parts import TableParts
 from .refs import Pin
 from .table import SlotTable
 
+# -- blockcopy.c -------------------------------------------------------------
+def copy_blocks(blocks: list[tuple[int, int, int]], /) -> None: ...
+
 # -- atomic.c ----------------------------------------------------------------
 def load_acquire(buffer: Buffer, off: int, /) -> int: ...
 def store_release(buffer: Buffer, off: int, value: int, /) -> None: ...

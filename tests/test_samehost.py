@@ -836,6 +836,63 @@ def test_a_transfer_returns_only_once_every_copy_thread_has_ended() -> None:
         assert sorted(ended) == sorted(started)
 
 
+def test_a_jobs_blocks_are_copied_in_one_call_as_memmove() -> None:
+    """A job's host blocks go in one compiled call, as memmove (a target may overlap its
+    source); a malformed list copies nothing."""
+    buf = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
+    want = buf.clone()
+    at = buf.data_ptr()
+    blocks = [(at + 16, at, 64), (at, at + 4096, 100), (at + 8192, at + 8192 + 32, 4000)]
+    engine_code._copy(blocks)
+    for src, dst, n in blocks:
+        want[dst - at : dst - at + n] = want[src - at : src - at + n].clone()
+    assert torch.equal(buf, want)
+    engine_code._copy([])
+    for bad in ((at, at), (at, at, -1), [at, at, 1]):
+        with pytest.raises((TypeError, OverflowError)):
+            engine_code._copy([(at, at + 64, 64), bad])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        engine_code._copy(tuple(blocks))  # type: ignore[arg-type]
+    assert torch.equal(buf, want)
+
+
+def test_a_call_lets_the_gil_go_only_around_256_kib_or_more() -> None:
+    """Letting the GIL go at each block made each wait to get it back behind any busy Python
+    thread (SGLang's scheduler is one), up to a switch interval apiece: a 14-block aux row
+    took milliseconds.  With a switch interval of half a second, a busy thread runs during
+    a call only if the call lets the GIL go."""
+    small = torch.zeros(1 << 16, dtype=torch.uint8)
+    at = small.data_ptr()
+    blocks = [(at + 8192 + 256 * i, at + 256 * i, 100) for i in range(14)]
+    source, target = (
+        torch.ones(32 << 20, dtype=torch.uint8),
+        torch.zeros(32 << 20, dtype=torch.uint8),
+    )
+    counter, stop = [0], threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    thread = threading.Thread(target=busy)
+    try:
+        thread.start()  # then this thread has the GIL for up to 0.5 s, unless it lets it go
+        before = counter[0]
+        for _ in range(100):
+            engine_code._copy(blocks)
+        kept = counter[0] == before
+        engine_code._copy([(source.data_ptr(), target.data_ptr(), source.numel())])  # 4 ms or so
+        let_go = counter[0] != before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert kept and let_go
+    assert bool(target.all())
+
+
 def _copy_threads(engine: SameHostEngine) -> ThreadPoolExecutor:
     """The engine's copy threads, made by a parallel run of two jobs that do nothing."""
     engine._run([lambda: None, lambda: None])

@@ -1,12 +1,12 @@
 /* shmslots._core: what its files share.
  *
- * One extension, eight files, one job each: atomic.c (atomics and futexes on a mapping),
+ * One extension, nine files, one job each: atomic.c (atomics and futexes on a mapping),
  * arena.c (the arena's pages and the blocks this process lent), hotpath.c (the slot
  * protocol's transitions and the ready ring), rowcodec.c (the rules a tensor must pass and the
  * row copies), rowhash.c (the row checksum), refcodec.c (a ref field's bytes), leases.c (the
- * type-state handles' fast paths); module.c joins them.  leases.c calls the others through
- * the functions declared here, C to C: a handle's step makes no Python call between two
- * compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
+ * type-state handles' fast paths), blockcopy.c (the same-host engine's host copies); module.c
+ * joins them.  leases.c calls the others through the functions declared here, C to C: a
+ * handle's step makes no Python call between two compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
  * module against the installed torch, through the capsule tensors.h describes.
  *
  * The slot word and the ring cell are defined here and nowhere else: the module exports their
@@ -216,6 +216,7 @@ int arena_add(PyObject *m);
 int hotpath_add(PyObject *m);
 int rowcodec_add(PyObject *m);
 int leases_add(PyObject *m);
+int blockcopy_add(PyObject *m);
 
 /* PyModule_AddObjectRef, taking `value`'s reference whatever happens (3.13's PyModule_Add). */
 int add_owned(PyObject *m, const char *name, PyObject *value);
