@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import re
+import stat
 
 import posix_ipc
 
@@ -26,6 +27,7 @@ from .errors import (
 )
 from .units import fmt_bytes
 
+SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared-memory objects, by name
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 
 
@@ -47,6 +49,25 @@ def validate_name(name: str) -> str:
             "and must not start with '.' or '-'"
         )
     return name
+
+
+def open_shm_file(name: str, flags: int) -> int:
+    """A descriptor of /dev/shm/`name` (a validated name), opened as shm_open does, but
+    never waiting (O_NONBLOCK: a FIFO) and never through a symlink; what fails, a
+    ShmSlotsError."""
+    try:
+        return os.open(
+            os.path.join(SHM_DIR, name),
+            flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+        )
+    except FileNotFoundError:
+        raise TableNotFound(f"no table named {name!r}") from None
+    except PermissionError as exc:
+        raise TablePermissionError(f"cannot open {name!r}: {exc.strerror}") from None
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a socket; and the like
+        raise IncompatibleTable(
+            f"cannot open {name!r} ({exc.strerror}): not a shmslots table"
+        ) from None
 
 
 class Segment:
@@ -97,16 +118,16 @@ class Segment:
 
     @classmethod
     def open(cls, name: str, *, writable: bool = True) -> Segment:
+        """Map the object `name`.  Opened without blocking and without following a link,
+        and refused unless a regular file: anyone may put a FIFO (whose open would wait
+        for a writer, forever) or a symlink under a name in /dev/shm."""
         validate_name(name)
+        fd = open_shm_file(name, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            shm = posix_ipc.SharedMemory("/" + name, read_only=not writable)
-        except posix_ipc.ExistentialError:
-            raise TableNotFound(f"no table named {name!r}") from None
-        except posix_ipc.PermissionsError as exc:
-            raise TablePermissionError(f"cannot open {name!r}: {exc}") from None
-        fd = shm.fd
-        try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IncompatibleTable(f"{name!r} is not a regular file: not a shmslots table")
+            size = st.st_size
             if size == 0:  # created, not sized yet: a creator at work, or one that died there
                 raise TableNotReady(f"{name!r} is empty: not a shmslots table (yet)")
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
@@ -163,9 +184,6 @@ def _no_room(name: str, size: int, fd: int, why: str | None) -> str:
         f"cannot reserve {fmt_bytes(size)} ({size:,} bytes) for {name!r} in /dev/shm, which has "
         f"{fmt_bytes(free)} free of {fmt_bytes(total)}: {why}"
     )
-
-
-SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared-memory objects, by name
 
 
 def unlink(name: str) -> None:
