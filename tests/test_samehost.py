@@ -313,6 +313,40 @@ def test_bad_registrations_and_an_empty_file_region_are_clear_errors(writer) -> 
         peer.batch_deregister([0])
 
 
+def test_a_fifo_or_symlink_under_a_registry_name_is_no_registry(writer: Any, tmp_path: Any) -> None:
+    """Anyone may put a FIFO or a symlink under a name in /dev/shm.  Opening a FIFO waits
+    for a writer, forever: the sweep (under the host-wide lock every engine takes to start)
+    and a transfer naming it hung.  A symlink gave a bare OSError.  Each is now no registry:
+    skipped by the sweep, a clear refusal to a transfer, -1 to a probe.  A region listed in
+    a true registry under such a name is refused too, and nothing is written through it."""
+    engine, src = writer
+    fifo = f"{NAME}-fifo-{os.getpid()}"
+    link = f"{NAME}-link-{os.getpid()}"
+    outside = tmp_path / "outside"
+    outside.write_bytes(bytes(4096))
+    os.mkfifo(os.path.join(SHM_DIR, fifo), 0o600)
+    os.symlink(outside, os.path.join(SHM_DIR, link))
+    try:
+        samehost.sweep()
+        with SameHostEngine(f"{NAME}-after-{os.getpid()}") as other:
+            assert other.get_session_id()
+        for name in (fifo, link):
+            session = f"{name}#{os.stat(os.path.join(SHM_DIR, name)).st_ino}:1"
+            with pytest.raises(TransferError, match=r"not a regular file|not a shmslots table"):
+                engine.transfer(session, [src.data_ptr()], [1 << 40], [64])
+            assert engine.send_probe(session) == -1
+        for name in (fifo, link):
+            with SameHostEngine(f"{NAME}-lister-{os.getpid()}") as lister:
+                inode = os.stat(os.path.join(SHM_DIR, name)).st_ino
+                lister.registry.publish([Region(1 << 40, 4096, name, inode)])
+                with pytest.raises(TransferError, match=r"not a shmslots table|not a shared-mem"):
+                    engine.transfer(lister.get_session_id(), [src.data_ptr()], [1 << 40], [64])
+        assert outside.read_bytes() == bytes(4096)
+    finally:
+        os.unlink(os.path.join(SHM_DIR, fifo))
+        os.unlink(os.path.join(SHM_DIR, link))
+
+
 def _republisher(conn: Connection) -> None:
     """A peer that rewrites its region list without pause, one region and forty in turn,
     until told to stop; then says how many times it did."""
@@ -655,10 +689,53 @@ def test_a_registry_naming_another_process_is_refused_and_nothing_is_written(
     assert not any(conn.recv()[1])  # the victim's unregistered buffer: untouched
 
 
+def test_a_refused_call_into_files_and_anonymous_memory_wrote_none_of_it(
+    victim: Any, writer: Any
+) -> None:
+    """A call's blocks into anonymous memory go by process_vm_writev, whose refusals (the
+    owner's pid not vouched for, ptrace access denied) come at the first write: one write
+    runs before any copy into the peer's files, so a refused call wrote nothing there."""
+    import mmap
+
+    _, _, proc = victim
+    engine, src = writer
+    name = f"{NAME}-file-{os.getpid()}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        mm = mmap.mmap(fd, 4096)
+        shared = torch.frombuffer(mm, dtype=torch.uint8)
+        private = torch.zeros(4096 + 64, dtype=torch.uint8)[8 : 8 + 4096]  # inside a page
+        with SameHostEngine(f"{NAME}-liar-{os.getpid()}") as liar:
+            liar.batch_register([shared.data_ptr(), private.data_ptr()], [4096, 4096])
+            liar.registry._identity = _named(proc.pid)  # a process that does not hold its lock
+            liar.registry.publish(liar._own.regions)
+            with pytest.raises(TransferError, match="which does not hold"):
+                engine.transfer(
+                    liar.get_session_id(), [src.data_ptr()] * 2,
+                    [shared.data_ptr(), private.data_ptr()], [64, 64],
+                )  # fmt: skip
+        assert not shared.any() and not private.any()
+        del shared
+        mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A copy here of another process's descriptor `fd`: the same open file, locks and all."""
+    import ctypes
+
+    got = ctypes.CDLL(None, use_errno=True).syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd
+    if got < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_getfd")
+    return int(got)
+
+
 def _self_namer(conn: Connection, target: int) -> None:
-    """A peer whose registry, once the writer holds a copy of its lock's descriptor (as a
-    writer does for a moment when a forged registry lists that descriptor as a memfd),
-    names the writer's process and that copy as its owner, and `target` in it."""
+    """A peer whose registry, once the writer's process holds a copy of the peer's lock
+    descriptor, names the writer's process and that copy as its owner, and `target` in it."""
     with SameHostEngine(f"{NAME}-self-namer-{os.getpid()}") as engine:
         conn.send((engine.get_session_id(), engine.registry._lock_fd))
         pid, fd = conn.recv()
@@ -670,19 +747,17 @@ def _self_namer(conn: Connection, target: int) -> None:
 
 
 def test_a_registry_naming_the_writers_own_process_is_refused(writer) -> None:  # type: ignore[no-untyped-def]
-    """While a writer holds a copy of a peer's lock descriptor (it takes a listed memfd by
-    pidfd_getfd before checking what it is), the kernel says that the writer's process
+    """While a writer's process holds a copy of a peer's lock descriptor (the engine never
+    takes one, below, but the process may have), the kernel says that the writer's process
     holds the peer's lock.  A registry naming the writer and that copy is still refused: a
     registry may name this very process only if it is one of this process's own, which are
     read from memory."""
-    from shmslots.sglang.samehost.peer import _getfd
-
     engine, src = writer
     mine = torch.zeros(4096, dtype=torch.uint8)  # the writer's, registered by no engine
     with peer_process(_self_namer, mine.data_ptr()) as (conn, (session, lock_fd), proc):
         assert proc.pid is not None
         pidfd = os.pidfd_open(proc.pid)
-        copy = _getfd(pidfd, lock_fd)  # the same open file: the lock is held through it too
+        copy = _pidfd_getfd(pidfd, lock_fd)  # the same open file: its lock held through it too
         try:
             conn.send((os.getpid(), copy))
             assert conn.recv() == "named"
@@ -692,6 +767,43 @@ def test_a_registry_naming_the_writers_own_process_is_refused(writer) -> None:  
             os.close(copy)
             os.close(pidfd)
     assert not mine.any()
+
+
+def _lock_lister(conn: Connection) -> None:
+    """A peer whose registry lists its own lock's descriptor as a memfd region."""
+    with SameHostEngine(f"{NAME}-lock-lister-{os.getpid()}") as engine:
+        reg = engine.registry
+        base = 1 << 40
+        reg.publish([Region(base, 4096, None, reg.inode, 0, reg._lock_fd)])
+        conn.send((engine.get_session_id(), base, reg.inode))
+        conn.recv()
+
+
+def test_a_peers_memfd_is_opened_anew_so_the_writer_never_holds_its_locks(
+    writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memfd a peer lists is opened through /proc/<pid>/fd, a new open file of the
+    writer's: a copy of the peer's descriptor (pidfd_getfd) would be the peer's open file,
+    with its locks, so that while the writer checked what the file was, the kernel said the
+    writer's process held the lock the peer listed (another writer could then be told, by a
+    registry naming this one, that it owns that registry)."""
+    from shmslots.sglang.samehost import peer as peer_code
+    from shmslots.sglang.samehost.registry import holds_lock
+
+    engine, src = writer
+    seen: list[bool] = []
+    real = peer_code._seals
+
+    def looking(fd: int) -> int:
+        seen.append(holds_lock(os.getpid(), fd, inode))
+        return real(fd)
+
+    monkeypatch.setattr(peer_code, "_seals", looking)
+    with peer_process(_lock_lister) as (conn, (session, base, inode), _):
+        with pytest.raises(TransferError, match="not sealed"):
+            engine.transfer(session, [src.data_ptr()], [base], [64])
+        conn.send("bye")
+    assert seen == [False]
 
 
 def _rewriter(conn: Connection, name: str, target: int) -> None:

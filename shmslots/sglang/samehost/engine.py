@@ -155,7 +155,7 @@ class SameHostEngine:
         """0 while the peer's engine lives, -1 otherwise (and for anything malformed)."""
         try:
             peer = self._acquire(session)
-        except TransferError:
+        except ShmSlotsError:  # no registry, or no readable one, under its name
             return -1
         reg = peer.registry
         try:
@@ -223,7 +223,11 @@ class SameHostEngine:
         if planned.n.sum() >= PARALLEL_BYTES and not cuda_kv.overlapping(planned.dst, planned.n):
             parts = COPY_THREADS
         try:
-            self._run(self._jobs(peer, planned, parts), parallel=parts > 1)
+            writes, copies = self._jobs(peer, planned, parts)
+            # a write first, alone: what refuses one (the owner's pid not vouched for, ptrace
+            # access denied) refuses all, and so before any byte moved into the peer's files
+            self._run(writes[:1], parallel=False)
+            self._run(writes[1:] + copies, parallel=parts > 1)
         except (OSError, cuda_kv.DeviceError) as exc:
             alive = _still_alive(reg)
             self._drop(session, peer)
@@ -237,12 +241,15 @@ class SameHostEngine:
         _check_still_listed(peer, planned, seq)
 
     @staticmethod
-    def _jobs(peer: Peer, plan: Plan, parts: int) -> list[Callable[[], None]]:
-        """The plan's copies as jobs: host blocks into the peer's mapped files by memmove
-        and into its anonymous memory by process_vm_writev, each split into up to `parts`;
-        GPU blocks one job per source GPU, on a stream of it (cuda_kv)."""
+    def _jobs(
+        peer: Peer, plan: Plan, parts: int
+    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+        """The plan as jobs, (writes, copies): host blocks into the peer's anonymous memory
+        by process_vm_writev, and into its mapped files by memmove, each split into up to
+        `parts`; GPU blocks one copy job per source GPU, on a stream of it (cuda_kv)."""
         regions = plan.regions
         jobs: list[Callable[[], None]] = []
+        write_jobs: list[Callable[[], None]] = []
         for route, gpu in enumerate(plan.routes):
             src, dst, n, held = plan.src, plan.dst, plan.n, plan.region
             if len(plan.routes) > 1:
@@ -270,8 +277,8 @@ class SameHostEngine:
                 copies = _triples(src[into], target[into], n[into])
                 writes = _triples(src[~into], dst[~into], n[~into])
             jobs += [functools.partial(_copy, part) for part in _split(copies, parts)]
-            jobs += [functools.partial(peer.write, part) for part in _split(writes, parts)]
-        return jobs
+            write_jobs += [functools.partial(peer.write, part) for part in _split(writes, parts)]
+        return write_jobs, jobs
 
     def _run(self, jobs: Sequence[Callable[[], None]], parallel: bool = True) -> None:
         """Run `jobs`: this thread runs the first, then each that no copy thread has begun

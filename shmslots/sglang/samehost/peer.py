@@ -1,9 +1,10 @@
 """What an engine keeps of one peer session, and the ways its bytes go into the peer:
 
 - into a file region: by `memmove` into this process's own mapping of that file, mapped
-  once: a `/dev/shm` file by its name, a memfd by `pidfd_getfd` from the peer; either is
-  checked to be the inode the peer registered and owned by this user, and a memfd to be
-  sealed against shrinking;
+  once: a `/dev/shm` file by its name, a memfd by opening the peer's descriptor through
+  `/proc/<pid>/fd` (a new open file: a copy of the peer's own would carry its locks); either
+  is checked to be the inode the peer registered, a regular file owned by this user (a
+  `/dev/shm` one in `/dev/shm`), and a memfd to be sealed against shrinking;
 - into any other (anonymous) region: by `process_vm_writev`, up to IOV_MAX blocks of a call
   in one system call.  The pid comes from the registry, and is written to only once
   the kernel says that process holds the registry's lock (`holds_lock`: a registry cannot
@@ -26,12 +27,14 @@ import logging
 import mmap
 import os
 import signal
+import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ...errors import ShmSlotsError, TableNotFound
 from ...participants import process_start_ticks
-from ...segment import SHM_DIR
+from ...segment import SHM_DIR, open_shm_file
 from .. import cuda_kv
 from .errors import PeerGone, TransferError
 from .memfd import SEALS
@@ -52,7 +55,8 @@ _libc.process_vm_writev.argtypes = [
     ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.c_ulong,
 ]  # fmt: skip
 _libc.process_vm_writev.restype = ctypes.c_ssize_t
-SYS_PIDFD_GETFD = 438  # one number on every architecture but alpha, since Linux 5.6
+# a peer's memfd, opened through /proc: never waiting (were it swapped for a FIFO), no tty
+_REOPEN = os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass
@@ -78,7 +82,7 @@ class Peer:
         self.pid = self._start = 0  # the owner's, as the kernel vouched for it (the pidfd's)
         self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
         self.devices: dict[tuple[str, str], DeviceMapping] = {}  # by (IPC handle, our GPU)
-        self.no_getfd = False  # pidfd_getfd refused: memfd regions go as anonymous memory
+        self.no_reopen = False  # its memfds cannot be opened here: they go as anonymous memory
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
         self.users = 0  # transfers and probes using it now (the engine's lock guards this)
         self.dropped = False  # out of the engine's table: closed by its last user
@@ -183,7 +187,11 @@ class Peer:
                     raise PeerGone(
                         f"{self._file(region)} is no longer the file the peer registered"
                     )
-                if region.memfd >= 0 and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                if not stat.S_ISREG(st.st_mode) or (
+                    region.shm is not None and st.st_dev != os.stat(SHM_DIR).st_dev
+                ):
+                    raise TransferError(f"{self._file(region)} is not a shared-memory file")
+                if region.memfd >= 0 and _seals(fd) & SEALS != SEALS:
                     raise TransferError(
                         f"{self._file(region)} may shrink under this mapping (not sealed)"
                     )
@@ -200,22 +208,36 @@ class Peer:
         return address + region.offset
 
     def _open_file(self, region: Region) -> int:
-        """A descriptor of `region`'s file, or -1 where pidfd_getfd is refused here."""
+        """A descriptor of `region`'s file, opened anew here (an open file of its own, which
+        carries none of the peer's locks), or -1 where the peer's memfds cannot be opened."""
         if region.shm is not None:
-            return os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_CLOEXEC)
-        if self.no_getfd:
+            try:
+                return open_shm_file(region.shm, os.O_RDWR)
+            except TableNotFound:
+                raise PeerGone(f"{self._file(region)} is gone") from None
+            except ShmSlotsError as exc:
+                raise TransferError(f"{self._file(region)}: {exc}") from None
+        if self.no_reopen:
             return -1
-        try:
-            return _getfd(self._open_pidfd(), region.memfd)
+        pidfd = self._open_pidfd()
+        try:  # the peer's descriptor, by its number, through /proc: opened, not duplicated
+            fd = os.open(f"/proc/{self.pid}/fd/{region.memfd}", _REOPEN)
+        except FileNotFoundError:
+            raise TransferError(f"{self._file(region)} is not open in the peer") from None
         except OSError as exc:
-            if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES):
-                # a kernel before 5.6, or a seccomp profile that allows process_vm_writev only
-                log.warning("shmslots: pidfd_getfd refused (%s): writing by process_vm_writev", exc)
-                self.no_getfd = True
+            if exc.errno in (errno.EPERM, errno.EACCES):  # hidepid, an undumpable peer
+                log.warning("shmslots: a peer's memfd cannot be opened (%s): writing by "
+                            "process_vm_writev", exc)  # fmt: skip
+                self.no_reopen = True
                 return -1
-            if exc.errno == errno.EBADF:
-                raise TransferError(f"{self._file(region)} is not open in the peer") from None
-            raise
+            raise TransferError(f"{self._file(region)} cannot be opened ({exc.strerror})") from None
+        try:
+            # the pid was still the peer's at the open: its pidfd says it has not been reaped
+            signal.pidfd_send_signal(pidfd, 0)
+        except ProcessLookupError:
+            os.close(fd)
+            raise PeerGone(f"peer {self.registry.name!r} died") from None
+        return fd
 
     def device_mapping(self, region: Region, gpu: str) -> int:
         """This process's address of the GPU `region`, its allocation opened once in the
@@ -272,6 +294,14 @@ class Peer:
         self.registry.close()
 
 
+def _seals(fd: int) -> int:
+    """The file's seals; none for a file that cannot be sealed (not a memfd)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return 0
+
+
 def _access_refusal(pid: int, err: int) -> str:
     scope = _ptrace_scope()
     return (
@@ -280,15 +310,6 @@ def _access_refusal(pid: int, err: int) -> str:
         "the receiving engine allows "
         "its peers by PR_SET_PTRACER, with 2 or 3 only /dev/shm regions can be written)"
     )
-
-
-def _getfd(pidfd: int, fd: int) -> int:
-    """A descriptor of this process for the peer's descriptor `fd` (pidfd_getfd)."""
-    got = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(got)
 
 
 def _ptrace_scope() -> int | None:
