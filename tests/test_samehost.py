@@ -287,15 +287,18 @@ def test_a_registry_that_is_not_this_users_0600_is_refused(writer) -> None:  # t
 
 
 def test_bad_registrations_and_an_empty_file_region_are_clear_errors(writer) -> None:  # type: ignore[no-untyped-def]
-    """Registering unequal lists, or on a closed engine, and a peer's region in a file too
-    short to hold it (an empty /dev/shm file here) are this package's errors, nothing
-    registered or written."""
+    """Registering unequal lists, or lengths that are not integers, or on a closed engine,
+    and a peer's region in a file too short to hold it (an empty /dev/shm file here) are
+    this package's errors, nothing registered or written."""
     engine, src = writer
     buf = torch.zeros(4096, dtype=torch.uint8)
     name = f"{NAME}-empty-{os.getpid()}"
     with SameHostEngine(f"{NAME}-short-{os.getpid()}") as peer:
         with pytest.raises(TransferError, match="2 addresses and 1 lengths"):
             peer.batch_register([buf.data_ptr(), buf.data_ptr() + 64], [64])
+        for length in (64.9, "64"):  # cut to 64 before, and registered
+            with pytest.raises(TransferError, match="must be integers"):
+                peer.batch_register([buf.data_ptr()], [length])  # type: ignore[list-item]
         assert peer._own.regions == ()
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

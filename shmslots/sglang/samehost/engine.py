@@ -30,7 +30,7 @@ from .. import cuda_kv
 from .errors import EngineClosed, PeerGone, TransferError
 from .memfd import share, unshare
 from .peer import DeviceMapping, Peer, allow_peers, close_all
-from .plan import Plan, plan
+from .plan import Plan, integer, plan
 from .regions import EMPTY, Region, RegionTable, classify
 from .registry import PREFIX, PeerRegistry, Registry, parse_session, session_id, sweep
 
@@ -94,11 +94,11 @@ class SameHostEngine:
         registered is refused, and a refused call publishes nothing of itself."""
         if len(ptrs) != len(lens):
             raise TransferError(f"{len(ptrs)} addresses and {len(lens)} lengths to register")
-        new = [
-            classify(int(p), int(n), shared=self.receives)
-            for p, n in zip(ptrs, lens, strict=True)
-            if n
-        ]
+        try:
+            ranges = [(integer(p), integer(n)) for p, n in zip(ptrs, lens, strict=True)]
+        except TypeError:
+            raise TransferError("addresses and lengths to register must be integers") from None
+        new = [classify(p, n, shared=self.receives) for p, n in ranges if n]
         with self._lock:
             self._check_open()
             regions = sorted([*self._own.regions, *(r for r, _ in new)], key=lambda r: r.base)

@@ -69,7 +69,7 @@ def plan(
     extra: list[list[int]] = [[], [], [], [], [], []]  # src, dst, n, region, route, block
     for k in np.flatnonzero(~whole & (n != 0)).tolist():
         try:
-            s, d, length = (_integer(v) for v in (sources[k], targets[k], lengths[k]))
+            s, d, length = (integer(v) for v in (sources[k], targets[k], lengths[k]))
         except TypeError:  # a float (16.9 bytes is no length), a string, a list
             raise TransferError(
                 f"block {k} {reprlib.repr((sources[k], targets[k], lengths[k]))} is not three "
@@ -151,7 +151,7 @@ def _routes(
 def _int64(values: Sequence[int]) -> np.ndarray | None:
     """`values` as a flat int64 array where they are integers (uint64 past 2**63 wraps
     negative: such a block is planned alone), else None (floats, bools, anything odd: read
-    one by one, `_integer`)."""
+    one by one, `integer`)."""
     try:
         array = np.asarray(values)
     except Exception:
@@ -161,7 +161,7 @@ def _int64(values: Sequence[int]) -> np.ndarray | None:
     return array.astype(np.int64)
 
 
-def _integer(value: object) -> int:
+def integer(value: object) -> int:
     """`value` as a Python int if it is an integer (numpy's included; a bool is one, to
     Python and to numpy's arrays alike), never a float or a string cut down to one."""
     return operator.index(value)  # type: ignore[arg-type]
