@@ -19,8 +19,9 @@ mid-transfer, the time from the kill until decode has its pages and slots back (
 heartbeat: 2 x 5 s, then its 30 s deferred release).  The floor is the same page runs copied
 by one process (`torch` copies of each entry's page runs); beside it, the engine alone: the
 same page runs moved by the same-host engine, as many calls at once as requests in flight,
-with no SGLang manager, harness or decode taking CPU beside it; and the engine's own cost
-of a call, one 64-byte block at a time.  For NIXL the harness enters the
+with no SGLang manager, harness or decode taking CPU beside it; the engine's own cost of a
+call, one 64-byte block at a time; and an aux row's call (14 blocks), alone and beside a
+busy Python thread.  For NIXL the harness enters the
 `nixl-cu12` wheel under the `nixl` name SGLang imports, and labels the KV pools "DRAM", as
 SGLang labels a host pool (it says "VRAM" for every other pool, which UCX without CUDA
 refuses at registration).  NIXL's UCX backend asks UCX for peer failure handling by default,
@@ -178,19 +179,38 @@ def _engine_alone(shape: pd_env.Shape, callers: int, runs: int) -> float:
     return statistics.median(rates)
 
 
-def _call_us(runs: int) -> float:
-    """Microseconds a transfer call of one 64-byte block takes: the engine's own cost of a
-    call (the peer's liveness, planning, dispatch), apart from its bytes."""
+def _call_us(runs: int, blocks: int = 1, busy: bool = False) -> float:
+    """Microseconds a transfer call of `blocks` 64-byte blocks takes (one: the engine's own
+    cost of a call, its peer's liveness, planning and dispatch, apart from its bytes; 14: an
+    aux row, one block per metadata buffer), by median of batches; with `busy`, beside a
+    Python thread that never waits (as SGLang's scheduler thread is at times), where every
+    time a call lets the GIL go it may wait up to a switch interval (5 ms) to get it back."""
     src = torch.ones(1 << 20, dtype=torch.uint8)
     dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    at = [65536 + 256 * i for i in range(blocks)]  # on the memfd
+    call = ([src.data_ptr() + a for a in at], [dst.data_ptr() + a for a in at], [64] * blocks)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
     times = []
+    spinner = threading.Thread(target=spin)
+    calls = 20 if busy else 1000  # a batch, timed whole
     with _engine_pair("call", [src], [dst]) as (prefill, session):
-        block = ([src.data_ptr() + 65536], [dst.data_ptr() + 65536], [64])  # on the memfd
-        for _ in range(runs * 5):
-            start = time.perf_counter()
-            for _ in range(1000):
-                prefill.transfer(session, *block)
-            times.append((time.perf_counter() - start) * 1e3)  # us a call
+        if busy:
+            spinner.start()
+        try:
+            for _ in range(runs * 5):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    prefill.transfer(session, *call)
+                times.append((time.perf_counter() - start) * 1e6 / calls)
+        finally:
+            stop.set()
+            if busy:
+                spinner.join()
     return statistics.median(times)
 
 
@@ -268,6 +288,10 @@ def main(argv: list[str]) -> int:
             "the floor"
         )
     print(f"the engine's own cost of a call (one 64-byte block): {_call_us(args.runs):.1f} us")
+    print(
+        f"an aux row's call (14 blocks): {_call_us(args.runs, 14):.1f} us alone, "
+        f"{_call_us(args.runs, 14, busy=True):.1f} us beside a busy Python thread"
+    )
     for backend in backends:
         shape = _shape(backend, args.layers, TOKENS[0], args.window)
         print(
