@@ -1055,12 +1055,17 @@ def test_a_job_failing_on_a_copy_thread_stops_the_call_starting_more() -> None:
 
 def test_jobs_offered_to_copy_threads_shut_down_by_close_run_on_the_calling_thread() -> None:
     """close() shuts the copy threads down once it has waited long enough for a transfer
-    begun before it; that transfer's jobs then all run on its own thread."""
+    begun before it; that transfer's jobs then all run on its own thread.  One retired
+    before it had copy threads makes none after (nothing would shut them down)."""
     ran_on: list[int] = []
     with SameHostEngine(f"{NAME}-shut-{os.getpid()}") as engine:
         _copy_threads(engine).shutdown()
         engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
         assert ran_on == [threading.get_ident()] * 4
+    with SameHostEngine(f"{NAME}-retired-{os.getpid()}") as engine:
+        engine._retire(0.0)
+        engine._run([lambda: ran_on.append(threading.get_ident())] * 4)
+        assert engine._threads is None and ran_on == [threading.get_ident()] * 8
 
 
 def test_a_copy_thread_that_cannot_start_fails_the_call_before_any_job(

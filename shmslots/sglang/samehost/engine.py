@@ -287,7 +287,13 @@ class SameHostEngine:
         thread (a copy thread's wake-up costs more than a small call's copies).  No job
         begins once a failure is seen; the call returns, or raises a failure, only once
         every job begun has ended and no other can begin: no write may land after."""
-        if not parallel or len(jobs) < 2:
+        threads = None
+        if parallel and len(jobs) > 1:
+            with self._lock:
+                if self._threads is None and not self._closed:  # none made once retired
+                    self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
+                threads = self._threads
+        if threads is None:
             for job in jobs:
                 job()
             return
@@ -302,10 +308,6 @@ class SameHostEngine:
                 failed.set()
                 raise
 
-        with self._lock:
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(max(1, COPY_THREADS - 1), "shmslots-copy")
-            threads = self._threads
         futures: list[Future[None]] = []
         failure: BaseException | None = None
         try:
