@@ -74,6 +74,7 @@ import json
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -96,7 +97,7 @@ from .errors import (
 from .layout import HEADER_SIZE, MAGIC, MAX_SLOTS
 from .participants import gate_holder
 from .reaper import Reaper
-from .segment import SHM_DIR, unlink, validate_name
+from .segment import SHM_DIR, open_shm_file, unlink, validate_name
 from .snapshot import SlotSnapshot, TableSnapshot, TableView
 from .states import State
 
@@ -122,14 +123,18 @@ def _console() -> Console:
 
 
 def _has_magic(name: str) -> bool | None:
-    """Whether /dev/shm/NAME starts with the table magic; None if it cannot be read."""
+    """Whether /dev/shm/NAME is a regular file that starts with the table magic; None if it
+    cannot be read."""
     try:
-        with open(os.path.join(SHM_DIR, name), "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except PermissionError:
+        fd = open_shm_file(name, os.O_RDONLY)  # never waits on a FIFO
+    except TablePermissionError:
         return None
-    except OSError:
+    except (ShmSlotsError, OSError):
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(MAGIC), 0) == MAGIC
+    finally:
+        os.close(fd)
 
 
 def _look(name: str) -> tuple[TableSnapshot, list[SlotSnapshot]]:
@@ -166,12 +171,12 @@ def _unfinished(name: str) -> dict[str, Any] | None:
     """{"name", "age_s", "gate"} for this user's object whose header is still all zeros (the
     magic is written last), or None."""
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_shm_file(name, os.O_RDONLY)
+    except (ShmSlotsError, OSError):
         return None
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_size < HEADER_SIZE:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < HEADER_SIZE:
             return None
         if any(os.pread(fd, HEADER_SIZE, 0)):
             return None

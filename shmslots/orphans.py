@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ShmSlotsError, TableNotFound, TableNotReady
+from .errors import IncompatibleTable, ShmSlotsError, TableNotFound, TableNotReady
 from .participants import close_gate, release_gate
 from .segment import SHM_DIR, Segment, unlink
 from .snapshot import TableView
@@ -51,7 +51,7 @@ def remove_if_orphaned(name: str) -> bool:
     is left to `shmslots unlink --force`."""
     try:
         segment = Segment.open(name)
-    except (TableNotFound, TableNotReady):
+    except (TableNotFound, TableNotReady, IncompatibleTable):  # a FIFO or a link, say
         return False
     try:
         if not close_gate(segment.fd):

@@ -41,9 +41,14 @@ def address_of(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
-def validate_name(name: str) -> str:
+def valid_name(name: object) -> bool:
     """Table names are plain words: no slashes, no path tricks, at most 200 characters."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def validate_name(name: str) -> str:
+    """`name`, if a `valid_name`; else InvalidArgument."""
+    if not valid_name(name):
         raise InvalidArgument(
             f"table name {name!r} must be 1-200 characters of letters, digits, '_', '.', '-' "
             "and must not start with '.' or '-'"
@@ -53,8 +58,9 @@ def validate_name(name: str) -> str:
 
 def open_shm_file(name: str, flags: int) -> int:
     """A descriptor of /dev/shm/`name` (a validated name), opened as shm_open does, but
-    never waiting (O_NONBLOCK: a FIFO) and never through a symlink; what fails, a
-    ShmSlotsError."""
+    never waiting (O_NONBLOCK: a FIFO) and never through a symlink.  What the name is (none,
+    not ours to open, not a file) fails as a ShmSlotsError; this process's own trouble (no
+    descriptors left) as the OSError it is."""
     try:
         return os.open(
             os.path.join(SHM_DIR, name),
@@ -64,10 +70,17 @@ def open_shm_file(name: str, flags: int) -> int:
         raise TableNotFound(f"no table named {name!r}") from None
     except PermissionError as exc:
         raise TablePermissionError(f"cannot open {name!r}: {exc.strerror}") from None
-    except OSError as exc:  # ELOOP: a symlink; ENXIO: a socket; and the like
+    except OSError as exc:
+        if exc.errno not in _NOT_A_FILE:
+            raise  # out of descriptors or memory, say: this process's trouble, not the name's
         raise IncompatibleTable(
             f"cannot open {name!r} ({exc.strerror}): not a shmslots table"
         ) from None
+
+
+# what opening a name that is no regular file gives: a symlink (O_NOFOLLOW), a socket, a
+# directory, a device without its driver, a file leased to another
+_NOT_A_FILE = {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EWOULDBLOCK}
 
 
 class Segment:

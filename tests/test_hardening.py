@@ -954,6 +954,34 @@ def test_interrupt_just_after_a_transition_is_not_masked(name: str, step: str) -
 
 
 @pytest.mark.timeout(60)
+def test_a_fifo_or_symlink_under_a_tables_name_is_no_table_and_nothing_waits(name: str) -> None:
+    """Anyone may put a FIFO or a symlink under a name in /dev/shm (mode 1777); opening a
+    FIFO waits for a writer, forever.  Each is refused at once as no table: by attach, by
+    create(replace_orphaned=True) as a name taken, and by `shmslots unlink` even --force."""
+    import subprocess
+
+    made = [f"{name}-fifo", f"{name}-link"]
+    os.mkfifo(f"/dev/shm/{made[0]}")
+    os.symlink("/tmp", f"/dev/shm/{made[1]}")
+    try:
+        for squat in made:
+            with pytest.raises(IncompatibleTable, match="not a"):
+                SlotTable.attach(squat, "reader")
+            with pytest.raises(TableExists):
+                SlotTable.create(squat, SMALL, slots=2, replace_orphaned=True)
+            for force in ([], ["--force"]):
+                done = subprocess.run(
+                    [sys.executable, "-m", "shmslots", "unlink", *force, squat],
+                    capture_output=True, text=True, timeout=30,
+                )  # fmt: skip
+                assert done.returncode == 2 and "not a shmslots table" in done.stderr
+            assert os.path.lexists(f"/dev/shm/{squat}")
+    finally:
+        for squat in made:
+            os.unlink(f"/dev/shm/{squat}")
+
+
+@pytest.mark.timeout(60)
 def test_a_garbage_ready_ring_is_a_corrupt_table_not_a_hang(name: str) -> None:
     """One bad word in the ring must not spin a reader forever with the GIL held."""
     with SlotTable.create(name, SMALL, slots=2) as t:

@@ -350,6 +350,38 @@ def test_a_fifo_or_symlink_under_a_registry_name_is_no_registry(writer: Any, tmp
         os.unlink(os.path.join(SHM_DIR, link))
 
 
+def test_a_shared_mapping_of_a_file_in_a_dev_shm_subdirectory_goes_as_anonymous_memory(
+    writer: Any,
+) -> None:
+    """A /dev/shm file region is named by its file's name, which peers check as a table
+    name; one in a subdirectory has no such name, so its range is written as anonymous
+    memory is (process_vm_writev), and its registry stays readable to peers."""
+    import mmap
+
+    engine, src = writer
+    folder = os.path.join(SHM_DIR, f"{NAME}-dir-{os.getpid()}")
+    os.mkdir(folder, 0o700)
+    try:
+        with open(os.path.join(folder, "f"), "w+b") as f:
+            f.truncate(8192)
+            mm = mmap.mmap(f.fileno(), 8192)
+        target = torch.frombuffer(mm, dtype=torch.uint8)
+        with SameHostEngine(f"{NAME}-subdir-{os.getpid()}") as decode:
+            decode.batch_register([target.data_ptr()], [8192])
+            assert [r.shm for r in decode._own.regions] == [None]
+            session = decode.get_session_id()
+            assert (
+                engine.batch_transfer_sync(session, [src.data_ptr()], [target.data_ptr()], [64])
+                == 0
+            )
+        assert torch.equal(target[:64], src[:64])
+        del target
+        mm.close()
+    finally:
+        os.unlink(os.path.join(folder, "f"))
+        os.rmdir(folder)
+
+
 def _republisher(conn: Connection) -> None:
     """A peer that rewrites its region list without pause, one region and forty in turn,
     until told to stop; then says how many times it did."""
@@ -511,7 +543,15 @@ def test_transfers_on_many_threads_survive_the_peer_dying_under_them(
 
 def test_a_malformed_session_is_a_failed_transfer_not_an_exception(writer) -> None:  # type: ignore[no-untyped-def]
     engine, src = writer
-    for session in ("a/b#1:7", "../x#1:2", "shmslots-pd-x#notanumber:1", "plain"):
+    unicode_digit, too_long = "shmslots-pd-x#\u00b2:1", "shmslots-pd-x#" + "1" * 5000 + ":1"
+    for session in (
+        "a/b#1:7",
+        "../x#1:2",
+        "shmslots-pd-x#notanumber:1",
+        "plain",
+        unicode_digit,
+        too_long,
+    ):
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [4096], [8]) == -1
         assert engine.send_probe(session) == -1
 
@@ -724,6 +764,68 @@ def test_a_refused_call_into_files_and_anonymous_memory_wrote_none_of_it(
     finally:
         os.close(fd)
         os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _table_holder(conn: Connection, name: str) -> None:
+    """A process with no engine: a shmslots table's participant, and a private buffer."""
+    import ctypes
+
+    from shmslots import Field, SlotTable
+
+    with SlotTable.create(name, [Field("x", "uint8", (8,))], slots=4):
+        buf = ctypes.create_string_buffer(4096)
+        conn.send((os.getpid(), ctypes.addressof(buf)))
+        conn.recv()
+        conn.send(buf.raw)
+        conn.recv()
+
+
+def test_a_tables_participant_lock_vouches_for_no_registry(writer: Any) -> None:
+    """A table linked under a registry's name, grown to a registry's size and given a
+    header naming its participant's process and lock descriptor: that process holds a
+    write lock on the file, but not on the registry's lock byte, so nothing is written."""
+    import json
+    from pathlib import Path
+
+    from shmslots.participants import process_start_ticks
+    from shmslots.sglang.samehost import registry
+
+    engine, src = writer
+    table, evil = f"{NAME}-table-{os.getpid()}", f"{NAME}-evil-{os.getpid()}"
+    with peer_process(_table_holder, table) as (conn, (pid, target), _):
+        st = os.stat(os.path.join(SHM_DIR, table))
+        file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        held = [
+            int(fd)
+            for fd in os.listdir(f"/proc/{pid}/fdinfo")
+            if any(
+                line.split()[2:7] == ["OFDLCK", "ADVISORY", "WRITE", "-1", file]
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                if line.startswith("lock:")
+            )
+        ]
+        assert held
+        path = os.path.join(SHM_DIR, evil)
+        os.link(os.path.join(SHM_DIR, table), path)
+        try:
+            os.truncate(path, registry.REGISTRY_BYTES)
+            payload = json.dumps([[target, 4096, None, 0, 0, -1, None, None]]).encode()
+            header = registry._HEADER.pack(
+                registry.MAGIC, registry.FORMAT, 0, 2, pid, process_start_ticks(pid),
+                registry.this_pidns(), os.geteuid(), len(payload), held[0],
+            )  # fmt: skip
+            with open(path, "r+b") as f:
+                f.write(header)
+                f.seek(registry.PAYLOAD_AT)
+                f.write(payload)
+            session = f"{evil}#{st.st_ino}:1"
+            assert engine.send_probe(session) == -1
+            with pytest.raises(TransferError):
+                engine.transfer(session, [src.data_ptr()], [target], [64])
+        finally:
+            os.unlink(path)
+        conn.send("report")
+        assert not any(conn.recv())
 
 
 def _pidfd_getfd(pidfd: int, fd: int) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...segment import SHM_DIR
+from ...segment import SHM_DIR, valid_name
 from .. import cuda_kv
 from .errors import TransferError
 
@@ -115,13 +115,14 @@ def classify_host(base: int, length: int, shared: bool = True) -> tuple[Region, 
     first = covering[0]
     path = first[5]
     mapped_shared = first[2][3] == "s"  # a private mapping keeps its own copies of pages
+    name = path[len(SHM_DIR) + 1 :]
     if (
         len(covering) == 1
         and mapped_shared
         and path.startswith(SHM_DIR + "/")
         and not path.endswith("(deleted)")
+        and valid_name(name)  # one peers take (not in a subdirectory, say)
     ):
-        name = path[len(SHM_DIR) + 1 :]
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
     movable = shared and anonymous and not _cuda_runs() and not _pinned(base, end)

@@ -42,7 +42,7 @@ from .errors import PeerGone, TransferError
 from .regions import EMPTY, Region, RegionTable
 
 MAGIC = b"SHMSLPD1"
-FORMAT = 4
+FORMAT = 5
 REGISTRY_BYTES = 256 * 1024
 # magic, format, flags, seq, pid, start ticks, pid-namespace inode, owner uid, payload length,
 # the owner's descriptor of the liveness lock
@@ -50,7 +50,10 @@ _HEADER = struct.Struct("<8sIIQQQQIII")
 SEQ_AT = 16
 PAYLOAD_AT = 64
 MAX_REGIONS = 4096
-LIVENESS_BYTE = 0
+# The owner's lock: on a byte no table locks (participants lock their entry's index, below
+# GATE = 2^40, and GATE), so that a table linked under a registry's name, its participants'
+# locks held, shows none of them here
+LIVENESS_BYTE = 1 << 41
 
 
 @functools.cache
@@ -506,7 +509,13 @@ def parse_session(session: str) -> tuple[str, int]:
     head = str(session).rsplit(":", 1)[0]
     name, sep, inode = head.rpartition("#")
     try:
-        if sep and inode.isdigit() and name.startswith(PREFIX):
+        if (
+            sep
+            and inode.isascii()
+            and inode.isdigit()
+            and len(inode) <= 20
+            and name.startswith(PREFIX)
+        ):
             return validate_name(name), int(inode)
     except InvalidArgument:
         pass
