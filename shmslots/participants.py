@@ -27,8 +27,9 @@ ACTIVE = 1
 _FLOCK = struct.Struct("hhqqixxxx")  # struct flock on Linux x86-64/aarch64: 32 bytes
 
 
-def _lock_request(kind: int, index: int) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
+def _lock_request(kind: int, index: int, length: int = 1) -> bytes:
+    """A struct flock for `length` bytes at `index` (0: to the end of any file)."""
+    return _FLOCK.pack(kind, os.SEEK_SET, index, length, 0)
 
 
 # A lock byte past every registry entry's: held shared by a process between opening a table

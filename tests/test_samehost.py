@@ -382,6 +382,67 @@ def test_a_shared_mapping_of_a_file_in_a_dev_shm_subdirectory_goes_as_anonymous_
         os.rmdir(folder)
 
 
+def test_registries_of_either_lock_byte_are_live_to_a_sweep_of_either_format() -> None:
+    """Format 5 moved the owner's lock off byte 0, where format 4's engines look.  A live
+    engine holds both bytes, so a format 4 sweep on the host sees it live; and a sweep here
+    removes only a registry no process holds any lock on (a live format 4 one holds byte 0),
+    so engines of both formats on one host never remove each other's registries."""
+    import fcntl
+    import struct
+
+    from shmslots.participants import _lock_request
+    from shmslots.sglang.samehost import registry
+
+    def held(fd: int, byte: int) -> bool:
+        reply = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, byte))
+        return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
+
+    with SameHostEngine(f"{NAME}-both-{os.getpid()}") as engine:
+        fd = os.open(os.path.join(SHM_DIR, engine.registry.name), os.O_RDONLY)
+        try:
+            assert held(fd, 0) and held(fd, registry.LIVENESS_BYTE)
+        finally:
+            os.close(fd)
+    old = os.path.join(SHM_DIR, f"{NAME}-format4-{os.getpid()}")
+    fd = os.open(old, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, registry.REGISTRY_BYTES)
+        os.pwrite(fd, registry.MAGIC, 0)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_WRLCK, 0))  # format 4's owner
+        samehost.sweep()
+        assert os.path.exists(old)
+    finally:
+        os.close(fd)  # its owner gone: the next sweep removes it
+    samehost.sweep()
+    assert not os.path.exists(old)
+
+
+def test_a_shared_mapping_of_another_users_dev_shm_file_goes_as_anonymous_memory() -> None:
+    """Peers open a /dev/shm file region by its name and refuse another user's file; one is
+    published as anonymous memory (process_vm_writev) instead, not as a region every peer
+    would refuse."""
+    import mmap
+
+    from shmslots.sglang.samehost.regions import classify_host
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give a file to another user")
+    path = os.path.join(SHM_DIR, f"{NAME}-foreign-{os.getpid()}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+    try:
+        os.ftruncate(fd, 8192)
+        mm = mmap.mmap(fd, 8192)
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        assert classify_host(view.data_ptr(), 4096)[0].shm is not None  # this user's: by name
+        os.fchown(fd, 65534, 65534)
+        assert classify_host(view.data_ptr(), 4096)[0].shm is None
+        del view
+        mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def _republisher(conn: Connection) -> None:
     """A peer that rewrites its region list without pause, one region and forty in turn,
     until told to stop; then says how many times it did."""

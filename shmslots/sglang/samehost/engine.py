@@ -157,6 +157,9 @@ class SameHostEngine:
             peer = self._acquire(session)
         except ShmSlotsError:  # no registry, or no readable one, under its name
             return -1
+        except OSError as exc:  # no descriptors left, say: never raised into SGLang's threads
+            log.warning("shmslots: probing %r failed: %s", session, exc)
+            return -1
         reg = peer.registry
         try:
             with peer.lock:

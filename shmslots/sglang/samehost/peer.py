@@ -183,10 +183,12 @@ class Peer:
                 return None
             try:
                 st = os.fstat(fd)
-                if st.st_ino != region.inode or st.st_uid != os.geteuid():
+                if st.st_ino != region.inode:
                     raise PeerGone(
                         f"{self._file(region)} is no longer the file the peer registered"
                     )
+                if st.st_uid != os.geteuid():
+                    raise TransferError(f"{self._file(region)} belongs to uid {st.st_uid}")
                 if not stat.S_ISREG(st.st_mode) or (
                     region.shm is not None and st.st_dev != os.stat(SHM_DIR).st_dev
                 ):

@@ -4,6 +4,7 @@ memory that may be moved onto a memfd, or a GPU allocation shared by CUDA IPC)."
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,11 +123,22 @@ def classify_host(base: int, length: int, shared: bool = True) -> tuple[Region, 
         and path.startswith(SHM_DIR + "/")
         and not path.endswith("(deleted)")
         and valid_name(name)  # one peers take (not in a subdirectory, say)
+        and _ours(path, first[4])
     ):
         return Region(base, length, name, first[4], first[3] + (base - first[0])), False
     anonymous = all(m[2][3] == "p" and m[5] in ("", "[heap]") for m in covering)
     movable = shared and anonymous and not _cuda_runs() and not _pinned(base, end)
     return Region(base, length), movable
+
+
+def _ours(path: str, inode: int) -> bool:
+    """Whether `path` is still the file of `inode`, and this user's: peers open it by its
+    name and refuse another user's (one of those goes as anonymous memory instead)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return st.st_ino == inode and st.st_uid == os.geteuid()
 
 
 def classify(base: int, length: int, shared: bool = True) -> tuple[Region, bool]:

@@ -52,8 +52,10 @@ PAYLOAD_AT = 64
 MAX_REGIONS = 4096
 # The owner's lock: on a byte no table locks (participants lock their entry's index, below
 # GATE = 2^40, and GATE), so that a table linked under a registry's name, its participants'
-# locks held, shows none of them here
+# locks held, shows none of them here.  The owner also holds byte 0, format 4's lock, so
+# that engines of that format on this host see this registry live and never sweep it.
 LIVENESS_BYTE = 1 << 41
+FORMAT_4_LIVENESS_BYTE = 0
 
 
 @functools.cache
@@ -102,7 +104,7 @@ def _sweep() -> list[str]:
         except ShmSlotsError:
             continue
         try:
-            if reg.alive():
+            if reg.locked():  # its owner lives, whatever its format
                 continue
             made = reg.segment.mm[:8] == MAGIC
             old = time.time() - os.fstat(reg.segment.fd).st_mtime > SWEEP_AGE_S
@@ -133,8 +135,9 @@ class Registry:
         self._end = weakref.finalize(self, self.ownership.end)
         self._end.atexit = False
         try:
-            request = _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
-            fcntl.fcntl(self.ownership.lock_fd, fcntl.F_OFD_SETLK, request)
+            for byte in (LIVENESS_BYTE, FORMAT_4_LIVENESS_BYTE):
+                request = _lock_request(fcntl.F_WRLCK, byte)
+                fcntl.fcntl(self.ownership.lock_fd, fcntl.F_OFD_SETLK, request)
         except BaseException:
             self.close()
             raise
@@ -157,9 +160,12 @@ class Registry:
         try:
             return Segment.create(name, REGISTRY_BYTES)
         except TableExists:
-            old = PeerRegistry(name, None)  # refuses another user's object: never removed here
+            try:  # refuses another user's object: never removed here
+                old = PeerRegistry(name, None)
+            except PeerGone as exc:
+                raise TransferError(f"the name of registry {name!r} is taken: {exc}") from None
             try:
-                if old.alive():
+                if old.locked():
                     raise TransferError(f"registry {name!r} belongs to a live engine") from None
                 if old.named():
                     unlink(name)  # a dead engine's, left by SIGKILL
@@ -303,6 +309,14 @@ class PeerRegistry:
         reply = fcntl.fcntl(
             self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
         )
+        return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
+
+    def locked(self) -> bool:
+        """Whether any process holds a lock on the registry: its owner lives, whatever the
+        format it was made in (what a sweep must never remove)."""
+        if self.segment.fd < 0:
+            return False
+        reply = fcntl.fcntl(self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, 0, 0))
         return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
 
     def owner_gone(self) -> bool:
