@@ -78,9 +78,8 @@ def open_shm_file(name: str, flags: int) -> int:
         ) from None
 
 
-ADDRESS_SPACE = (
-    1 << 47
-)  # a process's on x86-64 and aarch64: an object claiming more is none of ours
+# a process's address space on x86-64 and aarch64: an object claiming more is none of ours
+ADDRESS_SPACE = 1 << 47
 
 # what opening a name that is no regular file gives: a symlink (O_NOFOLLOW), a socket, a
 # directory, a device without its driver, a file leased to another
@@ -150,13 +149,10 @@ class Segment:
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
             try:
                 mm = mmap.mmap(fd, size, access=access)
-            except OSError as exc:
-                if exc.errno in (errno.ENOMEM, errno.EAGAIN) and size < ADDRESS_SPACE:
+            except (OSError, OverflowError, ValueError) as exc:
+                limits = isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.EAGAIN)
+                if limits and size < ADDRESS_SPACE:
                     raise  # this process's limits (RLIMIT_AS, the map count), not the object's
-                raise IncompatibleTable(
-                    f"{name!r} is {size} bytes and cannot be mapped ({exc}): not a shmslots table"
-                ) from None
-            except (OverflowError, ValueError) as exc:
                 # A sparse object can claim any size; one too big to map is no table of ours.
                 raise IncompatibleTable(
                     f"{name!r} is {size} bytes and cannot be mapped ({exc}): not a shmslots table"

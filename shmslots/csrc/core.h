@@ -6,8 +6,9 @@
  * row copies), rowhash.c (the row checksum), refcodec.c (a ref field's bytes), leases.c (the
  * type-state handles' fast paths), blockcopy.c (the same-host engine's host copies); module.c
  * joins them.  leases.c calls the others through the functions declared here, C to C: a
- * handle's step makes no Python call between two compiled steps.  What they learn of torch tensors comes from shmslots._tensors, a C++
- * module against the installed torch, through the capsule tensors.h describes.
+ * handle's step makes no Python call between two compiled steps.  What they learn of torch
+ * tensors comes from shmslots._tensors, a C++ module against the installed torch, through the
+ * capsule tensors.h describes.
  *
  * The slot word and the ring cell are defined here and nowhere else: the module exports their
  * bits (WORD_BITS, CELL_BITS), from which states.py builds the word's Python accessors, and

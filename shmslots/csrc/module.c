@@ -125,7 +125,8 @@ PyInit__core(void)
     if (!m)
         return NULL;
     if (atomic_add(m) < 0 || arena_add(m) < 0 || hotpath_add(m) < 0 || rowcodec_add(m) < 0 ||
-        refcodec_add(m) < 0 || leases_add(m) < 0 || blockcopy_add(m) < 0 || add_kill_points(m) < 0 ||
+        refcodec_add(m) < 0 || leases_add(m) < 0 || blockcopy_add(m) < 0 ||
+        add_kill_points(m) < 0 ||
         PyModule_AddIntConstant(m, "STEP_DONE", STEP_DONE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REFUSED", STEP_REFUSED) < 0 ||
         PyModule_AddIntConstant(m, "STEP_QUEUE_FULL", STEP_QUEUE_FULL) < 0 ||

@@ -136,8 +136,8 @@ class Peer:
             )
         pid, start = reg.pid, reg.start_ticks
         if pid == os.getpid() and not reg.own:
-            # this process holds, for a moment, copies of descriptors it takes from peers
-            # (a listed "memfd" that is a peer's lock): the lock check cannot vouch for it
+            # this process may share a peer's lock's open file (passed to it, or copied by
+            # pidfd_getfd), and then /proc says it holds that lock: no check can vouch for it
             raise TransferError(
                 f"registry {reg.name!r} names this very process (pid {pid}) and is not one of "
                 "its own: a registry may name only its owner's memory"

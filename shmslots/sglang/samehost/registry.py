@@ -304,19 +304,19 @@ class PeerRegistry:
 
     def alive(self) -> bool:
         """Whether the registry's owner still holds its liveness lock."""
-        if self.segment.fd < 0:
-            return False
-        reply = fcntl.fcntl(
-            self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, LIVENESS_BYTE)
-        )
-        return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
+        return self._held(LIVENESS_BYTE, 1)
 
     def locked(self) -> bool:
         """Whether any process holds a lock on the registry: its owner lives, whatever the
         format it was made in (what a sweep must never remove)."""
+        return self._held(0, 0)
+
+    def _held(self, index: int, length: int) -> bool:
+        """Whether any process holds a lock on `length` bytes at `index` (0: to the end)."""
         if self.segment.fd < 0:
             return False
-        reply = fcntl.fcntl(self.segment.fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK, 0, 0))
+        request = _lock_request(fcntl.F_WRLCK, index, length)
+        reply = fcntl.fcntl(self.segment.fd, fcntl.F_OFD_GETLK, request)
         return bool(struct.unpack("hh", reply[:4])[0] != fcntl.F_UNLCK)
 
     def owner_gone(self) -> bool:
