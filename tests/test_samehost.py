@@ -1322,6 +1322,38 @@ def test_an_owner_that_began_to_exit_is_gone_before_its_lock_goes(writer) -> Non
         reg.close()
 
 
+def _many_threads(conn: Connection) -> None:
+    """An engine in a process of 65 threads, whose exit reaps them one by one."""
+    with SameHostEngine(f"{NAME}-threads-{os.getpid()}") as engine:
+        for _ in range(64):
+            threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+        conn.send(engine.get_session_id())
+        conn.recv()
+
+
+def test_an_owner_once_seen_exiting_stays_gone_while_its_threads_are_reaped() -> None:
+    """A SIGKILLed process's threads leave /proc one by one: a thread reaped between the
+    two listings of its tasks is one that exited, not a sign of life (it made a dying peer
+    read as alive again, in 3 of 4 tries)."""
+    for _ in range(4):
+        with peer_process(_many_threads) as (_, session, proc):
+            reg = samehost.PeerRegistry(*samehost.parse_session(session))
+            try:
+                reg.refresh()
+                assert proc.pid is not None and not reg.owner_gone()
+                os.kill(proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while not reg.owner_gone():
+                    assert time.monotonic() < deadline
+                seen = 0
+                while proc.exitcode is None:  # until reaped, each look says gone
+                    assert reg.owner_gone() and reg.exiting(), f"alive again after {seen} looks"
+                    seen += 1
+                    assert time.monotonic() < deadline
+            finally:
+                reg.close()
+
+
 def test_memory_the_engine_lets_go_is_private_again() -> None:
     """Deregistered (here: the engine closed), a moved range goes back onto private pages
     with its bytes and leaves the memfd: a child forked afterwards copies it on write instead

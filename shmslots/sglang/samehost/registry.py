@@ -335,8 +335,9 @@ class PeerRegistry:
             for tid in seen:
                 if not _exiting(f"{tasks}/{tid}/stat"):
                     return False
-            # a thread made after the listing: the listing again (an exiting thread makes none)
-            return set(os.listdir(tasks)) == seen
+            # a thread made after the listing: the listing again (an exiting thread makes
+            # none; one reaped since is gone from it, and was exiting)
+            return set(os.listdir(tasks)) <= seen
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped: the pid is no longer anyone's
         except OSError:
