@@ -87,14 +87,14 @@ from rich.live import Live
 from rich.text import Text
 
 from . import cli_render as R
+from . import orphans
 from .errors import (
     IncompatibleTable,
     ShmSlotsError,
     TableNotFound,
-    TableNotReady,
     TablePermissionError,
 )
-from .layout import HEADER_SIZE, MAGIC, MAX_SLOTS
+from .layout import HEADER_SIZE, MAX_SLOTS
 from .participants import gate_holder
 from .reaper import Reaper
 from .segment import SHM_DIR, open_shm_file, unlink, validate_name
@@ -122,21 +122,6 @@ def _console() -> Console:
     return console
 
 
-def _has_magic(name: str) -> bool | None:
-    """Whether /dev/shm/NAME is a regular file that starts with the table magic; None if it
-    cannot be read."""
-    try:
-        fd = open_shm_file(name, os.O_RDONLY)  # never waits on a FIFO
-    except TablePermissionError:
-        return None
-    except (ShmSlotsError, OSError):
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(MAGIC), 0) == MAGIC
-    finally:
-        os.close(fd)
-
-
 def _look(name: str) -> tuple[TableSnapshot, list[SlotSnapshot]]:
     with TableView.open(name) as view:
         snap = view.snapshot()
@@ -156,7 +141,7 @@ def _scan() -> tuple[list[str], list[dict[str, Any]], int]:
     for entry in sorted(os.scandir(SHM_DIR), key=lambda e: e.name):
         with contextlib.suppress(ValueError):
             if validate_name(entry.name) and entry.is_file(follow_symlinks=False):
-                magic = _has_magic(entry.name)
+                magic = orphans.has_magic(entry.name)
                 unreadable += magic is None
                 if magic:
                     names.append(entry.name)
@@ -376,9 +361,7 @@ def _unlink(args: argparse.Namespace) -> int:
     except TablePermissionError:
         raise
     except IncompatibleTable as exc:
-        # ours with --force: a table of our magic, or one its creator never finished (no magic
-        # yet, nobody registered); a segment with another magic is never ours to remove
-        if not (args.force and (_has_magic(args.name) or isinstance(exc, TableNotReady))):
+        if not (args.force and orphans.force_removes(args.name, exc)):
             raise
         alive = []
     if alive and not args.force:

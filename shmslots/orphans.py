@@ -10,10 +10,18 @@ inode and is left alone.
 from __future__ import annotations
 
 import os
+import stat
 
-from .errors import IncompatibleTable, ShmSlotsError, TableNotFound, TableNotReady
+from .errors import (
+    IncompatibleTable,
+    ShmSlotsError,
+    TableNotFound,
+    TableNotReady,
+    TablePermissionError,
+)
+from .layout import MAGIC
 from .participants import close_gate, release_gate
-from .segment import SHM_DIR, Segment, unlink
+from .segment import SHM_DIR, Segment, open_shm_file, unlink
 from .snapshot import TableView
 
 
@@ -23,7 +31,7 @@ def describe(name: str) -> str:
     try:
         segment = Segment.open(name)
     except ShmSlotsError as exc:
-        return f"it cannot be read ({exc}); `shmslots unlink --force {name}` removes it"
+        return _unreadable(name, exc)
     try:
         if not close_gate(segment.fd):
             return "a process is creating it or attaching to it"
@@ -31,7 +39,7 @@ def describe(name: str) -> str:
         try:
             alive = TableView(segment).live_participants()
         except ShmSlotsError as exc:
-            return f"it cannot be read ({exc}); `shmslots unlink --force {name}` removes it"
+            return _unreadable(name, exc)
     finally:
         segment.close()
     if alive:
@@ -41,6 +49,34 @@ def describe(name: str) -> str:
         f"it is orphaned: no participant is alive; `shmslots unlink {name}` removes it, "
         "or create(..., replace_orphaned=True) replaces it"
     )
+
+
+def _unreadable(name: str, exc: ShmSlotsError) -> str:
+    if force_removes(name, exc):
+        return f"it cannot be read ({exc}); `shmslots unlink --force {name}` removes it"
+    return f"it cannot be read ({exc})"
+
+
+def force_removes(name: str, exc: ShmSlotsError) -> bool:
+    """Whether `shmslots unlink --force` removes `name`, which `exc` said is no table to
+    open: ours only, a table of our magic or one its creator never finished (no magic yet,
+    nobody registered); never another program's segment, a FIFO, a link or another user's."""
+    return isinstance(exc, TableNotReady) or has_magic(name) is True
+
+
+def has_magic(name: str) -> bool | None:
+    """Whether /dev/shm/NAME is a regular file that starts with the table magic; None if it
+    cannot be read."""
+    try:
+        fd = open_shm_file(name, os.O_RDONLY)  # never waits on a FIFO
+    except TablePermissionError:
+        return None
+    except (ShmSlotsError, OSError):
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(MAGIC), 0) == MAGIC
+    finally:
+        os.close(fd)
 
 
 def remove_if_orphaned(name: str) -> bool:

@@ -957,7 +957,8 @@ def test_interrupt_just_after_a_transition_is_not_masked(name: str, step: str) -
 def test_a_fifo_or_symlink_under_a_tables_name_is_no_table_and_nothing_waits(name: str) -> None:
     """Anyone may put a FIFO or a symlink under a name in /dev/shm (mode 1777); opening a
     FIFO waits for a writer, forever.  Each is refused at once as no table: by attach, by
-    create(replace_orphaned=True) as a name taken, and by `shmslots unlink` even --force."""
+    create(replace_orphaned=True) as a name taken (not advising `unlink --force`), and by
+    `shmslots unlink` even --force."""
     import subprocess
 
     made = [f"{name}-fifo", f"{name}-link"]
@@ -967,8 +968,9 @@ def test_a_fifo_or_symlink_under_a_tables_name_is_no_table_and_nothing_waits(nam
         for squat in made:
             with pytest.raises(IncompatibleTable, match="not a"):
                 SlotTable.attach(squat, "reader")
-            with pytest.raises(TableExists):
+            with pytest.raises(TableExists) as taken:
                 SlotTable.create(squat, SMALL, slots=2, replace_orphaned=True)
+            assert "--force" not in str(taken.value)  # which refuses it (below)
             for force in ([], ["--force"]):
                 done = subprocess.run(
                     [sys.executable, "-m", "shmslots", "unlink", *force, squat],
