@@ -316,6 +316,24 @@ def test_bad_registrations_and_an_empty_file_region_are_clear_errors(writer) -> 
         peer.batch_deregister([0])
 
 
+def test_deregistering_what_was_not_registered_is_minus_one_and_withdraws_nothing(writer) -> None:  # type: ignore[no-untyped-def]
+    """As Mooncake's engine answers (SGLang only logs it): -1, and a range registered
+    beside the unknown address stays writable; a second deregistration is -1 too."""
+    engine, src = writer
+    pool = torch.zeros(4096, dtype=torch.uint8)
+    with SameHostEngine(f"{NAME}-undereg-{os.getpid()}") as peer:
+        base = pool.data_ptr()
+        peer.batch_register([base], [pool.numel()])
+        session = peer.get_session_id()
+        for unknown in ([base, base + 64], [base + 64], ["nowhere"]):
+            assert peer.batch_deregister(unknown) == -1
+            assert engine.batch_transfer_sync(session, [src.data_ptr()], [base], [64]) == 0
+        assert torch.equal(pool[:64], src[:64])
+        assert peer.batch_deregister([base, base]) == 0  # named twice: withdrawn once
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [base], [64]) == -1
+        assert peer.batch_deregister([base]) == -1
+
+
 def test_a_fifo_or_symlink_under_a_registry_name_is_no_registry(writer: Any, tmp_path: Any) -> None:
     """Anyone may put a FIFO or a symlink under a name in /dev/shm.  Opening a FIFO waits
     for a writer, forever: the sweep (under the host-wide lock every engine takes to start)

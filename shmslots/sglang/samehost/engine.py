@@ -133,10 +133,18 @@ class SameHostEngine:
 
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
         """Withdraw the ranges registered at `ptrs`; a moved range goes back onto private
-        pages, its bytes kept."""
+        pages, its bytes kept.  -1, and nothing withdrawn, if one was not registered (as
+        Mooncake's engine answers: SGLang deregisters again after a release of its memory,
+        and only logs a failure)."""
         with self._lock:
             self._check_open()
-            gone = [r for p in ptrs for r in self._parts.pop(int(p), [])]
+            unknown = [p for p in ptrs if p not in self._parts]
+            if unknown:
+                log.warning(
+                    "shmslots: nothing is registered at %r: nothing deregistered", unknown[0]
+                )
+                return -1
+            gone = [r for p in set(ptrs) for r in self._parts.pop(p)]
             table = RegionTable.of(itertools.chain(*self._parts.values()))
             self._publish(table)
             self._own = table
