@@ -84,6 +84,10 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
         (Shape(heads=4, page_size=8, decode_tp=2, state="mamba"), 40, 3, 4),
         (Shape(heads=4, page_size=8, decode_tp=2, state="swa"), 40, 3, 4),
         (Shape(heads=4, page_size=8, decode_tp=2, mla=True), 40, 3, 4),
+        # DSA's indexer keys beside MLA at attention TP 2 on either side: replicated state,
+        # which SGLang writes whole to each decode rank, as MLA's latent
+        (Shape(page_size=8, decode_tp=2, mla=True, state="dsa"), 40, 3, 4),
+        (Shape(page_size=8, prefill_tp=2, mla=True, state="dsa"), 40, 3, 4),
         # KV and Mamba state on the GPU, written by CUDA IPC (tools/gpu_check.sh); the
         # prefill's pools VMM memory too (--enable-memory-saver), which it only sends from
         pytest.param(Shape(state="mamba", device="cuda"), 60, 3, 4, marks=CUDA_ONLY),
@@ -102,6 +106,8 @@ def test_sglangs_parser_takes_the_backend_with_the_plugin_and_refuses_it_without
         "decode-tp2-mha-and-mamba",
         "decode-tp2-swa",
         "decode-tp2-mla",
+        "decode-tp2-dsa",
+        "prefill-tp2-dsa",
         "cuda-kv",
         "cuda-kv-vmm",
     ],
