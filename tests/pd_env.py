@@ -737,6 +737,48 @@ def ids_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> Non
     buffers.close()
 
 
+def forgotten_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
+    """A decode side with a room in flight (its pages asked for) whose prefill's entries
+    SGLang has forgotten: another request of the same server timed out waiting
+    (`_check_waiting_timeout` -> `invalidate_cached_bootstrap_infos`) and was released at
+    the prefill's ACK, as SGLang's decode does.  Then told of a prefill rank's SIGKILL,
+    it says how long the room took to fail."""
+    manager, buffers, cls = _bare_decode(conn, shape, bootstrap_port)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    addr = f"127.0.0.1:{bootstrap_port}"
+    while not manager.try_ensure_parallel_info(addr):
+        time.sleep(0.05)
+    flight = cls("RECEIVER")(manager, addr, 1)
+    flight.init(0)
+    flight.send_metadata(np.arange(3, dtype=np.int32), 0, None)
+    late = cls("RECEIVER")(manager, addr, 2)
+    late.init(0)
+    late.send_metadata(np.arange(3, 6, dtype=np.int32), 1, None)
+    late.init_time -= manager.waiting_timeout + 1  # it waited past SGLang's timeout
+    assert late.poll() == KVPoll.Failed
+    with contextlib.suppress(Exception):
+        late.failure_exception()  # as DecodeTransferQueue's failed path: its ABORT
+    deadline = time.monotonic() + 10
+    while not manager.is_abort_release_safe(2, len(late.bootstrap_infos)):
+        assert time.monotonic() < deadline, "no ACK for the timed-out room"
+        time.sleep(0.005)
+    manager.clear_deferred_abort_state(2)  # SGLang's _do_release
+    late.clear()
+    del late
+    forgotten = not any(k.startswith(f"{addr}_") for k in manager.connection_pool)
+    time.sleep(0.2)  # the watcher's looks at the live ranks
+    conn.send(("in flight", forgotten, str(flight.poll())))
+    _, killed = conn.recv()
+    while flight.poll() != KVPoll.Failed and time.monotonic() - killed < 20:
+        time.sleep(0.005)
+    conn.send(("failed after", flight.poll() == KVPoll.Failed, time.monotonic() - killed))
+    assert conn.recv() == ("stop",)
+    flight.clear()
+    manager.close_engine()
+    buffers.close()
+
+
 def window_main(conn: Connection, shape: Shape, bootstrap_port: int, _: Any) -> None:
     """A decode side whose watcher looks only when told, with a room bootstrapped in the
     window between its look at SGLang's tables and SGLang's failing of a dead prefill's

@@ -21,7 +21,10 @@ import torch
 
 pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLANG_MISSING or "")
 
-from pd_env import Pair, Shape, ids_main, window_main  # noqa: E402
+from pd_env import Pair, Shape, forgotten_main, ids_main, window_main  # noqa: E402
+
+from shmslots.errors import InvalidArgument  # noqa: E402
+from shmslots.sglang.backend import WATCH_ENV, watch_interval  # noqa: E402
 
 CUDA_ONLY = [
     pytest.mark.cuda,
@@ -266,6 +269,38 @@ def test_a_room_bootstrapped_while_the_watcher_fails_a_dead_prefill_is_released_
         assert not facts["fresh_entries_gone"]
         assert facts["beside_a_live_twin"] == [False, False]  # a room id with a live writer
         assert facts["once_let_go"] == [True, True]
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["bootstrap-rank", "other-rank"])
+def test_a_prefills_death_fails_rooms_whose_ranks_sglang_forgot(rank: int) -> None:
+    """SGLang drops a server's cached rank entries whenever one of its requests times out
+    waiting, while other rooms of that server are in flight.  The watcher looked only at
+    SGLang's cache and at rooms awaiting ACKs, so a prefill rank's SIGKILL then went unseen:
+    its rooms failed at SGLang's heartbeat (9.8 s: rank 0, which serves the bootstrap), or
+    not in 20 s (rank 1).  Every room in flight has its ranks watched."""
+    with Pair(dataclasses.replace(Shape(), prefill_tp=2)) as pair:
+        pair.start_prefill()
+        pair.start_decode(forgotten_main)
+        _, forgotten, status = pair.reply(pair.decode)
+        assert forgotten and status != "KVPoll.Failed", status
+        proc = pair.prefill_procs[rank]
+        assert proc.pid is not None
+        killed = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        pair.decode.send(("killed", killed))  # type: ignore[union-attr]
+        _, failed, took = pair.reply(pair.decode, 60)
+        proc.join(10)
+    assert failed and took < 2.0, took  # 0.02-0.03 s here, idle: the watcher's interval
+
+
+def test_a_bad_watch_interval_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a watcher that died at its first look (a word) or spins (0, below 0)."""
+    for bad in ("abc", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv(WATCH_ENV, bad)
+        with pytest.raises(InvalidArgument, match=WATCH_ENV):
+            watch_interval()
+    monkeypatch.setenv(WATCH_ENV, "0.5")
+    assert watch_interval() == 0.5
 
 
 def _failed_rooms(pair: Pair) -> tuple[list[Any], Counter[str]]:

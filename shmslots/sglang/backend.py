@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import os
 import re
 import threading
@@ -67,6 +68,7 @@ import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
+from ..errors import InvalidArgument
 from ..segment import SHM_DIR
 from .samehost import PREFIX, PeerRegistry, SameHostEngine
 
@@ -152,6 +154,12 @@ class _Holders:
         with self._lock:
             receivers = [r for held in self._held.values() for r in list(held)]
         return [r for r in receivers if any(id(e) in ids for e in _entries(r))]
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The rank entries of every live receiver that still owns its room id."""
+        with self._lock:
+            receivers = [r for held in self._held.values() for r in list(held)]
+        return [e for r in receivers if r._owns_bootstrap_room for e in _entries(r)]
 
     def of(self, room: Any) -> list[Any]:
         """The live receivers of `room`."""
@@ -253,6 +261,19 @@ class _Ranks:
         _trim(self._known, DEAD_RANK_ENTRIES)
 
 
+def watch_interval() -> float:
+    """Seconds between the decode watcher's looks (WATCH_ENV, 0.02 by default): refused at
+    the manager's start unless a finite number above 0, not a dead or spinning watcher."""
+    raw = os.environ.get(WATCH_ENV, "0.02")
+    try:
+        interval = float(raw)
+    except ValueError:
+        interval = math.nan
+    if not 0 < interval < math.inf:
+        raise InvalidArgument(f"{WATCH_ENV}={raw!r}: expected seconds, a number above 0")
+    return interval
+
+
 def _entries(receiver: object) -> list[dict[str, Any]]:
     """A receiver's prefill rank entries (SGLang's `bootstrap_infos`): none before `init`."""
     return list(getattr(receiver, "bootstrap_infos", None) or ())
@@ -341,8 +362,12 @@ def _classes() -> dict[str, type]:
             self._ranks = _Ranks()
             self._watch_stop = threading.Event()
             if self.disaggregation_mode == DisaggregationMode.DECODE:
+                interval = watch_interval()
                 self._watcher = threading.Thread(
-                    target=self._watch_prefills, name="ShmslotsPrefillWatch", daemon=True
+                    target=self._watch_prefills,
+                    args=(interval,),
+                    name="ShmslotsPrefillWatch",
+                    daemon=True,
                 )
                 self._watcher.start()
 
@@ -362,8 +387,7 @@ def _classes() -> dict[str, type]:
         def _poison_unsettled_send(self, room: int) -> None:
             """Nothing is left writing after a failed same-host call: ack as usual."""
 
-        def _watch_prefills(self) -> None:
-            interval = float(os.environ.get(WATCH_ENV, "0.02"))
+        def _watch_prefills(self, interval: float) -> None:
             while not self._watch_stop.wait(interval):
                 try:
                     self._check_prefills()
@@ -375,7 +399,10 @@ def _classes() -> dict[str, type]:
             as SGLang's heartbeat would after 2 x 5 s.  The dead ranks' entries, and those
             of rooms awaiting ACKs, are noted by identity: a room is safe to release at once
             only when every rank that may write it is (`is_abort_release_safe`)."""
-            awaiting = self._aborts.entries()  # before any look: each look is after its fetch
+            # before any look, so each look is after its entry's fetch: the ranks of rooms
+            # awaiting ACKs, and of every room in flight (SGLang drops a server's cached
+            # entries, `invalidate_cached_bootstrap_infos`, while receivers still hold them)
+            held = [*self._aborts.entries(), *self._holders.entries()]
             with self.connection_lock:
                 entries_of: dict[str, list[dict[str, Any]]] = {}  # each server's rank entries
                 addrs = list(self.prefill_info_table)  # the scheduler adds servers unlocked
@@ -395,9 +422,10 @@ def _classes() -> dict[str, type]:
                 if dead:
                     self._note_dead(dead)
                     self._handle_node_failure(addr)
-            # SGLang forgets a failed server's ranks, and a failed room's before it aborts the
-            # room: a room awaiting ACKs has its ranks watched here until it is released
-            self._note_dead(e for e in awaiting if not lives(_rank_registry(e)))
+            # SGLang forgets a failed server's ranks, a failed room's before it aborts the
+            # room, and a server's whenever one request times out: a room's ranks are
+            # watched here until it is released
+            self._note_dead(e for e in held if not lives(_rank_registry(e)))
             self._ranks.keep_only(alive)  # let go of forgotten servers' registries
 
         def _note_dead(self, entries: Iterable[dict[str, Any]]) -> None:
