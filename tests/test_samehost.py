@@ -1372,6 +1372,40 @@ def test_an_owner_once_seen_exiting_stays_gone_while_its_threads_are_reaped() ->
                 reg.close()
 
 
+def _thread_churner(conn: Connection) -> None:
+    """An engine in a process whose threads come and go, as any server's pools do."""
+
+    def churn() -> None:
+        while True:
+            one = threading.Thread(target=int)
+            one.start()
+            one.join()
+
+    with SameHostEngine(f"{NAME}-churn-{os.getpid()}", receives=False) as engine:
+        for _ in range(2):
+            threading.Thread(target=churn, daemon=True).start()
+        conn.send(engine.get_session_id())
+        conn.recv()
+
+
+def test_an_owner_whose_threads_come_and_go_is_never_read_as_gone() -> None:
+    """A thread released between the open and the read of its /proc stat file gives ESRCH,
+    which was taken for the whole process reaped: a live prefill read as gone about 500
+    times a second, and the decode's watcher would fail its rooms and release their pages
+    while it still wrote them."""
+    with peer_process(_thread_churner) as (_, session, proc):
+        reg = samehost.PeerRegistry(*samehost.parse_session(session))
+        try:
+            reg.refresh()
+            looks, until = 0, time.monotonic() + 3
+            while time.monotonic() < until:
+                assert not reg.owner_gone(), f"read as gone at look {looks}"
+                looks += 1
+            assert proc.is_alive() and reg.alive() and looks > 1000
+        finally:
+            reg.close()
+
+
 def test_memory_the_engine_lets_go_is_private_again() -> None:
     """Deregistered (here: the engine closed), a moved range goes back onto private pages
     with its bytes and leaves the memfd: a child forked afterwards copies it on write instead

@@ -468,8 +468,8 @@ def _exiting(stat_path: str) -> bool:
     """Whether the thread of this /proc stat file has begun to exit (its flags, field 9)."""
     try:
         return bool(int(stat_fields(stat_path)[FLAGS_FIELD]) & PF_EXITING)
-    except FileNotFoundError:
-        return True  # reaped since the listing
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: released between open and read
+        return True  # reaped since the listing: it exited (not a sign the process did)
 
 
 def parse_regions(name: str, payload: bytes) -> RegionTable:
