@@ -481,8 +481,9 @@ _engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
 def _close_engines_in_child() -> None:
     """A child made by fork() gets its parent's engines closed: they are its parent's, and
     so are their memfds, whose ranges are not mapped here (MADV_DONTFORK).  Its copies of
-    their peers' descriptors and mappings go too (a peer's memory stays mapped while any
-    process maps it), all but GPU mappings (no CUDA call in a forked child)."""
+    their peers' descriptors go too; their peers' files were not mapped here either
+    (MADV_DONTFORK: a peer's memory stays while any process maps it, and a mapping held
+    by another thread at the fork was out of reach here), nor their GPU memory opened."""
     for engine in list(_engines):
         # a lock the pruner held at the fork stays held here: new ones
         engine._lock = threading.Lock()
@@ -491,7 +492,7 @@ def _close_engines_in_child() -> None:
         engine._closed, engine._peers, engine._busy = True, {}, set()
         for peer in peers:
             with contextlib.suppress(Exception):  # never raised into the child's fork()
-                peer.close(devices=False)
+                peer.close_in_child()
         parts, engine._parts = engine._parts, {}
         engine._own = EMPTY
         for region in itertools.chain(*parts.values()):

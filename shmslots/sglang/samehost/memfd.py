@@ -57,18 +57,18 @@ SHARE_CHUNK = 64 << 20  # copied and remapped at a time: the most memory the mov
 # Moved ranges are MADV_DONTFORK (as RDMA registrations are): a child made by fork() does
 # not get them, rather than share them with its parent (its malloc could write the parent's
 # memory) or copy whole pools at every fork.  The guard keeps fork out of the moment between
-# a chunk's mapping and its madvise.
-_fork_guard = threading.Lock()
+# a chunk's mapping and its madvise (and peer.py's, between a peer's file's open and close).
+fork_guard = threading.Lock()
 
 
 def _release_in_child() -> None:
     with contextlib.suppress(RuntimeError):  # held by `before`, unless fork skipped it
-        _fork_guard.release()
+        fork_guard.release()
 
 
 os.register_at_fork(
-    before=_fork_guard.acquire,
-    after_in_parent=_fork_guard.release,
+    before=fork_guard.acquire,
+    after_in_parent=fork_guard.release,
     after_in_child=_release_in_child,
 )
 
@@ -92,7 +92,7 @@ def share(region: Region) -> list[Region]:
             done = 0
             while done < n:
                 done += os.pwrite(fd, data[done:], at + done)
-            with _fork_guard:  # no child may be forked between the mapping and the madvise
+            with fork_guard:  # no child may be forked between the mapping and the madvise
                 got = _libc.mmap(lo + at, n, PROT_RW, MAP_SHARED_FIXED, fd, at)
                 if got != lo + at:  # the old pages may be gone: no quiet fallback from here
                     err = ctypes.get_errno()

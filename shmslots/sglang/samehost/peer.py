@@ -37,7 +37,7 @@ from ...participants import process_start_ticks
 from ...segment import SHM_DIR, open_shm_file
 from .. import cuda_kv
 from .errors import PeerGone, TransferError
-from .memfd import SEALS
+from .memfd import SEALS, fork_guard
 from .regions import Region
 from .registry import PeerRegistry, holds_lock, this_pidns
 
@@ -71,6 +71,10 @@ class DeviceMapping:
         drv = cuda_kv.driver()
         if drv is not None:  # opened through it: it is there
             drv.close(self.device, self.address)
+
+
+# a forked child's copies of its parent's peer file mappings (see Peer.close_in_child)
+_NOT_MAPPED_HERE: list[mmap.mmap] = []
 
 
 class Peer:
@@ -178,36 +182,49 @@ class Peer:
         key = (region.shm or region.memfd, region.inode)
         got = self.maps.get(key)
         if got is None:
-            fd = self._open_file(region)
-            if fd < 0:
+            with fork_guard:  # a child forked now would keep the descriptor or the mapping
+                mm = self._map_file(region)
+            if mm is None:
                 return None
-            try:
-                st = os.fstat(fd)
-                if st.st_ino != region.inode:
-                    raise PeerGone(
-                        f"{self._file(region)} is no longer the file the peer registered"
-                    )
-                if st.st_uid != os.geteuid():
-                    raise TransferError(f"{self._file(region)} belongs to uid {st.st_uid}")
-                if not stat.S_ISREG(st.st_mode) or (
-                    region.shm is not None and st.st_dev != os.stat(SHM_DIR).st_dev
-                ):
-                    raise TransferError(f"{self._file(region)} is not a shared-memory file")
-                if region.memfd >= 0 and _seals(fd) & SEALS != SEALS:
-                    raise TransferError(
-                        f"{self._file(region)} may shrink under this mapping (not sealed)"
-                    )
-                if region.offset + region.length > st.st_size:
-                    raise TransferError(f"region of {self._file(region)} lies past its end")
-                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            finally:
-                os.close(fd)
             got = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
             self.maps[key] = got
         mm, address = got
         if region.offset + region.length > len(mm):
             raise TransferError(f"region of {self._file(region)} lies past its end")
         return address + region.offset
+
+    def _map_file(self, region: Region) -> mmap.mmap | None:
+        """`region`'s whole file mapped, checked first (None: see `mapping`).  Not inherited
+        by a forked child (MADV_DONTFORK): a decode's memory is not kept alive by a prefill's
+        child that lives on, whichever thread held the mapping at the fork."""
+        fd = self._open_file(region)
+        if fd < 0:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != region.inode:
+                raise PeerGone(f"{self._file(region)} is no longer the file the peer registered")
+            if st.st_uid != os.geteuid():
+                raise TransferError(f"{self._file(region)} belongs to uid {st.st_uid}")
+            if not stat.S_ISREG(st.st_mode) or (
+                region.shm is not None and st.st_dev != os.stat(SHM_DIR).st_dev
+            ):
+                raise TransferError(f"{self._file(region)} is not a shared-memory file")
+            if region.memfd >= 0 and _seals(fd) & SEALS != SEALS:
+                raise TransferError(
+                    f"{self._file(region)} may shrink under this mapping (not sealed)"
+                )
+            if region.offset + region.length > st.st_size:
+                raise TransferError(f"region of {self._file(region)} lies past its end")
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        try:
+            mm.madvise(mmap.MADV_DONTFORK)
+        except BaseException:
+            mm.close()
+            raise
+        return mm
 
     def _open_file(self, region: Region) -> int:
         """A descriptor of `region`'s file, opened anew here (an open file of its own, which
@@ -282,17 +299,28 @@ class Peer:
             self.devices.pop(k) for k in [k for k in self.devices if k[0] not in handles]
         ]
 
-    def close(self, devices: bool = True) -> None:
-        """Let go of the peer: its pidfd, mappings and registry; its GPU mappings only with
-        `devices` (a forked child may not call CUDA: it leaves them to the parent)."""
+    def close(self) -> None:
+        """Let go of the peer: its mappings, pidfd and registry."""
+        close_all([mm for mm, _ in self.maps.values()])
+        close_all(list(self.devices.values()))
+        self.maps.clear()
+        self.devices.clear()
+        self._close_handles()
+
+    def close_in_child(self) -> None:
+        """In a child made by fork(): let go of its copies of the pidfd and the registry.
+        The file mappings were not inherited (MADV_DONTFORK: their ranges here may hold the
+        child's own mappings by now, so their objects are kept, never unmapped), and the GPU
+        mappings are the parent's (a forked child may not call CUDA)."""
+        _NOT_MAPPED_HERE.extend(mm for mm, _ in self.maps.values())
+        self.maps.clear()
+        self.devices.clear()
+        self._close_handles()
+
+    def _close_handles(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
-        close_all([mm for mm, _ in self.maps.values()])
-        self.maps.clear()
-        if devices:
-            close_all(list(self.devices.values()))
-        self.devices.clear()
         self.registry.close()
 
 
