@@ -27,7 +27,7 @@ import torch
 import shmslots.sglang.samehost.engine as engine_code
 from shmslots.errors import ShmSlotsError
 from shmslots.segment import SHM_DIR
-from shmslots.sglang import samehost
+from shmslots.sglang import backend, samehost
 from shmslots.sglang.samehost import (
     EngineClosed,
     PeerGone,
@@ -1398,6 +1398,48 @@ def test_an_owner_once_seen_exiting_stays_gone_while_its_threads_are_reaped() ->
                     assert time.monotonic() < deadline
             finally:
                 reg.close()
+
+
+def _big_exiter(conn: Connection, writer: Connection) -> None:
+    """An engine in a process with 256 MiB of shared memory mapped (its teardown takes
+    ms), and a pipe's writing end, which closes with its other descriptors."""
+    import mmap
+
+    mm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    mm.write(b"x" * (256 << 20))
+    with SameHostEngine(f"{NAME}-exiter-{os.getpid()}", receives=False) as engine:
+        conn.send(engine.get_session_id())
+        conn.recv()
+    del writer
+
+
+def test_an_owner_has_exited_whole_only_once_its_descriptors_are_closed() -> None:
+    """A decode that takes copies into GPU memory may release a dead prefill's pages only
+    once the prefill's descriptors, its GPU driver's among them, are closed: its GPU may
+    run the copies it queued until then.  `exited` says so only then (here a pipe's end,
+    closed with them), later than `owner_gone`, and before the process is reaped."""
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    with peer_process(_big_exiter, writer) as (_, session, proc):
+        writer.close()
+        reg = samehost.PeerRegistry(*samehost.parse_session(session))
+        try:
+            reg.refresh()
+            ranks = backend._Ranks()  # the decode's watcher's view, for a decode with GPU KV
+            assert not reg.exited() and not reg.owner_gone()
+            assert ranks.alive(reg.name, until_exited=True)
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while ranks.alive(reg.name, until_exited=True):
+                assert time.monotonic() < deadline
+            assert reg.exited()  # (not reaped: nothing here waits for it yet)
+            assert reader.poll(0), "exited before its descriptors were closed"
+            with pytest.raises(EOFError):
+                reader.recv()
+            assert reg.owner_gone() and os.path.exists(f"/proc/{proc.pid}")  # a zombie
+        finally:
+            reg.close()
+            reader.close()
 
 
 def _thread_churner(conn: Connection) -> None:

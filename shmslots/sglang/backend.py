@@ -220,15 +220,18 @@ class _Ranks:
         # means that engine is gone (a restart makes its registry before it registers)
         self._known: dict[str, None] = {}
 
-    def alive(self, name: str) -> bool:
+    def alive(self, name: str, until_exited: bool = False) -> bool:
         """False once the registry seen alive under `name` is unlocked, removed or replaced,
         or its owner has begun to exit (before its lock goes: `PeerRegistry.owner_gone`),
-        and no live registry has taken the name since.  A rank restarted under the name is
-        alive: rooms bootstrapped to it must not be released as the dead one's (those keep
-        SGLang's path).  A name never seen is alive: not this host's engine, or not up yet."""
+        and no live registry has taken the name since.  With `until_exited` (this decode
+        takes copies into GPU memory, which a dying owner's GPU may still run), an owner
+        that began to exit lives until it has exited whole (`PeerRegistry.exited`).  A rank
+        restarted under the name is alive: rooms bootstrapped to it must not be released
+        as the dead one's (those keep SGLang's path).  A name never seen is alive: not this
+        host's engine, or not up yet."""
         reg = self._seen.pop(name, None)
         if reg is not None:
-            if reg.alive() and reg.named() and not reg.owner_gone():
+            if _lives(reg, reg.named(), until_exited):
                 self._seen[name] = reg
                 return True
             self._let_go(name, reg)
@@ -241,7 +244,7 @@ class _Ranks:
         except Exception:
             reg.close()
             return True  # not published yet, or another format: looked at again
-        if reg.alive() and not reg.owner_gone():
+        if _lives(reg, True, until_exited):
             self._seen[name] = reg
             return True
         reg.close()
@@ -259,6 +262,16 @@ class _Ranks:
         self._known.pop(name, None)  # the newest known stay: the ones still asked about
         self._known[name] = None
         _trim(self._known, DEAD_RANK_ENTRIES)
+
+
+def _lives(reg: PeerRegistry, named: bool, until_exited: bool) -> bool:
+    """`_Ranks.alive`'s test of one registry.  Its lock is read before its owner's exit:
+    a dying owner sets its exit flags before its lock goes, so a lock found gone with no
+    exit seen after was let go of by a live owner, which has ended its transfers first."""
+    held = reg.alive() and named
+    if reg.owner_gone():
+        return until_exited and not reg.exited()
+    return held
 
 
 def watch_interval() -> float:
@@ -412,9 +425,11 @@ def _classes() -> dict[str, type]:
                             entries_of.setdefault(addr, []).extend(entries)
             alive: dict[str, bool] = {}  # each name looked at once a pass
 
+            gpu = self.engine.holds_device_memory
+
             def lives(name: str) -> bool:
                 if name not in alive:
-                    alive[name] = self._ranks.alive(name)
+                    alive[name] = self._ranks.alive(name, until_exited=gpu)
                 return alive[name]
 
             for addr, entries in entries_of.items():

@@ -131,6 +131,12 @@ class SameHostEngine:
     def register(self, ptr: int, length: int) -> int:
         return self.batch_register([ptr], [length])
 
+    @property
+    def holds_device_memory(self) -> bool:
+        """Whether it registered GPU memory: a peer's copies into it run on the peer's GPU,
+        and may land until the peer's process has exited whole (`PeerRegistry.exited`)."""
+        return any(r.handle is not None for r in self._own.regions)
+
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
         """Withdraw the ranges registered at `ptrs`; a moved range goes back onto private
         pages, its bytes kept.  -1, and nothing withdrawn, if one was not registered (as

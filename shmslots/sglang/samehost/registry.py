@@ -368,6 +368,25 @@ class PeerRegistry:
             return True
         return bool(flags & PF_EXITING) and self.owner_gone()
 
+    def exited(self) -> bool:
+        """Whether the owner has exited whole: reaped, or its leader a zombie with no other
+        thread left.  Only then are its descriptors all closed, a GPU driver's among them,
+        whose release ends the copies it had queued; `owner_gone` (begun to exit) comes
+        before that, and so may the registry's lock (closed in the same batch).  False
+        where the owner lives in another pid namespace."""
+        if not self.pid or self.pidns != this_pidns():
+            return False
+        try:
+            if _start_ticks(self.pid) != self.start_ticks:
+                return True
+            if os.listdir(f"/proc/{self.pid}/task") != [str(self.pid)]:
+                return False
+            return stat_fields(f"/proc/{self.pid}/stat")[0] in (b"Z", b"X")
+        except (FileNotFoundError, ProcessLookupError):
+            return True  # reaped
+        except OSError:
+            return False  # not known: not exited until known
+
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did (one thread at a
         time: the engine calls it under its peer's lock).  A copy read
