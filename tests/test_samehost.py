@@ -718,20 +718,12 @@ def test_a_forked_child_lets_go_of_its_parents_peers(writer) -> None:  # type: i
         inodes = {inode for _, inode in peer.maps}
         fds = [peer.pidfd, peer.registry.segment.fd]
         assert inodes and all(fd >= 0 for fd in fds)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, and leave at once
-            try:
-                mapped = inodes & {m[4] for m in mappings()}
-                still_open = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
-                os.write(write, repr((sorted(mapped), still_open)).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as f:
-            report = f.read()
-        os.waitpid(pid, 0)
-        assert report == "([], [])"
+
+        def report() -> object:
+            mapped = inodes & {m[4] for m in mappings()}
+            return sorted(mapped), [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+        assert _in_forked_child(report) == "([], [])"
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [start], [64]) == 0
         conn.send("report")  # the parent's engine still writes it
         assert conn.recv()[5 * os.sysconf("SC_PAGESIZE") :][:64] == src.numpy().tobytes()[:64]
@@ -750,19 +742,25 @@ def test_a_peers_file_mapped_by_another_thread_at_the_fork_is_not_the_childs(wri
         [region] = [r for r in peer.registry.table.regions if r.memfd >= 0][:1]
         held = peer._map_file(region)  # as another thread holds one mid-way
         assert held is not None
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(write, repr([m[4] for m in mappings() if m[4] == region.inode]).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as f:
-            report = f.read()
-        os.waitpid(pid, 0)
+        report = _in_forked_child(lambda: [m[4] for m in mappings() if m[4] == region.inode])
         held.close()
         assert report == "[]"
+
+
+def _in_forked_child(report: Callable[[], object]) -> str:
+    """repr(report()) as a child forked now sees it (it leaves at once)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, repr(report()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        seen = f.read()
+    os.waitpid(pid, 0)
+    return seen
 
 
 def _forging_victim(conn: Connection) -> None:
