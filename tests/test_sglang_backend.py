@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(env.SGLANG_MISSING is not None, reason=env.SGLAN
 from pd_env import Pair, Shape, forgotten_main, ids_main, window_main  # noqa: E402
 
 from shmslots.errors import InvalidArgument  # noqa: E402
-from shmslots.sglang import backend  # noqa: E402
 from shmslots.sglang.backend import WATCH_ENV, watch_interval  # noqa: E402
 
 CUDA_ONLY = [
@@ -292,23 +291,6 @@ def test_a_prefills_death_fails_rooms_whose_ranks_sglang_forgot(rank: int) -> No
         _, failed, took = pair.reply(pair.decode, 60)
         proc.join(10)
     assert failed and took < 2.0, took  # 0.02-0.03 s here, idle: the watcher's interval
-
-
-def test_the_watcher_reads_a_receiver_held_before_sglangs_init_of_it() -> None:
-    """A receiver is held before SGLang's `__init__` of it runs (which may bootstrap for
-    seconds): the watcher's pass then found no `_owns_bootstrap_room` and failed whole, and
-    saw no prefill die meanwhile."""
-
-    class Receiver:  # as SGLang's is before its __init__ sets anything
-        pass
-
-    holders = backend._Holders()
-    early, done = Receiver(), Receiver()
-    done.bootstrap_infos = [{"rank": 0}]  # type: ignore[attr-defined]
-    done._owns_bootstrap_room = True  # type: ignore[attr-defined]
-    holders.hold(early, 7)
-    holders.hold(done, 8)
-    assert holders.entries() == [{"rank": 0}]
 
 
 def test_a_bad_watch_interval_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,12 +156,10 @@ class _Holders:
         return [r for r in receivers if any(id(e) in ids for e in _entries(r))]
 
     def entries(self) -> list[dict[str, Any]]:
-        """The rank entries of every live receiver that still owns its room id (one still
-        in SGLang's `__init__`, held before it, has none yet)."""
+        """The rank entries of every live receiver that still owns its room id."""
         with self._lock:
             receivers = [r for held in self._held.values() for r in list(held)]
-        owning = [r for r in receivers if getattr(r, "_owns_bootstrap_room", True)]
-        return [e for r in owning for e in _entries(r)]
+        return [e for r in receivers if r._owns_bootstrap_room for e in _entries(r)]
 
     def of(self, room: Any) -> list[Any]:
         """The live receivers of `room`."""
