@@ -14,7 +14,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
@@ -28,7 +27,7 @@ from ..._core import copy_blocks, fence
 from ...errors import InvalidArgument, ShmSlotsError
 from .. import cuda_kv
 from .errors import EngineClosed, PeerGone, TransferError
-from .memfd import share, unshare
+from .memfd import FileMapping, share, unshare
 from .peer import DeviceMapping, Peer, allow_peers, close_all
 from .plan import Plan, integer, plan
 from .regions import EMPTY, Region, RegionTable, classify
@@ -361,7 +360,7 @@ class SameHostEngine:
         """The session's peer, opened on first use, with one more user.  A new session
         first lets go of dead peers: a restarted decode's old mappings (its GPU memory
         above all, which its new process may be allocating again) go before the new ones."""
-        doomed: list[Peer | mmap.mmap | DeviceMapping] = []
+        doomed: list[Peer | FileMapping | DeviceMapping] = []
         try:
             with self._lock:
                 if self._closed:
@@ -395,10 +394,10 @@ class SameHostEngine:
             doomed = [] if self._closed else self._prune()
         close_all(doomed)
 
-    def _prune(self) -> list[Peer | mmap.mmap | DeviceMapping]:
+    def _prune(self) -> list[Peer | FileMapping | DeviceMapping]:
         """What `prune` lets go of, taken out under the engine's lock (no transfer uses
         these peers) for the caller to close outside it."""
-        doomed: list[Peer | mmap.mmap | DeviceMapping] = []
+        doomed: list[Peer | FileMapping | DeviceMapping] = []
         for session, peer in list(self._peers.items()):
             if peer.users:
                 continue
@@ -487,9 +486,10 @@ _engines: weakref.WeakSet[SameHostEngine] = weakref.WeakSet()
 def _close_engines_in_child() -> None:
     """A child made by fork() gets its parent's engines closed: they are its parent's, and
     so are their memfds, whose ranges are not mapped here (MADV_DONTFORK).  Its copies of
-    their peers' descriptors go too; their peers' files were not mapped here either
-    (MADV_DONTFORK: a peer's memory stays while any process maps it, and a mapping held
-    by another thread at the fork was out of reach here), nor their GPU memory opened."""
+    their peers' pidfds and registries go too; their peers' files were neither mapped nor
+    open here (`FileMapping`: a peer's memory stays while any process maps or opens it, and
+    a mapping held by another thread at the fork was out of reach here), nor their GPU
+    memory opened."""
     for engine in list(_engines):
         # a lock the pruner held at the fork stays held here: new ones
         engine._lock = threading.Lock()

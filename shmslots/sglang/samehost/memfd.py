@@ -48,6 +48,7 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 MREMAP_MAYMOVE_FIXED = 1 | 2
 FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 MADV_DONTFORK = 10
+MADV_POPULATE_WRITE = 23  # Linux 5.14
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what a peer's mapping needs: no SIGBUS
 MEMFD_NAME = "shmslots-pd"  # /proc/<pid>/maps shows it as /memfd:shmslots-pd
 
@@ -71,6 +72,35 @@ os.register_at_fork(
     after_in_parent=fork_guard.release,
     after_in_child=_release_in_child,
 )
+
+
+class FileMapping:
+    """A peer's whole file mapped shared here, by address.  It keeps no descriptor (Python's
+    mmap keeps one, which kept a decode's memory alive in a prefill's forked child) and is
+    MADV_DONTFORK, so a child made by fork() has neither; only `close` unmaps it, never a
+    child's copy (its range there may hold the child's own mappings by then)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        """Mapped and marked under `fork_guard` (no child between the two), by the caller."""
+        address = _libc.mmap(None, size, PROT_RW, mmap.MAP_SHARED, fd, 0)
+        if address in (None, MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap: {os.strerror(err)}")
+        if _libc.madvise(address, size, MADV_DONTFORK):
+            err = ctypes.get_errno()
+            _libc.munmap(address, size)
+            raise OSError(err, f"madvise(MADV_DONTFORK): {os.strerror(err)}")
+        self.address, self.size = int(address), size
+
+    def populate(self) -> None:
+        """Make its page tables now, so no transfer pays page faults (outside the fork
+        guard: GiBs take a while).  A kernel without MADV_POPULATE_WRITE faults them later."""
+        _libc.madvise(self.address, self.size, MADV_POPULATE_WRITE)
+
+    def close(self) -> None:
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
 
 
 def share(region: Region) -> list[Region]:

@@ -24,7 +24,6 @@ import ctypes
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import signal
 import stat
@@ -37,7 +36,7 @@ from ...participants import process_start_ticks
 from ...segment import SHM_DIR, open_shm_file
 from .. import cuda_kv
 from .errors import PeerGone, TransferError
-from .memfd import SEALS, fork_guard
+from .memfd import SEALS, FileMapping, fork_guard
 from .regions import Region
 from .registry import PeerRegistry, holds_lock, this_pidns
 
@@ -73,10 +72,6 @@ class DeviceMapping:
             drv.close(self.device, self.address)
 
 
-# a forked child's copies of its parent's peer file mappings (see Peer.close_in_child)
-_NOT_MAPPED_HERE: list[mmap.mmap] = []
-
-
 class Peer:
     """What this engine keeps of one peer session: its registry, and the ways into it."""
 
@@ -84,7 +79,7 @@ class Peer:
         self.registry = registry
         self.pidfd = -1
         self.pid = self._start = 0  # the owner's, as the kernel vouched for it (the pidfd's)
-        self.maps: dict[tuple[str | int, int], tuple[mmap.mmap, int]] = {}
+        self.maps: dict[tuple[str | int, int], FileMapping] = {}
         self.devices: dict[tuple[str, str], DeviceMapping] = {}  # by (IPC handle, our GPU)
         self.no_reopen = False  # its memfds cannot be opened here: they go as anonymous memory
         self.lock = threading.Lock()  # opening: the registry's re-read, mappings, the pidfd
@@ -183,20 +178,19 @@ class Peer:
         got = self.maps.get(key)
         if got is None:
             with fork_guard:  # a child forked now would keep the descriptor or the mapping
-                mm = self._map_file(region)
-            if mm is None:
+                got = self._map_file(region)
+            if got is None:
                 return None
-            got = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+            got.populate()
             self.maps[key] = got
-        mm, address = got
-        if region.offset + region.length > len(mm):
+        if region.offset + region.length > got.size:
             raise TransferError(f"region of {self._file(region)} lies past its end")
-        return address + region.offset
+        return got.address + region.offset
 
-    def _map_file(self, region: Region) -> mmap.mmap | None:
-        """`region`'s whole file mapped, checked first (None: see `mapping`).  Not inherited
-        by a forked child (MADV_DONTFORK): a decode's memory is not kept alive by a prefill's
-        child that lives on, whichever thread held the mapping at the fork."""
+    def _map_file(self, region: Region) -> FileMapping | None:
+        """`region`'s whole file mapped, checked first (None: see `mapping`); neither the
+        mapping nor a descriptor is a forked child's (`FileMapping`), so a decode's memory
+        is not kept alive by a prefill's child that lives on, whatever its threads held."""
         fd = self._open_file(region)
         if fd < 0:
             return None
@@ -216,15 +210,9 @@ class Peer:
                 )
             if region.offset + region.length > st.st_size:
                 raise TransferError(f"region of {self._file(region)} lies past its end")
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            return FileMapping(fd, st.st_size)
         finally:
             os.close(fd)
-        try:
-            mm.madvise(mmap.MADV_DONTFORK)
-        except BaseException:
-            mm.close()
-            raise
-        return mm
 
     def _open_file(self, region: Region) -> int:
         """A descriptor of `region`'s file, opened anew here (an open file of its own, which
@@ -286,14 +274,14 @@ class Peer:
             return repr(region.shm)
         return f"memfd {region.memfd} of {self.registry.name!r}"
 
-    def unlisted(self) -> list[mmap.mmap | DeviceMapping]:
+    def unlisted(self) -> list[FileMapping | DeviceMapping]:
         """The mappings of files and GPU allocations the registry, as last read, no longer
         lists, taken out (for the caller to close: no transfer may be using this peer)."""
         regions = self.registry.table.regions
         listed = {(r.shm or r.memfd, r.inode) for r in regions if r.mapped}
         handles = {r.handle for r in regions}
-        doomed: list[mmap.mmap | DeviceMapping] = [
-            self.maps.pop(k)[0] for k in [k for k in self.maps if k not in listed]
+        doomed: list[FileMapping | DeviceMapping] = [
+            self.maps.pop(k) for k in [k for k in self.maps if k not in listed]
         ]
         return doomed + [
             self.devices.pop(k) for k in [k for k in self.devices if k[0] not in handles]
@@ -301,7 +289,7 @@ class Peer:
 
     def close(self) -> None:
         """Let go of the peer: its mappings, pidfd and registry."""
-        close_all([mm for mm, _ in self.maps.values()])
+        close_all(list(self.maps.values()))
         close_all(list(self.devices.values()))
         self.maps.clear()
         self.devices.clear()
@@ -309,10 +297,8 @@ class Peer:
 
     def close_in_child(self) -> None:
         """In a child made by fork(): let go of its copies of the pidfd and the registry.
-        The file mappings were not inherited (MADV_DONTFORK: their ranges here may hold the
-        child's own mappings by now, so their objects are kept, never unmapped), and the GPU
-        mappings are the parent's (a forked child may not call CUDA)."""
-        _NOT_MAPPED_HERE.extend(mm for mm, _ in self.maps.values())
+        The file mappings were not inherited (`FileMapping`: forgotten, never unmapped),
+        and the GPU mappings are the parent's (a forked child may not call CUDA)."""
         self.maps.clear()
         self.devices.clear()
         self._close_handles()
@@ -362,14 +348,12 @@ def allow_peers() -> None:
         _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
 
 
-def close_all(doomed: Iterable[Peer | mmap.mmap | DeviceMapping]) -> None:
+def close_all(doomed: Iterable[Peer | FileMapping | DeviceMapping]) -> None:
     """Close peers and mappings, outside the engine's lock (freeing a pool's pages takes a
     while); a failure is logged, never raised (a device mapping that will not close leaves
     its peer's memory mapped here)."""
     for closable in doomed:
         try:
             closable.close()
-        except BufferError:  # a view still exported: the mapping goes with it
-            pass
         except Exception:  # never raised into a transfer that has taken its peer
             log.exception("shmslots: closing %r failed", closable)
