@@ -332,6 +332,14 @@ def test_deregistering_what_was_not_registered_is_minus_one_and_withdraws_nothin
         assert peer.batch_deregister([base, base]) == 0  # named twice: withdrawn once
         assert engine.batch_transfer_sync(session, [src.data_ptr()], [base], [64]) == -1
         assert peer.batch_deregister([base]) == -1
+        # an address is read as batch_register reads it: a 0-d tensor was "not registered"
+        # (the range left shared), a 0-d array raised TypeError into the caller
+        kinds: tuple[Callable[[int], Any], ...] = (torch.tensor, np.array)
+        for kind in kinds:
+            peer.batch_register([kind(base)], [pool.numel()])
+            assert peer.batch_deregister([kind(base)]) == 0
+            assert peer.batch_deregister([kind(base)]) == -1
+        assert peer.batch_deregister([1.5]) == -1  # type: ignore[list-item]
 
 
 def test_a_fifo_or_symlink_under_a_registry_name_is_no_registry(writer: Any, tmp_path: Any) -> None:

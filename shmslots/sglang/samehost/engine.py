@@ -143,13 +143,14 @@ class SameHostEngine:
         and only logs a failure)."""
         with self._lock:
             self._check_open()
-            unknown = [p for p in ptrs if p not in self._parts]
-            if unknown:
-                log.warning(
-                    "shmslots: nothing is registered at %r: nothing deregistered", unknown[0]
-                )
+            try:  # read as batch_register reads them
+                bases: set[int] | None = {integer(p) for p in ptrs}
+            except TypeError:
+                bases = None
+            if bases is None or any(p not in self._parts for p in bases):
+                log.warning("shmslots: deregistering %r: not registered; nothing withdrawn", ptrs)
                 return -1
-            gone = [r for p in set(ptrs) for r in self._parts.pop(p)]
+            gone = [r for p in bases for r in self._parts.pop(p)]
             table = RegionTable.of(itertools.chain(*self._parts.values()))
             self._publish(table)
             self._own = table
