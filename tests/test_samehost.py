@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -756,6 +758,25 @@ def test_a_peers_file_mapped_by_another_thread_at_the_fork_is_not_the_childs(wri
         report = _in_forked_child(lambda: [m[4] for m in mappings() if m[4] == region.inode])
         held.close()
         assert report == "[]"
+
+
+def test_a_prefill_engine_collected_unclosed_lets_go_of_its_decodes_files() -> None:
+    """An engine dropped without close() (its pruner holds it weakly) unmaps its mappings
+    of a decode's files when collected, as Python's mmap did: otherwise a dead decode's
+    pool stayed mapped in the prefill until it exited."""
+    src = torch.arange(256, dtype=torch.uint8).repeat(16)
+    with peer_process(_moved_victim) as (_, (session, start, *_), _):
+        start += 5 * os.sysconf("SC_PAGESIZE")  # on its memfd
+        engine = SameHostEngine(f"{NAME}-unclosed-{os.getpid()}")
+        engine.batch_register([src.data_ptr()], [src.numel()])
+        assert engine.batch_transfer_sync(session, [src.data_ptr()], [start], [64]) == 0
+        inodes = {inode for _, inode in engine._peers[session].maps}
+        assert inodes and inodes <= {m[4] for m in mappings()}
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert gone() is None
+        assert not inodes & {m[4] for m in mappings()}
 
 
 def _inode_of(fd: str) -> int:

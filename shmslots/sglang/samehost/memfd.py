@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 
 from .errors import TransferError
@@ -62,7 +63,12 @@ SHARE_CHUNK = 64 << 20  # copied and remapped at a time: the most memory the mov
 fork_guard = threading.Lock()
 
 
+_fork_generation = 0  # one more in each forked child: mappings made before are not its
+
+
 def _release_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
     with contextlib.suppress(RuntimeError):  # held by `before`, unless fork skipped it
         fork_guard.release()
 
@@ -77,12 +83,14 @@ os.register_at_fork(
 class FileMapping:
     """A peer's whole file mapped shared here, by address.  It keeps no descriptor (Python's
     mmap keeps one, which kept a decode's memory alive in a prefill's forked child) and is
-    MADV_DONTFORK, so a child made by fork() has neither; only `close` unmaps it, never a
-    child's copy (its range there may hold the child's own mappings by then)."""
+    MADV_DONTFORK, so a child made by fork() has neither.  Unmapped by `close` or when
+    collected, but never by a child's copy (its range there may hold the child's own
+    mappings by then), nor at interpreter exit (a daemon copy thread may still write)."""
 
     def __init__(self, fd: int, size: int) -> None:
         """Mapped and marked under `fork_guard` (no child between the two), by the caller."""
-        address = _libc.mmap(None, size, PROT_RW, mmap.MAP_SHARED, fd, 0)
+        flags = mmap.MAP_SHARED if POPULATE_LATER else mmap.MAP_SHARED | mmap.MAP_POPULATE
+        address = _libc.mmap(None, size, PROT_RW, flags, fd, 0)
         if address in (None, MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap: {os.strerror(err)}")
@@ -91,16 +99,31 @@ class FileMapping:
             _libc.munmap(address, size)
             raise OSError(err, f"madvise(MADV_DONTFORK): {os.strerror(err)}")
         self.address, self.size = int(address), size
+        self.close = weakref.finalize(self, _unmap, self.address, size, _fork_generation)
+        self.close.atexit = False
 
     def populate(self) -> None:
-        """Make its page tables now, so no transfer pays page faults (outside the fork
-        guard: GiBs take a while).  A kernel without MADV_POPULATE_WRITE faults them later."""
-        _libc.madvise(self.address, self.size, MADV_POPULATE_WRITE)
+        """Make its page tables now, so no transfer pays page faults: outside the fork
+        guard (GiBs take a while) where the kernel can (MADV_POPULATE_WRITE, Linux 5.14),
+        else at the mapping (MAP_POPULATE)."""
+        if POPULATE_LATER:
+            _libc.madvise(self.address, self.size, MADV_POPULATE_WRITE)
 
-    def close(self) -> None:
-        if self.address:
-            _libc.munmap(self.address, self.size)
-            self.address = 0
+
+def _unmap(address: int, size: int, generation: int) -> None:
+    if generation == _fork_generation:  # a forked child's copy: not mapped there
+        _libc.munmap(address, size)
+
+
+def _populates_later() -> bool:
+    page = _libc.mmap(None, PAGE, PROT_RW, MAP_ANONYMOUS_PRIVATE, -1, 0)
+    try:
+        return bool(_libc.madvise(page, PAGE, MADV_POPULATE_WRITE) == 0)
+    finally:
+        _libc.munmap(page, PAGE)
+
+
+POPULATE_LATER = _populates_later()
 
 
 def share(region: Region) -> list[Region]:
