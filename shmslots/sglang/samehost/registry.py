@@ -355,10 +355,7 @@ class PeerRegistry:
         if not self.pid or self.own or self.pidns != this_pidns():
             return False
         try:
-            if self.pid == self._stat_pid:
-                fields = split_stat(os.pread(self._stat_fd, 4096, 0))
-            else:  # an owner not the first (its registry rewritten): read afresh
-                fields = stat_fields(f"/proc/{self.pid}/stat")
+            fields = self._leader_stat()
             started, flags = int(fields[START_FIELD]), int(fields[FLAGS_FIELD])
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped
@@ -377,15 +374,24 @@ class PeerRegistry:
         if not self.pid or self.pidns != this_pidns():
             return False
         try:
-            if _start_ticks(self.pid) != self.start_ticks:
+            fields = self._leader_stat()
+            if int(fields[START_FIELD]) != self.start_ticks:
                 return True
-            if os.listdir(f"/proc/{self.pid}/task") != [str(self.pid)]:
+            if fields[0] not in (b"Z", b"X"):
                 return False
-            return stat_fields(f"/proc/{self.pid}/stat")[0] in (b"Z", b"X")
+            # a zombie leader: its other threads exit too (none is made now), then leave
+            return os.listdir(f"/proc/{self.pid}/task") == [str(self.pid)]
         except (FileNotFoundError, ProcessLookupError):
             return True  # reaped
-        except OSError:
+        except (OSError, ValueError, IndexError):
             return False  # not known: not exited until known
+
+    def _leader_stat(self) -> list[bytes]:
+        """The owner's leader thread's stat fields: through the descriptor kept open for
+        its first owner, else read afresh (an owner not the first: its registry rewritten)."""
+        if self.pid == self._stat_pid:
+            return split_stat(os.pread(self._stat_fd, 4096, 0))
+        return stat_fields(f"/proc/{self.pid}/stat")
 
     def refresh(self) -> bool:
         """Re-read the region list if the owner changed it; True if it did (one thread at a
