@@ -6,14 +6,28 @@
  * gain from it.  ctypes.memmove let it go at every block, and each block then waited to get
  * it back behind any busy Python thread of the process: a 14-block aux row took about 8 ms
  * beside one such thread, against 50 us without it.
+ *
+ * Large blocks are written with non-temporal stores where the CPU has them (SSE2: every
+ * x86-64).  The target is another process's memory, which this one never reads back: a
+ * cached store first reads each target line (a read for ownership) and then evicts this
+ * process's own working set to hold it.  Here a 16 MiB request's 128 KiB pages went at 6.8
+ * GB/s a core with memmove and 10-11 GB/s streamed (25 GB/s on two cores against 13).
  */
 #include "core.h"
 
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* Below this many bytes a call keeps the GIL: its copies take a few microseconds, less than
  * waiting to get the GIL back could. */
 #define RELEASE_BYTES (256 * 1024)
+
+/* A block of at least this many bytes is streamed past the cache: below it the fence at
+ * the end costs more than the reads it saves, and a small block (an aux row's field) is
+ * read by its receiver at once, from cache if it stays there. */
+#define STREAM_BYTES (64 * 1024)
 
 typedef struct {
     char *target;
@@ -39,6 +53,54 @@ block_of(PyObject *item, Block *block)
     return 1;
 }
 
+#if defined(__SSE2__)
+/* memcpy of disjoint ranges with non-temporal stores: 16-byte aligned target stores after an
+ * unaligned head; the caller fences once after its last. */
+static void
+stream_copy(char *target, const char *source, size_t length)
+{
+    size_t head = (16 - ((uintptr_t)target & 15)) & 15;
+    memcpy(target, source, head);
+    size_t i = head;
+    for (; i + 64 <= length; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(source + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(source + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(source + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(source + i + 48));
+        _mm_stream_si128((__m128i *)(target + i), a);
+        _mm_stream_si128((__m128i *)(target + i + 16), b);
+        _mm_stream_si128((__m128i *)(target + i + 32), c);
+        _mm_stream_si128((__m128i *)(target + i + 48), d);
+    }
+    memcpy(target + i, source + i, length - i);
+}
+#endif
+
+/* Copy every block; streamed ones are fenced before this returns, so that the copies are
+ * as visible to the receiver, once the caller says they are done, as memmove's. */
+static void
+copy_all(const Block *all, Py_ssize_t count)
+{
+#if defined(__SSE2__)
+    int streamed = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const Block *b = &all[i];
+        int disjoint = b->target + b->length <= b->source || b->source + b->length <= b->target;
+        if (b->length >= STREAM_BYTES && disjoint) {
+            stream_copy(b->target, b->source, b->length);
+            streamed = 1;
+        } else {
+            memmove(b->target, b->source, b->length);
+        }
+    }
+    if (streamed)
+        _mm_sfence();
+#else
+    for (Py_ssize_t i = 0; i < count; i++)
+        memmove(all[i].target, all[i].source, all[i].length);
+#endif
+}
+
 static PyObject *
 copy_blocks(PyObject *module, PyObject *blocks)
 {
@@ -58,15 +120,13 @@ copy_blocks(PyObject *module, PyObject *blocks)
         }
         total = all[i].length > SIZE_MAX - total ? SIZE_MAX : total + all[i].length;
     }
-    /* memmove: a block's source and target may overlap (the planner allows it) */
+    /* a block's source and target may overlap (the planner allows it): those are memmoved */
     if (total >= RELEASE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            memmove(all[i].target, all[i].source, all[i].length);
+        copy_all(all, count);
         Py_END_ALLOW_THREADS
     } else {
-        for (Py_ssize_t i = 0; i < count; i++)
-            memmove(all[i].target, all[i].source, all[i].length);
+        copy_all(all, count);
     }
     PyMem_Free(all);
     Py_RETURN_NONE;
