@@ -3,12 +3,14 @@ whether it is streamed past the cache (large, disjoint) or moved (small, or over
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 
-from shmslots._core import copy_blocks
+from shmslots._core import COPY_STREAM_BYTES, copy_blocks
 
-STREAM = 64 * 1024  # blockcopy.c's STREAM_BYTES
+STREAM = COPY_STREAM_BYTES or 64 * 1024  # where not streamed, the same cases still hold
 
 
 def _reference(buf: np.ndarray, blocks: list[tuple[int, int, int]]) -> np.ndarray:
@@ -48,6 +50,28 @@ def test_overlapping_blocks_move_as_memmove_does(shift: int) -> None:
         want = _reference(buf, [(src, dst, length)])
         _run(buf, [(src, dst, length)])
         assert np.array_equal(buf, want)
+
+
+def test_large_blocks_are_streamed_on_x86_64() -> None:
+    """Streaming is an x86-64 build's (SSE2 is in its baseline): not silently lost."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("non-temporal stores are built for x86-64 only")
+    assert COPY_STREAM_BYTES == 64 * 1024
+
+
+@pytest.mark.parametrize("overlap", [-1, 0, 1, 2, 15, 16, 17, 64])
+@pytest.mark.parametrize("above", [True, False])
+def test_blocks_at_the_edge_of_overlapping(overlap: int, above: bool) -> None:
+    """Adjacent (overlap 0), a byte apart (-1) or overlapping by a byte or more: a block
+    streamed though it overlaps its source would read bytes it had already written."""
+    length = STREAM + 37
+    rng = np.random.default_rng(overlap * 2 + above + 100)
+    buf = rng.integers(0, 256, 2 * length + 256, dtype=np.uint8)
+    a, b = 32, 32 + length - overlap
+    src, dst = (a, b) if above else (b, a)
+    want = _reference(buf, [(src, dst, length)])
+    _run(buf, [(src, dst, length)])
+    assert np.array_equal(buf, want)
 
 
 def test_a_call_of_many_blocks_lands_in_call_order() -> None:

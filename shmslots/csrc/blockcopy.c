@@ -60,6 +60,8 @@ static void
 stream_copy(char *target, const char *source, size_t length)
 {
     size_t head = (16 - ((uintptr_t)target & 15)) & 15;
+    if (head > length)
+        head = length;
     memcpy(target, source, head);
     size_t i = head;
     for (; i + 64 <= length; i += 64) {
@@ -85,7 +87,9 @@ copy_all(const Block *all, Py_ssize_t count)
     int streamed = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         const Block *b = &all[i];
-        int disjoint = b->target + b->length <= b->source || b->source + b->length <= b->target;
+        /* modular differences: no pointer arithmetic past either range, no wrap */
+        uintptr_t t = (uintptr_t)b->target, s = (uintptr_t)b->source;
+        int disjoint = t - s >= b->length && s - t >= b->length;
         if (b->length >= STREAM_BYTES && disjoint) {
             stream_copy(b->target, b->source, b->length);
             streamed = 1;
@@ -93,7 +97,7 @@ copy_all(const Block *all, Py_ssize_t count)
             memmove(b->target, b->source, b->length);
         }
     }
-    if (streamed)
+    if (streamed) /* here: a locked instruction (the engine's fence()) orders no stream */
         _mm_sfence();
 #else
     for (Py_ssize_t i = 0; i < count; i++)
@@ -142,5 +146,12 @@ static PyMethodDef blockcopy_methods[] = {
 int
 blockcopy_add(PyObject *m)
 {
+#if defined(__SSE2__)
+    long streamed_from = STREAM_BYTES;
+#else
+    long streamed_from = 0;
+#endif
+    if (PyModule_AddIntConstant(m, "COPY_STREAM_BYTES", streamed_from) < 0)
+        return -1;
     return PyModule_AddFunctions(m, blockcopy_methods);
 }
