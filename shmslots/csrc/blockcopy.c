@@ -16,9 +16,6 @@
 #include "core.h"
 
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 /* Below this many bytes a call keeps the GIL: its copies take a few microseconds, less than
  * waiting to get the GIL back could. */
@@ -26,8 +23,13 @@
 
 /* A block of at least this many bytes is streamed past the cache: below it the fence at
  * the end costs more than the reads it saves, and a small block (an aux row's field) is
- * read by its receiver at once, from cache if it stays there. */
+ * read by its receiver at once, from cache if it stays there.  0: no streaming built. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #define STREAM_BYTES (64 * 1024)
+#else
+#define STREAM_BYTES 0
+#endif
 
 typedef struct {
     char *target;
@@ -53,7 +55,7 @@ block_of(PyObject *item, Block *block)
     return 1;
 }
 
-#if defined(__SSE2__)
+#if STREAM_BYTES
 /* memcpy of disjoint ranges with non-temporal stores: 16-byte aligned target stores after an
  * unaligned head; the caller fences once after its last. */
 static void
@@ -76,32 +78,39 @@ stream_copy(char *target, const char *source, size_t length)
     }
     memcpy(target + i, source + i, length - i);
 }
+
+/* Whether a block is streamed: long enough, and its source and target apart (by modular
+ * differences: no pointer arithmetic past either range, no wrap). */
+static int
+streams(const Block *b)
+{
+    uintptr_t t = (uintptr_t)b->target, s = (uintptr_t)b->source;
+    return b->length >= STREAM_BYTES && t - s >= b->length && s - t >= b->length;
+}
 #endif
 
-/* Copy every block; streamed ones are fenced before this returns, so that the copies are
- * as visible to the receiver, once the caller says they are done, as memmove's. */
+/* Copy every block, in order; streamed ones are fenced before this returns, so that the
+ * copies are as visible to the receiver, once the caller says they are done, as memmove's. */
 static void
 copy_all(const Block *all, Py_ssize_t count)
 {
-#if defined(__SSE2__)
+#if STREAM_BYTES
     int streamed = 0;
+#endif
     for (Py_ssize_t i = 0; i < count; i++) {
         const Block *b = &all[i];
-        /* modular differences: no pointer arithmetic past either range, no wrap */
-        uintptr_t t = (uintptr_t)b->target, s = (uintptr_t)b->source;
-        int disjoint = t - s >= b->length && s - t >= b->length;
-        if (b->length >= STREAM_BYTES && disjoint) {
+#if STREAM_BYTES
+        if (streams(b)) {
             stream_copy(b->target, b->source, b->length);
             streamed = 1;
-        } else {
-            memmove(b->target, b->source, b->length);
+            continue;
         }
+#endif
+        memmove(b->target, b->source, b->length);
     }
+#if STREAM_BYTES
     if (streamed) /* here: a locked instruction (the engine's fence()) orders no stream */
         _mm_sfence();
-#else
-    for (Py_ssize_t i = 0; i < count; i++)
-        memmove(all[i].target, all[i].source, all[i].length);
 #endif
 }
 
@@ -146,12 +155,7 @@ static PyMethodDef blockcopy_methods[] = {
 int
 blockcopy_add(PyObject *m)
 {
-#if defined(__SSE2__)
-    long streamed_from = STREAM_BYTES;
-#else
-    long streamed_from = 0;
-#endif
-    if (PyModule_AddIntConstant(m, "COPY_STREAM_BYTES", streamed_from) < 0)
+    if (PyModule_AddIntConstant(m, "COPY_STREAM_BYTES", STREAM_BYTES) < 0)
         return -1;
     return PyModule_AddFunctions(m, blockcopy_methods);
 }
