@@ -68,6 +68,7 @@ class Shape:
     late_write_window_s: float = 0.3
     verify: bool = True  # fill and check every byte (the benchmark moves them unread)
     nixl_params: str = ""  # SGLang's SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS (JSON)
+    mooncake_batch: int = 0  # SGLang's SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES (pages)
     state: str = ""  # a state group beside the KV: "mamba" (conv and temporal rows), "swa", "dsa"
     device: str = "cpu"  # where the KV and state pools live ("cuda": tools/gpu_check.sh)
     vmm_prefill: bool = False  # the prefill's CUDA pools VMM memory, as expandable_segments'
@@ -144,6 +145,8 @@ def _runtime(mode: str, shape: Shape, bootstrap_port: int) -> None:
         _nixl_under_its_import_name()
         if shape.nixl_params:
             os.environ["SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS"] = shape.nixl_params
+    if shape.mooncake_batch:  # read as the manager is made
+        os.environ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"] = str(shape.mooncake_batch)
     if shape.backend == "mooncake":  # its D2H-event path needs CUDA (prefill.py:1743-1760)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
         from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
@@ -357,7 +360,7 @@ class Outcome:
     status: str
     verified: bool = False
     failed_at: float = 0.0  # monotonic, when poll() first said Failed
-    released_at: float = 0.0  # monotonic, when its pages and slot went back
+    released_at: float = 0.0  # monotonic, when its pages and slot were let go
     required_acks: int = 0  # prefill ranks it waited on (0: none held its pages yet)
     acked: tuple[int, ...] = ()  # the ranks whose ABORT_ACK it had when released
     landed_at: float = 0.0  # monotonic, when poll() first said Success
@@ -366,6 +369,7 @@ class Outcome:
     reason: str = ""  # the failure SGLang recorded, if it was this receiver's to take
     asked: bool = False  # its metadata went to prefill (its handshake had not failed)
     given_up: bool = False  # aborted by the test's "give_up", still waiting then
+    began_at: float = 0.0  # monotonic, when its receiver was made
 
 
 Pools = tuple[list[torch.Tensor], list[torch.Tensor]]  # a side's KV and state pools
@@ -564,7 +568,7 @@ def decode_main(
                 receiver = cls("RECEIVER")(manager, addrs[key[1]], room)
                 receiver.init(0)
                 asked = [*pages[:-1], shape.pages + 3] if room in bad_rooms else pages
-                out = Outcome(room, "", pages=pages, slot=idx)
+                out = Outcome(room, "", pages=pages, slot=idx, began_at=time.monotonic())
                 if receiver.poll() != KVPoll.Failed:  # DecodePreallocQueue skips a failed one
                     receiver.send_metadata(
                         np.asarray(asked, dtype=np.int32), idx, _state_indices(shape, pages)
