@@ -524,6 +524,7 @@ def decode_main(
         if msg[0] == "give_up":  # came after the run it was for had ended
             continue
         if msg[0] == "settle":  # failed rooms' canaries intact; then their pages come back
+            assert shape.verify, "settle checks the canaries, which only a checking run writes"
             intact = _canaries_intact(kv, states, released, shape)
             free_pages.extend(p for out in released for p in out.pages)
             released.clear()
