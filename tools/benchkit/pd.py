@@ -44,6 +44,7 @@ is Mooncake's and would split its calls by the same knob: it runs without it.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import statistics
@@ -73,17 +74,15 @@ MOONCAKE_BATCH_BYTES = 256 << 20  # the largest batch Mooncake's TCP transport c
 
 def _shape(backend: str, layers: int, tokens: int, window: int) -> pd_env.Shape:
     pages = tokens // 64
-    return pd_env.Shape(
+    shape = pd_env.Shape(
         layers=layers, page_size=64, heads=8, head_dim=128, pages=pages * (window + 1),
         backend=backend.split("+")[0], slots=max(8, 2 * window), verify=False,
         nixl_params=NIXL_CMA if backend == "nixl+cma" else "",
-        mooncake_batch=_mooncake_batch(layers) if backend == "mooncake" else 0,
     )  # fmt: skip
-
-
-def _mooncake_batch(layers: int) -> int:
-    """Pages a Mooncake batch: the most that make MOONCAKE_BATCH_BYTES of K and V."""
-    return max(1, MOONCAKE_BATCH_BYTES // (layers * 2 * 64 * 8 * 128 * 2))
+    if backend != "mooncake":
+        return shape
+    page_bytes = shape.entries * shape.item_len  # a page of every entry
+    return dataclasses.replace(shape, mooncake_batch=max(1, MOONCAKE_BATCH_BYTES // page_bytes))
 
 
 def _throughput(shape: pd_env.Shape, requests: int, window: int) -> dict[str, float]:
@@ -269,7 +268,7 @@ def main(argv: list[str]) -> int:
         f"KV: {args.layers} layers x K,V x 8 heads x 128 dim, bf16, page 64; "
         f"{args.window} requests in flight for {TOKENS[0]} tokens, 1 for {TOKENS[1]}; "
         f"{args.runs} runs; median (lowest-highest); Mooncake in batches of "
-        f"{_mooncake_batch(args.layers)} pages"
+        f"{_shape('mooncake', args.layers, TOKENS[0], 1).mooncake_batch} pages"
     )
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     floors: dict[int, float] = {}
@@ -295,24 +294,23 @@ def main(argv: list[str]) -> int:
             f"{statistics.median(r['p50_ms'] for r in rows):>12.1f}"
             f"{statistics.median(r['p99_ms'] for r in rows):>12.1f}"
         )
+    rate = {key: statistics.median(r["GB/s"] for r in rows) for key, rows in results.items()}
     for tokens in TOKENS:
-        ours = statistics.median(r["GB/s"] for r in results[("shmslots", tokens)])
+        ours = rate[("shmslots", tokens)]
         line = f"{tokens} tokens: memcpy floor {floors[tokens]:.2f} GB/s, shmslots at "
         line += f"{floors[tokens] / ours:.2f}x the floor (target <= 1.5x)"
         peers = (("mooncake", "Mooncake", 10), ("nixl", "NIXL", 2), ("nixl+cma", "NIXL+CMA", 2))
         for peer, name, target in peers:
-            if (peer, tokens) in results:
-                theirs = statistics.median(r["GB/s"] for r in results[(peer, tokens)])
-                line += f"; {ours / theirs:.1f}x {name} (target >= {target}x)"
+            if (peer, tokens) in rate:
+                line += f"; {ours / rate[(peer, tokens)]:.1f}x {name} (target >= {target}x)"
         print(line)
         line = (
             f"{tokens} tokens: the engine alone, {windows[tokens]} "
             f"call(s) at once: {alone[tokens]:.2f} GB/s, {floors[tokens] / alone[tokens]:.2f}x "
             "the floor"
         )
-        if ("mooncake", tokens) in results:  # what the copies could give with nothing beside
-            theirs = statistics.median(r["GB/s"] for r in results[("mooncake", tokens)])
-            line += f", {alone[tokens] / theirs:.1f}x Mooncake"
+        if ("mooncake", tokens) in rate:  # what the copies could give with nothing beside
+            line += f", {alone[tokens] / rate[('mooncake', tokens)]:.1f}x Mooncake"
         print(line)
     print(f"the engine's own cost of a call (one 64-byte block): {_call_us(args.runs):.1f} us")
     print(
