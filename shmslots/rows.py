@@ -119,6 +119,18 @@ class Rows:
         column, item_len = self._items[name]
         return column + item_len * slot
 
+    def zero_mask(self, names: tuple[str, ...]) -> int:
+        """The fields `names` as the compiled core zeroes them (bit i: field i): inline
+        fields only, since a ref field's zeroed item would name no block."""
+        fields = list(self.schema.slots)
+        mask = 0
+        for name in names:
+            fs = self.schema.slots.get(name) if isinstance(name, str) else None
+            if fs is None or fs.field.is_ref:
+                raise SchemaError(f"{name!r} is not an inline field of this table, to be zeroed")
+            mask |= 1 << fields.index(name)
+        return mask
+
     def buffer_infos(self) -> tuple[list[int], list[int], list[int]]:
         """(ptrs, data_lens, item_lens) of every column in this process, in field order:
         what SGLang's MetadataBuffers.get_buf_infos() gives a transfer engine."""

@@ -66,6 +66,7 @@ _RESERVED = int(State.RESERVED)
 _HELD = int(State.HELD)
 _REDELIVER = int(Event.REDELIVER)
 _M64 = (1 << 64) - 1
+_ZERO_MASKS_KEPT = 64  # reserve()'s zeroed tuples remembered, checked once each
 _LIVE_TABLES: weakref.WeakSet[SlotTable] = weakref.WeakSet()
 
 
@@ -190,6 +191,7 @@ class SlotTable:
         self.layout = header.layout
         # read on every take: a plain take returns its lease at once
         self._plain_take = not self._strict and not self.layout.trace_sites
+        self._zero_masks: dict[tuple[str, ...], int] = {}  # reserve(zeroed=...) -> its mask
         self.schema = schema
         self._atomics = AtomicView(segment.mm)
         self._mv = memoryview(segment.mm)
@@ -481,9 +483,25 @@ class SlotTable:
             ws._write_slow(fields, plan)
             ws.publish(timeout)
 
-    def reserve(self, tag: int = 0, timeout: float = 1.0) -> Reservation:
-        """Book a FREE slot for a producer that will `open_reserved(slot, generation)`."""
-        got = self._acquire(_RESERVE, tag, timeout, "reserve")
+    def reserve(
+        self, tag: int = 0, timeout: float = 1.0, *, zeroed: tuple[str, ...] = ()
+    ) -> Reservation:
+        """Book a FREE slot for a producer that will `open_reserved(slot, generation)`.
+
+        The items of the inline fields named in `zeroed` are zeroed in the same compiled
+        step, before the reservation exists: a field a consumer gates on (SGLang's room)
+        then reads "not yet written", whatever the slot's last owner left there."""
+        if type(zeroed) is not tuple:
+            raise InvalidArgument(f"zeroed takes a tuple of field names, got {zeroed!r}")
+        try:
+            mask = self._zero_masks.get(zeroed) if zeroed else 0
+        except TypeError:  # unhashable: not names, which zero_mask says
+            mask = None
+        if mask is None:  # named for the first time: checked, then kept
+            mask = self._rows.zero_mask(zeroed)
+            if len(self._zero_masks) < _ZERO_MASKS_KEPT:
+                self._zero_masks[zeroed] = mask
+        got = self._acquire(_RESERVE, tag, timeout, "reserve", mask)
         assert isinstance(got, Reservation)
         if self._sites is not None:
             trace(self._parts, [got], _RESERVED)
@@ -526,20 +544,23 @@ class SlotTable:
             trace(self._parts, [lease], _HELD)
         return lease
 
-    def _acquire(self, event: int, tag: int, timeout: float, what: str) -> HandleBase:
-        """A handle for a FREE slot, made in the same compiled call that takes the slot."""
+    def _acquire(
+        self, event: int, tag: int, timeout: float, what: str, zeroed: int = 0
+    ) -> HandleBase:
+        """A handle for a FREE slot, made in the same compiled call that takes the slot (and
+        zeroes the fields of mask `zeroed`)."""
         if self._closed:
             self._check_open()
         if type(tag) is not int or not 0 <= tag <= _M64:  # the common case in one test
             _check_tag(tag)
         core = self._core
-        got = core.acquire(self, event, tag)
+        got = core.acquire(self, event, tag, zeroed)
         if got is not None:
             return got
         self.reap()  # a full table is the moment dead owners matter
         own = self._own
         waited = self._wait(
-            lambda: core.acquire(self, event, tag),
+            lambda: core.acquire(self, event, tag, zeroed),
             (own.release_seq, own.claimers_waiting, own.claimers_until),
             timeout,
             self.reap,  # between naps: an owner may have died since the first reap

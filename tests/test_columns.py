@@ -217,6 +217,45 @@ def test_keep_reserved_commits_a_landed_transfer_in_one_call(name: str) -> None:
         assert t.check_consistency() == []
 
 
+def test_reserve_zeroes_the_fields_named_in_the_same_step(name: str) -> None:
+    """A gate field (SGLang's room) reads "not yet written" from the moment a reservation
+    exists: its whole item is zeroed in the step that reserves the slot, the other fields
+    keep their bytes.  Names that are not inline fields are refused before any slot is
+    taken."""
+    refs = (Field("id", "int64"), Field("blob", "float32", (None,), kind="ref"))
+    with (
+        SlotTable.create(name, FIELDS, slots=1) as t,
+        SlotTable.create(name + "-r", refs, slots=1) as u,
+    ):
+        infos = t.buffer_infos()
+        reservation = t.reserve(tag=3)
+        write_by_address(infos, reservation.slot, 3)
+        with t.keep_reserved(reservation) as lease:
+            lease.release()
+        ptrs, _, item_lens = infos
+        room_at = ptrs[4] + item_lens[4] * 0  # slot 0's room item, padding included
+        ctypes.memset(room_at + FIELDS[4].nbytes, 0x5A, item_lens[4] - FIELDS[4].nbytes)
+        for bad, error in (
+            (("nope",), SchemaError),
+            (("room", 3), SchemaError),
+            (([1],), SchemaError),
+            (["room"], InvalidArgument),
+        ):
+            with pytest.raises(error):
+                t.reserve(zeroed=bad)  # type: ignore[arg-type]
+            assert t.slot_info(0)[0] is State.FREE
+        with pytest.raises(SchemaError, match="'blob' is not an inline field"):
+            u.reserve(zeroed=("blob",))
+        for _ in range(2):  # the second time from the mask kept for this tuple
+            again = t.reserve(zeroed=("room", "flag"))
+            assert ctypes.string_at(room_at, item_lens[4]) == bytes(item_lens[4])
+            assert ctypes.string_at(ptrs[5], item_lens[5]) == bytes(item_lens[5])
+            assert ctypes.string_at(ptrs[2], 16 * 8) == request(3)["topk_index"].numpy().tobytes()
+            write_by_address(infos, again.slot, 3)
+            again.abort()
+        assert t.check_consistency() == [] and u.check_consistency() == []
+
+
 def test_keep_reserved_refuses_a_table_with_refs_and_changes_nothing(name: str) -> None:
     fields = (Field("id", "int64"), Field("blob", "float32", (None,), kind="ref"))
     with SlotTable.create(name, fields, slots=1) as t:

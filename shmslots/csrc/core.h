@@ -161,6 +161,12 @@ int codec_write_picked(RowCodec *r, PyObject *fields, SlotPick pick, void *ctx,
 int codec_seal(RowCodec *r, Py_ssize_t slot, uint64_t gen);
 /* The value (new reference), Py_None (new reference: not the plain case), or NULL. */
 PyObject *codec_read(RowCodec *r, Py_ssize_t slot, PyObject *name);
+/* Whether `mask` (bit i: field i) names fields of the codec only. */
+int codec_mask_fits(RowCodec *r, uint64_t mask);
+/* Zero the whole item of each field in `mask` (which codec_mask_fits) in `slot`: 0, or -1 with
+ * an error set (a released codec, a slot out of range).  Which fields may be zeroed is
+ * rows.py's rule (Rows.zero_mask). */
+int codec_zero(RowCodec *r, Py_ssize_t slot, uint64_t mask);
 /* A new CPU tensor holding the field's item (made by torch's CPU allocator directly, so no
  * mode answers with another), Py_None (new reference: a ref field, no such field, or more
  * dimensions than it makes: the caller's path), or NULL. */

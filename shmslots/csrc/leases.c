@@ -1351,9 +1351,10 @@ open_core(Core *c)
 }
 
 /* A handle for a slot acquired by `event` (E_CLAIM: WriteSlot, E_RESERVE: Reservation)
- * carrying `tag`, Py_None if no slot is FREE, or NULL with an error. */
+ * carrying `tag`, the items of the fields in `zeroed` (a mask codec_mask_fits) zeroed before
+ * anyone else can see the slot; Py_None if no slot is FREE, or NULL with an error. */
 static PyObject *
-acquire_one(Core *c, PyObject *table, int event, uint64_t tag)
+acquire_one(Core *c, PyObject *table, int event, uint64_t tag, uint64_t zeroed)
 {
     Py_ssize_t slot;
     uint64_t gen;
@@ -1361,8 +1362,12 @@ acquire_one(Core *c, PyObject *table, int event, uint64_t tag)
     if (got <= 0)
         return got < 0 ? NULL : Py_NewRef(Py_None);
     int reserve = event == E_RESERVE;
-    return own(c, reserve ? c->reservation : c->write_slot, table, slot, gen, tag,
-               reserve ? S_RESERVED : S_WRITING);
+    int state = reserve ? S_RESERVED : S_WRITING;
+    if (zeroed && codec_zero(c->codec, slot, zeroed) < 0) {
+        undo(c, (PyObject *)c, slot, gen, state, E_ABORT);
+        return NULL;
+    }
+    return own(c, reserve ? c->reservation : c->write_slot, table, slot, gen, tag, state);
 }
 
 /* The tag of a claim or reservation as the slot word's entry holds it; 0 with an error set. */
@@ -1373,23 +1378,29 @@ tag_arg(PyObject *o, uint64_t *tag)
     return !(*tag == (uint64_t)-1 && PyErr_Occurred());
 }
 
-/* acquire(table, event, tag) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None (none FREE).
- * The tag must already be checked (Python words its errors). */
+/* acquire(table, event, tag, zeroed=0) -> WriteSlot (CLAIM) | Reservation (RESERVE) | None
+ * (none FREE), the fields of mask `zeroed` zeroed in the same step.  The tag and the mask must
+ * already be checked (Python words their errors; a mask beyond the fields is refused here). */
 static PyObject *
 core_acquire(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "acquire(table, event, tag)");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "acquire(table, event, tag, zeroed=0)");
         return NULL;
     }
     if (!open_core(c))
         return NULL;
     long event = PyLong_AsLong(args[1]);
-    uint64_t tag;
-    if ((event == -1 && PyErr_Occurred()) || !tag_arg(args[2], &tag))
+    uint64_t tag, zeroed = 0;
+    if ((event == -1 && PyErr_Occurred()) || !tag_arg(args[2], &tag) ||
+        (nargs == 4 && !as_u64(args[3], &zeroed)))
         return NULL;
+    if (!codec_mask_fits(c->codec, zeroed)) {
+        PyErr_SetString(PyExc_ValueError, "acquire: a zeroed mask beyond the table's fields");
+        return NULL;
+    }
     /* out of int's range: a number hot_acquire refuses, never one wrapped into its range */
-    return acquire_one(c, args[0], event < 0 || event > E_COUNT ? -1 : (int)event, tag);
+    return acquire_one(c, args[0], event < 0 || event > E_COUNT ? -1 : (int)event, tag, zeroed);
 }
 
 /* claim(table, tag) -> WriteSlot | None: a FREE slot claimed now, or None (none free, a
@@ -1409,7 +1420,7 @@ core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    return acquire_one(c, args[0], E_CLAIM, number);
+    return acquire_one(c, args[0], E_CLAIM, number, 0);
 }
 
 /* send's pick (codec_write_picked): a FREE slot claimed for `tag`, its generation kept. */
@@ -1794,7 +1805,7 @@ core_claim_n(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *slots = PyList_New(0);
     for (Py_ssize_t k = 0; slots && k < n; k++) {
-        PyObject *ws = acquire_one(c, args[0], E_CLAIM, tag);
+        PyObject *ws = acquire_one(c, args[0], E_CLAIM, tag, 0);
         if (ws == Py_None) {
             Py_DECREF(ws);
             break;

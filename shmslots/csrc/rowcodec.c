@@ -986,6 +986,24 @@ codec_copy(RowCodec *r, Py_ssize_t slot, PyObject *name)
     return out;
 }
 
+/* A mask of fields is good for codec_zero: a bit for each field at most, nothing beyond. */
+int
+codec_mask_fits(RowCodec *r, uint64_t mask)
+{
+    return r->nfields >= 64 || !(mask >> r->nfields);
+}
+
+int
+codec_zero(RowCodec *r, Py_ssize_t slot, uint64_t mask)
+{
+    if (!slot_in_range(r, slot))
+        return -1;
+    for (Py_ssize_t i = 0; mask; i++, mask >>= 1)
+        if (mask & 1)
+            memset(item_at(r, &r->spec[i], slot), 0, (size_t)r->spec[i].item_len);
+    return 0;
+}
+
 /* -- checksum and seal ---------------------------------------------------------------------- */
 
 static PyObject *

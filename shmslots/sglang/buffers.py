@@ -541,24 +541,19 @@ class ReqToMetadataIdxAllocator:
         return self.size - len(self._reserved) - len(self._held) - len(self.quarantine)
 
     def alloc(self) -> int | None:
-        """Reserve a slot for a transfer; None when every slot is taken.  Its room is zeroed
-        (`clear_slot`; the slot is ours and nobody else can see it yet), so SGLang's gate waits
-        for this transfer's room."""
+        """Reserve a slot for a transfer; None when every slot is taken.  Its room (and
+        checksum) is zeroed in the compiled step that reserves it, before any writer can
+        have it, so SGLang's gate waits for this transfer's room."""
         buffers = self.buffers or self._decode_buffers()
         if self._orphans or (not self.in_step and self.quarantine):  # bool: no sweep
             self._sweep_own()
         try:
-            reservation = self.table.reserve(next(self._tags), 0)
+            reservation = self.table.reserve(next(self._tags), 0, zeroed=buffers._cleared)
         except SlotsExhausted:
             return None
         idx = reservation.slot
         if idx in self._held or idx in self._reserved:
             self._settle(idx)
-        try:
-            buffers._clear(idx)
-        except BaseException:
-            reservation.end()
-            raise
         self._reserved[idx] = reservation
         self.stats.allocated += 1
         return idx
