@@ -486,6 +486,11 @@ class AllocatorStats:
     orphaned: int = 0  # slots handed back because their request was garbage-collected
 
 
+def _orphaned(orphans: list[int], idx: int, _: object) -> None:
+    """A bound request was collected holding index `idx`: noted, handed back later."""
+    orphans.append(idx)
+
+
 class ReqToMetadataIdxAllocator:
     """SGLang's allocator of metadata indices, over the slots of the `MetadataBuffers` built
     right after it (SGLang's order); it answers those buffers' `get_buf` and `clear_slot`."""
@@ -510,6 +515,8 @@ class ReqToMetadataIdxAllocator:
         # index -> (id of its request, a weak reference to it)
         self._request_of: dict[int, tuple[int, Callable[[], Any]]] = {}
         self._orphans: list[int] = []  # indices whose request was collected holding them
+        # index -> what its request's weak reference calls when the request is collected
+        self._on_collected = [functools.partial(_orphaned, self._orphans, i) for i in range(size)]
         self._tags = itertools.count(1)
         _unjoined.allocator = self
 
@@ -565,20 +572,22 @@ class ReqToMetadataIdxAllocator:
         req = getattr(req, "req", req)
         if self._check(idx) not in self._reserved and idx not in self._held:
             raise OwnershipError(f"metadata index {idx} is not allocated")
-        old = self.slot_of(req)
-        if old == idx:
-            return
         bound = self._request_of.get(idx)
-        if bound is not None and bound[1]() is not None:
-            raise OwnershipError(f"metadata index {idx} is another request's")
-        if old is not None:
-            self.abort(old)
-        self._unbind(idx)
+        if bound is not None:
+            holder = bound[1]()
+            if holder is req:
+                return
+            if holder is not None:
+                raise OwnershipError(f"metadata index {idx} is another request's")
+            self._unbind(idx)
         key = id(req)
+        old = self._slot_of.get(key)
+        if old is not None and self.slot_of(req) == old:
+            self.abort(old)
         self._slot_of[key] = idx
         ref: Callable[[], Any]
         try:
-            ref = weakref.ref(req, lambda _: self._orphans.append(idx))
+            ref = weakref.ref(req, self._on_collected[idx])
         except TypeError:  # no weak references (a SimpleNamespace): held, never collected
             ref = functools.partial(lambda held: held, req)
         self._request_of[idx] = (key, ref)
