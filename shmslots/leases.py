@@ -216,7 +216,7 @@ class _Handle(HandleBase):
 
     def _forget_moved(self, names: list[str]) -> None:
         """These views no longer show the row: nothing of them is left to check."""
-        self._viewed.difference_update(names)
+        self._unview(names)
 
     def _report(self, names: list[str], message: str) -> None:
         """Count and warn once; the slot's next owner gets fresh views."""
@@ -224,7 +224,7 @@ class _Handle(HandleBase):
             self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
         self._parts.own.count("leaked_views", len(names))
         self._parts.rows.forget_views(self.slot)
-        self._viewed.difference_update(names)
+        self._unview(names)
         warnings.warn(message, LeakedViewWarning, stacklevel=_caller_level())
 
     def _count_refused_leak(self, exc: Exception) -> None:
@@ -329,7 +329,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         if tensor is None:
             raise SchemaError(f"no inline field {name!r}")
         self._written.add(name)
-        self._viewed.add(name)
+        self._note_viewed((name,))
         return tensor
 
     def _views(self) -> WatchedTensors:
@@ -426,9 +426,9 @@ class WriteSlot(_Handle, WriteSlotCore):
             self._check_open("keep")  # a collection on the way may have closed the table
             raise parts.own.not_mine(self.slot, self.generation, _WRITING)
         lease = cast(Lease, got)
-        if self._viewed:  # the lease's own, checked at its end
-            lease._viewed.update(self._viewed)
+        if viewed := self._viewed:  # the lease's own, checked at its end
             lease._watched = self._views()
+            lease._note_viewed(viewed)
         lease._opened, self._opened = self._opened, None  # loans, likewise
         if parts.sites is not None:
             trace(parts, [lease], _HELD)
@@ -477,8 +477,7 @@ class WriteSlot(_Handle, WriteSlotCore):
         self._written.difference_update(names)
         if self._opened:  # a moved loan: its pages stay pinned until a write replaces them
             self._opened = {n: w for n, w in self._opened.items() if n not in names} or None
-        self._viewed.clear()  # views from now on are the slot's fresh ones
-        self._watched = None
+        self._watched = None  # views from now on are the slot's fresh ones
 
     def _moved(self, names: list[str], action: str, reported: list[str]) -> None:
         if action in ("publish", "keep"):  # an abort delivers nothing: nothing to redo
@@ -575,7 +574,7 @@ class Lease(_Handle, LeaseCore):
         tensor = self._views().tensors.get(name)
         if tensor is None:
             raise SchemaError(f"no inline field {name!r} (ref fields: tensor())")
-        self._viewed.add(name)
+        self._note_viewed((name,))
         return tensor
 
     def _item_slow(self, name: str) -> int | float:

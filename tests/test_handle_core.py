@@ -481,14 +481,17 @@ def test_ending_without_a_check_leaves_no_bad_view_cached(name: str) -> None:
 
 
 def test_a_handle_recast_as_a_lease_cannot_reach_bad_views(name: str) -> None:
+    """A handle's views come from a WatchedTensors or nothing: anything else is refused when
+    set, so a write slot recast as a lease has nothing else to read views from."""
     with SlotTable.create(name, SMALL, slots=1) as t:
         ws = t.claim()
-        ws._watched = 12345  # type: ignore[assignment]
+        with pytest.raises(TypeError, match="WatchedTensors"):
+            ws._watched = 12345  # type: ignore[assignment]
+        assert ws._watched is None
         ws.__class__ = Lease  # type: ignore[assignment]
-        with pytest.raises(AttributeError):
-            ws.view("p")
+        with pytest.raises(ValueError, match="no views made"):
+            ws._note_viewed(("p",))
         ws.__class__ = WriteSlot
-        ws._watched = None
         ws.abort()
 
 

@@ -310,6 +310,28 @@ watched_any_unsettled(Watched *w, PyObject *names)
     return found == 0 && PyErr_Occurred() ? -1 : found;
 }
 
+/* The position of `name` among w's tensors (w ready): >= 0, -1 not watched (no error), -2 error. */
+static Py_ssize_t
+position_of(Watched *w, PyObject *name)
+{
+    PyObject *at = PyDict_GetItemWithError(w->index, name);
+    return at ? PyLong_AsSsize_t(at) : PyErr_Occurred() ? -2 : -1;
+}
+
+/* Whether any tensor at the positions of `bits` is not at rest: 1, 0, or -1 error. */
+static int
+watched_bits_unsettled(Watched *w, uint64_t bits)
+{
+    for (Py_ssize_t i = 0; bits && i < w->n; i++, bits >>= 1) {
+        if (!(bits & 1))
+            continue;
+        int state = rest_state(&w->rest[i], 0);
+        if (state != AT_REST)
+            return state < 0 ? -1 : 1;
+    }
+    return bits ? 1 : 0; /* a bit past the tensors: not at rest, the slow path says why */
+}
+
 /* The names among `names`, sorted, whose state has the bit `want`. */
 static PyObject *
 names_in(Watched *w, PyObject *names, int want)
@@ -552,8 +574,9 @@ typedef struct {
     PyObject *slot, *generation, *tag, *deliveries; /* ints */
     char open;
     char listed; /* set while a batch call checks its list: a handle listed twice is refused */
-    PyObject *viewed, *written; /* sets of field names, made on first use */
-    PyObject *watched;          /* Lease: the slot's WatchedTensors */
+    PyObject *written;          /* WriteSlot: the set of field names written, made on first use */
+    PyObject *watched;          /* the slot's WatchedTensors its views came from */
+    uint64_t viewed;            /* fields viewed: bit i for position i of `watched` */
     PyObject *pins, *opened;    /* WriteSlot: pinned handles; Lease: opened handles */
 } Handle;
 
@@ -615,7 +638,7 @@ handle_init(Handle *h, PyObject *args, PyObject *kwds)
 
 #define HANDLE_REFS(h)                                                                        \
     {(PyObject **)&(h)->core, &(h)->parts, &(h)->owner, &(h)->slot, &(h)->generation, &(h)->tag, \
-     &(h)->deliveries, &(h)->viewed, &(h)->written, &(h)->watched, &(h)->pins, &(h)->opened}
+     &(h)->deliveries, &(h)->written, &(h)->watched, &(h)->pins, &(h)->opened}
 
 static int
 handle_traverse(Handle *h, visitproc visit, void *arg)
@@ -741,10 +764,109 @@ lazy_set(PyObject **where)
     return *where;
 }
 
+/* `_viewed`: the names of the fields viewed, a new set (the bits read through `watched`). */
 static PyObject *
 get_viewed(Handle *h, void *unused)
 {
-    return Py_XNewRef(lazy_set(&h->viewed));
+    PyObject *names = PySet_New(NULL);
+    Watched *w = watched_of(h);
+    if (!names || !h->viewed)
+        return names;
+    if (!w) { /* bits with no WatchedTensors to name them: never made so */
+        Py_DECREF(names);
+        PyErr_SetString(PyExc_RuntimeError, "viewed fields without their WatchedTensors");
+        return NULL;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *at;
+    while (PyDict_Next(w->index, &pos, &name, &at)) {
+        Py_ssize_t i = PyLong_AsSsize_t(at);
+        if (i >= 0 && i < 64 && (h->viewed >> i & 1) && PySet_Add(names, name) < 0) {
+            Py_DECREF(names);
+            return NULL;
+        }
+    }
+    return names;
+}
+
+static PyObject *
+get_watched(Handle *h, void *unused)
+{
+    return Py_NewRef(h->watched ? h->watched : Py_None);
+}
+
+/* `_watched = w`: the views' WatchedTensors; views noted through another one are forgotten,
+ * since the bits are positions in this one. */
+static int
+set_watched(Handle *h, PyObject *value, void *unused)
+{
+    if (value == Py_None)
+        value = NULL;
+    if (value && Py_TYPE(value) != &WatchedType) {
+        PyErr_SetString(PyExc_TypeError, "_watched takes a WatchedTensors or None");
+        return -1;
+    }
+    if (value != h->watched)
+        h->viewed = 0;
+    Py_XSETREF(h->watched, Py_XNewRef(value));
+    return 0;
+}
+
+/* The bits of `names` (an iterable of field names) in the handle's WatchedTensors: 0 with
+ * *bits set, -1 error (ValueError: no WatchedTensors, or a name it does not watch, unless
+ * `lenient`, which skips such names). */
+static int
+bits_of(Handle *h, PyObject *names, int lenient, uint64_t *bits)
+{
+    Watched *w = watched_of(h);
+    *bits = 0;
+    if (!w) {
+        if (lenient)
+            return 0;
+        PyErr_SetString(PyExc_ValueError, "no views made for this handle");
+        return -1;
+    }
+    PyObject *it = PyObject_GetIter(names), *name;
+    if (!it)
+        return -1;
+    while ((name = PyIter_Next(it))) {
+        Py_ssize_t i = position_of(w, name);
+        if (i == -1 && !lenient)
+            PyErr_Format(PyExc_ValueError, "%R is not a viewed field", name);
+        Py_DECREF(name);
+        if (i == -2 || (i == -1 && !lenient) || i >= 64) {
+            if (i >= 64)
+                PyErr_SetString(PyExc_ValueError, "a field position past 64");
+            Py_DECREF(it);
+            return -1;
+        }
+        if (i >= 0)
+            *bits |= (uint64_t)1 << i;
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* _note_viewed(names): these fields' views were handed out (by the slow paths). */
+static PyObject *
+handle_note_viewed(Handle *h, PyObject *names)
+{
+    uint64_t bits;
+    if (bits_of(h, names, 0, &bits) < 0)
+        return NULL;
+    h->viewed |= bits;
+    Py_RETURN_NONE;
+}
+
+/* _unview(names): nothing of these fields' views is left to check (names not viewed: none). */
+static PyObject *
+handle_unview(Handle *h, PyObject *names)
+{
+    uint64_t bits;
+    if (bits_of(h, names, 1, &bits) < 0)
+        return NULL;
+    h->viewed &= ~bits;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -834,7 +956,7 @@ hand_back_dropped(Handle *h)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     Py_ssize_t slot = PyLong_AsSsize_t(h->slot);
-    if (h->viewed && PySet_GET_SIZE(h->viewed) && slot >= 0 && slot < PyList_GET_SIZE(c->views))
+    if (h->viewed && slot >= 0 && slot < PyList_GET_SIZE(c->views))
         PyList_SetItem(c->views, slot, Py_NewRef(Py_None));
     PyErr_Clear();
     int lease = PyObject_TypeCheck(h, &LeaseType);
@@ -1037,7 +1159,7 @@ ws_publish(Handle *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         timeout = args[0];
     Core *c = h->core;
     Py_ssize_t written = h->written ? PySet_GET_SIZE(h->written) : 0;
-    if (usable(h) && written == c->nfields && (!h->viewed || !PySet_GET_SIZE(h->viewed))) {
+    if (usable(h) && written == c->nfields && !h->viewed) {
         int settled = opened_at_rest(h);
         if (settled < 0)
             return NULL;
@@ -1062,7 +1184,7 @@ ws_abort(Handle *h, PyObject *unused)
 {
     if (!made(h))
         return NULL;
-    int settled = usable(h) && !(h->viewed && PySet_GET_SIZE(h->viewed)) ? opened_at_rest(h) : 0;
+    int settled = usable(h) && !h->viewed ? opened_at_rest(h) : 0;
     if (settled < 0)
         return NULL;
     if (settled && usable(h)) {
@@ -1122,19 +1244,14 @@ lease_view(Handle *h, PyObject *name)
 {
     if (!made(h))
         return NULL;
-    PyObject *tensors = watched_of(h) ? watched_of(h)->tensors : NULL;
-    if (usable(h) && tensors && PyUnicode_CheckExact(name)) {
-        PyObject *tensor = PyDict_GetItemWithError(tensors, name);
-        if (tensor) {
-            Py_INCREF(tensor);
-            PyObject *viewed = lazy_set(&h->viewed);
-            if (!viewed || PySet_Add(viewed, name) < 0) {
-                Py_DECREF(tensor);
-                return NULL;
-            }
-            return tensor;
+    Watched *w = watched_of(h);
+    if (usable(h) && w && PyUnicode_CheckExact(name)) {
+        Py_ssize_t i = position_of(w, name);
+        if (i >= 0 && i < 64) {
+            h->viewed |= (uint64_t)1 << i;
+            return Py_NewRef(w->rest[i].tensor);
         }
-        if (PyErr_Occurred())
+        if (i == -2)
             return NULL;
     }
     return slow((PyObject *)h, s_view_slow, name, NULL);
@@ -1252,14 +1369,13 @@ lease_end(Handle *h, int release)
     if (!made(h))
         return NULL;
     int event = release ? E_RELEASE : E_ABORT;
-    int viewed = h->viewed && PySet_GET_SIZE(h->viewed);
+    uint64_t viewed = h->viewed;
     if (usable(h) && (!viewed || watched_of(h)) && !(viewed && h->core->strict)) {
         int leaked = 0;
         if (viewed) { /* the check may run torch's Python: hold what it reads */
-            PyObject *watched = Py_NewRef(h->watched), *names = Py_NewRef(h->viewed);
-            leaked = watched_any_unsettled((Watched *)watched, names);
+            PyObject *watched = Py_NewRef(h->watched);
+            leaked = watched_bits_unsettled((Watched *)watched, viewed);
             Py_DECREF(watched);
-            Py_DECREF(names);
         }
         if (!leaked) {
             int settled = opened_at_rest(h);
@@ -1991,11 +2107,17 @@ static PyMemberDef handle_members[] = {
 };
 
 static PyGetSetDef handle_getset[] = {
-    {"_viewed", (getter)get_viewed, NULL, "names of fields viewed", NULL},
+    {"_viewed", (getter)get_viewed, NULL, "names of fields viewed (a new set)", NULL},
+    {"_watched", (getter)get_watched, (setter)set_watched,
+     "the slot's WatchedTensors the views came from, or None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMethodDef handle_methods[] = {
+    {"_note_viewed", (PyCFunction)handle_note_viewed, METH_O,
+     "_note_viewed(names): these fields' views were handed out"},
+    {"_unview", (PyCFunction)handle_unview, METH_O,
+     "_unview(names): nothing of these fields' views is left to check"},
     {"_hand_back", (PyCFunction)handle_hand_back, METH_O,
      "_hand_back(event) -> 0 done | -1 not this handle's slot | -2 ready queue full"},
     {NULL, NULL, 0, NULL},
@@ -2035,7 +2157,6 @@ static PyMethodDef ws_methods[] = {
 
 static PyMemberDef ws_members[] = {
     MEMBER("_pins", T_OBJECT, pins, 0),
-    MEMBER("_watched", T_OBJECT, watched, 0),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -2076,7 +2197,6 @@ static PyMethodDef lease_methods[] = {
 
 static PyMemberDef lease_members[] = {
     MEMBER("deliveries", T_OBJECT, deliveries, READONLY),
-    MEMBER("_watched", T_OBJECT, watched, 0),
     {NULL, 0, 0, 0, NULL},
 };
 
