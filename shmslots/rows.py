@@ -125,7 +125,7 @@ class Rows:
         fields = list(self.schema.slots)
         mask = 0
         for name in names:
-            fs = self.schema.slots.get(name) if isinstance(name, str) else None
+            fs = self.schema.slots.get(name) if type(name) is str else None
             if fs is None or fs.field.is_ref:
                 raise SchemaError(f"{name!r} is not an inline field of this table, to be zeroed")
             mask |= 1 << fields.index(name)

@@ -491,11 +491,13 @@ class SlotTable:
         The items of the inline fields named in `zeroed` are zeroed in the same compiled
         step, before the reservation exists: a field a consumer gates on (SGLang's room)
         then reads "not yet written", whatever the slot's last owner left there."""
+        if self._closed:
+            self._check_open()
         if type(zeroed) is not tuple:
             raise InvalidArgument(f"zeroed takes a tuple of field names, got {zeroed!r}")
         try:
             mask = self._zero_masks.get(zeroed) if zeroed else 0
-        except TypeError:  # unhashable: not names, which zero_mask says
+        except Exception:  # a name that does not hash: not a name, which zero_mask says
             mask = None
         if mask is None:  # named for the first time: checked, then kept
             mask = self._rows.zero_mask(zeroed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from multiprocessing.queues import Queue
@@ -240,6 +241,7 @@ def test_reserve_zeroes_the_fields_named_in_the_same_step(name: str) -> None:
             (("room", 3), SchemaError),
             (([1],), SchemaError),
             (["room"], InvalidArgument),
+            (("room", _Unhashable()), SchemaError),
         ):
             with pytest.raises(error):
                 t.reserve(zeroed=bad)  # type: ignore[arg-type]
@@ -254,6 +256,33 @@ def test_reserve_zeroes_the_fields_named_in_the_same_step(name: str) -> None:
             write_by_address(infos, again.slot, 3)
             again.abort()
         assert t.check_consistency() == [] and u.check_consistency() == []
+        t.close()
+        with pytest.raises(TableClosed):
+            t.reserve(zeroed=("nope",))  # closed comes first, as for every call
+
+
+class _Unhashable:
+    def __hash__(self) -> int:
+        raise ValueError("no hash")
+
+
+def test_a_reserve_that_waits_for_a_slot_zeroes_it_too(name: str) -> None:
+    """On a full table, reserve() waits; the slot it gets once freed is zeroed in the same
+    step as one free at once."""
+    with SlotTable.create(name, FIELDS, slots=1) as t:
+        infos = t.buffer_infos()
+        held = t.reserve(tag=1)
+        write_by_address(infos, held.slot, 9)
+        timer = threading.Timer(0.2, held.abort)
+        timer.start()
+        try:
+            again = t.reserve(tag=2, timeout=10.0, zeroed=("room",))
+        finally:
+            timer.join()
+        ptrs, _, item_lens = infos
+        assert ctypes.string_at(ptrs[4], item_lens[4]) == bytes(item_lens[4])
+        assert ctypes.string_at(ptrs[0], 64) == request(9)["output_id"].numpy().tobytes()
+        again.abort()
 
 
 def test_keep_reserved_refuses_a_table_with_refs_and_changes_nothing(name: str) -> None:

@@ -489,10 +489,40 @@ def test_a_handle_recast_as_a_lease_cannot_reach_bad_views(name: str) -> None:
             ws._watched = 12345  # type: ignore[assignment]
         assert ws._watched is None
         ws.__class__ = Lease  # type: ignore[assignment]
-        with pytest.raises(ValueError, match="no views made"):
-            ws._note_viewed(("p",))
+        view = ws.view("p")  # the slot's own view, through the slot's WatchedTensors
+        assert view.shape == (4,) and ws._viewed == {"p"}
+        assert ws._watched is not None and ws._watched.tensors["p"] is view
         ws.__class__ = WriteSlot
+        del view
         ws.abort()
+
+
+def test_viewed_fields_are_positions_in_the_handles_own_watched_tensors(name: str) -> None:
+    """The fields a handle viewed name positions in its WatchedTensors: another one set in
+    its place forgets them, names it does not watch are refused (or skipped, to forget),
+    and a name must be a str."""
+    with SlotTable.create(name, SMALL, slots=1) as t:
+        lease = _delivered(t, 1)
+        with pytest.raises(ValueError, match="no views made"):
+            lease._note_viewed(["p"])
+        lease._unview(["p"])  # nothing viewed, nothing to forget
+        view = lease.view("p")
+        assert lease._viewed == {"p"}
+        with pytest.raises(ValueError, match="'nope' is not a watched field"):
+            lease._note_viewed(["h", "nope"])
+        with pytest.raises(TypeError, match="must be a str"):
+            lease._note_viewed([b"h"])  # type: ignore[list-item]
+        assert lease._viewed == {"p"}  # a refused call notes nothing
+        lease._unview({"p", "nope"})
+        assert lease._viewed == set()
+        lease._note_viewed(("p", "h"))
+        mine = lease._watched
+        lease._watched = WatchedTensors({"p": torch.zeros(4)})
+        assert lease._viewed == set()  # its bits were positions in the other one
+        lease._watched = mine
+        assert lease._viewed == set()
+        del view
+        lease.release()
 
 
 def test_alias_accepts_tensors_that_require_grad() -> None:

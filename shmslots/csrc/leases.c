@@ -658,6 +658,7 @@ handle_clear(Handle *h)
     PyObject **refs[] = HANDLE_REFS(h);
     for (size_t i = 0; i < COUNT(refs); i++)
         Py_CLEAR(*refs[i]);
+    h->viewed = 0; /* positions in the WatchedTensors just let go */
     return 0;
 }
 
@@ -769,23 +770,26 @@ static PyObject *
 get_viewed(Handle *h, void *unused)
 {
     PyObject *names = PySet_New(NULL);
-    Watched *w = watched_of(h);
     if (!names || !h->viewed)
         return names;
+    Watched *w = watched_of(h);
     if (!w) { /* bits with no WatchedTensors to name them: never made so */
         Py_DECREF(names);
         PyErr_SetString(PyExc_RuntimeError, "viewed fields without their WatchedTensors");
         return NULL;
     }
+    Py_INCREF(w); /* held while its names are read: nothing below may drop it */
+    uint64_t bits = h->viewed;
     Py_ssize_t pos = 0;
     PyObject *name, *at;
-    while (PyDict_Next(w->index, &pos, &name, &at)) {
+    int failed = 0;
+    while (!failed && PyDict_Next(w->index, &pos, &name, &at)) {
         Py_ssize_t i = PyLong_AsSsize_t(at);
-        if (i >= 0 && i < 64 && (h->viewed >> i & 1) && PySet_Add(names, name) < 0) {
-            Py_DECREF(names);
-            return NULL;
-        }
+        failed = i >= 0 && i < 64 && (bits >> i & 1) && PySet_Add(names, name) < 0;
     }
+    Py_DECREF(w);
+    if (failed)
+        Py_CLEAR(names);
     return names;
 }
 
@@ -812,39 +816,43 @@ set_watched(Handle *h, PyObject *value, void *unused)
     return 0;
 }
 
-/* The bits of `names` (an iterable of field names) in the handle's WatchedTensors: 0 with
- * *bits set, -1 error (ValueError: no WatchedTensors, or a name it does not watch, unless
- * `lenient`, which skips such names). */
+/* The bits of `names` (an iterable of str) in the handle's WatchedTensors: 0 with *bits set,
+ * -1 error (TypeError: a name not a str; ValueError: no WatchedTensors, or a name it does not
+ * watch, unless `lenient`, which skips such names).  The names are listed first, so that no
+ * Python runs once the WatchedTensors is read: the bits are positions in that one. */
 static int
 bits_of(Handle *h, PyObject *names, int lenient, uint64_t *bits)
 {
-    Watched *w = watched_of(h);
     *bits = 0;
-    if (!w) {
-        if (lenient)
-            return 0;
-        PyErr_SetString(PyExc_ValueError, "no views made for this handle");
+    PyObject *listed = PySequence_Fast(names, "a handle's viewed names must be iterable");
+    if (!listed)
         return -1;
-    }
-    PyObject *it = PyObject_GetIter(names), *name;
-    if (!it)
-        return -1;
-    while ((name = PyIter_Next(it))) {
-        Py_ssize_t i = position_of(w, name);
-        if (i == -1 && !lenient)
-            PyErr_Format(PyExc_ValueError, "%R is not a viewed field", name);
-        Py_DECREF(name);
-        if (i == -2 || (i == -1 && !lenient) || i >= 64) {
-            if (i >= 64)
-                PyErr_SetString(PyExc_ValueError, "a field position past 64");
-            Py_DECREF(it);
-            return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(listed);
+    PyObject **items = PySequence_Fast_ITEMS(listed);
+    int result = 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!PyUnicode_CheckExact(items[k])) {
+            PyErr_Format(PyExc_TypeError, "a field name must be a str, not %R", items[k]);
+            result = -1;
+            break;
         }
-        if (i >= 0)
+    Watched *w = result ? NULL : watched_of(h);
+    if (!result && !w && !lenient) {
+        PyErr_SetString(PyExc_ValueError, "no views made for this handle");
+        result = -1;
+    }
+    for (Py_ssize_t k = 0; w && !result && k < n; k++) { /* exact str keys: no Python runs */
+        Py_ssize_t i = position_of(w, items[k]);
+        if (i == -2)
+            result = -1;
+        else if (i >= 64 || (i == -1 && !lenient)) {
+            PyErr_Format(PyExc_ValueError, "%R is not a watched field", items[k]);
+            result = -1;
+        } else if (i >= 0)
             *bits |= (uint64_t)1 << i;
     }
-    Py_DECREF(it);
-    return PyErr_Occurred() ? -1 : 0;
+    Py_DECREF(listed);
+    return result;
 }
 
 /* _note_viewed(names): these fields' views were handed out (by the slow paths). */

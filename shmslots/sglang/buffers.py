@@ -515,7 +515,8 @@ class ReqToMetadataIdxAllocator:
         # index -> (id of its request, a weak reference to it)
         self._request_of: dict[int, tuple[int, Callable[[], Any]]] = {}
         self._orphans: list[int] = []  # indices whose request was collected holding them
-        # index -> what its request's weak reference calls when the request is collected
+        # index -> what its request's weak reference calls when the request is collected (each
+        # holds this very list: it is emptied in place, never replaced)
         self._on_collected = [functools.partial(_orphaned, self._orphans, i) for i in range(size)]
         self._tags = itertools.count(1)
         _unjoined.allocator = self
@@ -573,17 +574,17 @@ class ReqToMetadataIdxAllocator:
         if self._check(idx) not in self._reserved and idx not in self._held:
             raise OwnershipError(f"metadata index {idx} is not allocated")
         bound = self._request_of.get(idx)
-        if bound is not None:
-            holder = bound[1]()
-            if holder is req:
-                return
-            if holder is not None:
-                raise OwnershipError(f"metadata index {idx} is another request's")
-            self._unbind(idx)
+        holder = bound[1]() if bound is not None else None
+        if holder is req:
+            return
+        if holder is not None:
+            raise OwnershipError(f"metadata index {idx} is another request's")
         key = id(req)
         old = self._slot_of.get(key)
         if old is not None and self.slot_of(req) == old:
-            self.abort(old)
+            self.abort(old)  # if it raises, idx is still its collected holder's, for the sweep
+        if bound is not None:
+            self._unbind(idx)
         self._slot_of[key] = idx
         ref: Callable[[], Any]
         try:
