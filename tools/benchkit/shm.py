@@ -203,6 +203,9 @@ class ShmEnd:
         table, timeout = self._in, self._timeout
         if not timeout:
             return poll_until(lambda: table.take(0.0), f"take from {table.name}")
+        lease = table.take(timeout)
+        if lease is not None:  # most calls: the deadline below is read only once one waits
+            return lease
         give_up = time.monotonic() + STALL_S
         while (lease := table.take(timeout)) is None:
             if time.monotonic() > give_up:
