@@ -10,7 +10,8 @@ metadata life on the decode side, as SGLang's scheduler calls it, the row alread
   `free(idx)` (deferred), then the release after consumption (`release_consumed`).
 
 Both with EAGLE's fields (hidden state bf16[--hidden]), in one process, one after the other,
-each run alternating; prints µs per request (median, min-max of the runs) and the ratio.
+each run alternating; prints µs per request (median, min-max of the runs) and the ratio,
+then shmslots' calls each timed on its own.
 """
 
 from __future__ import annotations
@@ -74,6 +75,44 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
         return (time.perf_counter_ns() - start) / n / 1000
 
 
+def shmslots_steps(n: int, hidden: int, name: str) -> dict[str, float]:
+    """µs per call of shmslots' side, each call timed on its own (a timer read included)."""
+    from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
+
+    allocator = ReqToMetadataIdxAllocator(64)
+    steps = ("alloc", "bind the request", "get_buf", "clear_slot + free", "release_consumed")
+    spent = dict.fromkeys(steps, 0)
+    clock = time.perf_counter_ns
+    with MetadataBuffers(
+        64,
+        hidden_size=hidden,
+        hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16,
+        table_name=name,
+    ) as buffers:
+        req = _Req()
+        for _ in range(n):
+            t0 = clock()
+            idx = allocator.alloc()
+            t1 = clock()
+            assert idx is not None
+            allocator.bind(req, idx)
+            t2 = clock()
+            row = buffers.get_buf(idx)
+            t3 = clock()
+            buffers.clear_slot(idx)
+            allocator.free(idx)
+            t4 = clock()
+            del row
+            allocator.release_consumed([req])
+            t5 = clock()
+            for step, took in zip(
+                steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
+            ):
+                spent[step] += took
+    return {step: ns / n / 1000 for step, ns in spent.items()}
+
+
 def missing() -> str | None:
     """Why SGLang's side cannot be measured here, or None."""
     return sglang_env.SGLANG_MISSING
@@ -113,4 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     print(line("shmslots (alloc, get_buf views, clear, free, release)", ours))
     ratio = statistics.median(theirs) / statistics.median(ours)
     print(f"SGLang / shmslots per request: {ratio:.2f}x (target >= 4x)")
+    print("shmslots' calls, each timed on its own (µs, a timer read included):")
+    name = f"shmslots-bench-sglang-{os.getpid()}-steps"
+    for step, us in shmslots_steps(args.requests, args.hidden, name).items():
+        print(f"  {step:<42} {us:7.2f}")
     return 0
