@@ -16,10 +16,12 @@ then shmslots' calls each timed on its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,9 @@ def _sglang_requests(utils: Any, n: int, hidden: int) -> float:
     return (time.perf_counter_ns() - start) / n / 1000
 
 
-def _shmslots_requests(n: int, hidden: int, name: str) -> float:
+@contextlib.contextmanager
+def _decode_side(hidden: int, name: str) -> Iterator[tuple[Any, Any]]:
+    """shmslots' allocator and buffers, built as SGLang's scheduler builds its own."""
     from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
 
     allocator = ReqToMetadataIdxAllocator(64)
@@ -61,6 +65,11 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
         max_sampling_mask_tokens=16,
         table_name=name,
     ) as buffers:
+        yield allocator, buffers
+
+
+def _shmslots_requests(n: int, hidden: int, name: str) -> float:
+    with _decode_side(hidden, name) as (allocator, buffers):
         req = _Req()
         start = time.perf_counter_ns()
         for _ in range(n):
@@ -77,19 +86,10 @@ def _shmslots_requests(n: int, hidden: int, name: str) -> float:
 
 def shmslots_steps(n: int, hidden: int, name: str) -> dict[str, float]:
     """µs per call of shmslots' side, each call timed on its own (a timer read included)."""
-    from shmslots.sglang import MetadataBuffers, ReqToMetadataIdxAllocator
-
-    allocator = ReqToMetadataIdxAllocator(64)
     steps = ("alloc", "bind the request", "get_buf", "clear_slot + free", "release_consumed")
     spent = dict.fromkeys(steps, 0)
     clock = time.perf_counter_ns
-    with MetadataBuffers(
-        64,
-        hidden_size=hidden,
-        hidden_states_dtype=torch.bfloat16,
-        max_sampling_mask_tokens=16,
-        table_name=name,
-    ) as buffers:
+    with _decode_side(hidden, name) as (allocator, buffers):
         req = _Req()
         for _ in range(n):
             t0 = clock()
