@@ -293,21 +293,22 @@ rest_of(Watched *w, PyObject *name, int strict)
     return &w->rest[PyLong_AsSsize_t(at)];
 }
 
-/* Whether any of `names` is not at rest (or not watched): 1, 0, or -1 error. */
+/* Whether w's tensor at position i is not at rest: 1, 0, or -1 error. */
 static int
-watched_any_unsettled(Watched *w, PyObject *names)
+unsettled_at(Watched *w, Py_ssize_t i)
 {
-    PyObject *it = PyObject_GetIter(names), *name;
-    int found = it ? 0 : -1;
-    while (!found && (name = PyIter_Next(it))) {
-        Rest *r = rest_of(w, name, 0);
-        Py_DECREF(name);
-        found = r ? rest_state(r, 0) != AT_REST : (PyErr_Occurred() ? -1 : 1);
-        if (r && PyErr_Occurred())
-            found = -1;
-    }
-    Py_XDECREF(it);
-    return found == 0 && PyErr_Occurred() ? -1 : found;
+    int state = rest_state(&w->rest[i], 0);
+    return state < 0 ? -1 : state != AT_REST;
+}
+
+/* Whether any of w's tensors is not at rest: 1, 0, or -1 error. */
+static int
+watched_any_unsettled(Watched *w)
+{
+    int found = 0;
+    for (Py_ssize_t i = 0; !found && i < w->n; i++)
+        found = unsettled_at(w, i);
+    return found;
 }
 
 /* The position of `name` among w's tensors (w ready): >= 0, -1 not watched (no error), -2 error. */
@@ -322,14 +323,10 @@ position_of(Watched *w, PyObject *name)
 static int
 watched_bits_unsettled(Watched *w, uint64_t bits)
 {
-    for (Py_ssize_t i = 0; bits && i < w->n; i++, bits >>= 1) {
-        if (!(bits & 1))
-            continue;
-        int state = rest_state(&w->rest[i], 0);
-        if (state != AT_REST)
-            return state < 0 ? -1 : 1;
-    }
-    return bits ? 1 : 0; /* a bit past the tensors: not at rest, the slow path says why */
+    int found = 0;
+    for (Py_ssize_t i = 0; !found && bits && i < w->n; i++, bits >>= 1)
+        found = bits & 1 ? unsettled_at(w, i) : 0;
+    return found ? found : bits != 0; /* a bit past the tensors: the slow path says why */
 }
 
 /* The names among `names`, sorted, whose state has the bit `want`. */
@@ -720,7 +717,7 @@ opened_at_rest(Handle *h)
         if (Py_TYPE(w) != &WatchedType || !((Watched *)w)->ready)
             settled = 0;
         else {
-            int unsettled = watched_any_unsettled((Watched *)w, ((Watched *)w)->tensors);
+            int unsettled = watched_any_unsettled((Watched *)w);
             settled = unsettled < 0 ? -1 : !unsettled;
         }
     }
